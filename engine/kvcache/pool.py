@@ -1,0 +1,190 @@
+"""A worker's KV page pool: storage tensors plus an allocator with exact accounting.
+
+Lifecycle of a page::
+
+    free --alloc(owner)--> used (refcount 1, generation g)
+    used --incref--> shared (refcount n)        prefix cache hits share read-only pages
+    used --decref to 0--> free (generation g+1) a late writer holding g is now rejected
+
+Every page has one owner tag (a request id, ``"radix"``, a transfer ticket) for
+debugging leaks; ``owners()`` reports who holds what. Freeing a free page, or a page
+with a stale generation, raises: pages are freed exactly once.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from engine.kvcache.layout import FP8_MAX, KVLayout
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free pages; carries what was asked and what was free."""
+
+    def __init__(self, requested: int, free: int) -> None:
+        super().__init__(f"KV pool exhausted: requested {requested} pages, {free} free")
+        self.requested = requested
+        self.free = free
+
+
+class PageError(RuntimeError):
+    """A page operation that would corrupt accounting (double free, stale generation, bad id)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    num_pages: int
+    num_free: int
+    num_used: int
+    page_size: int
+
+
+class PageAllocator:
+    """Free-list allocator with refcounts and per-page generation counters. Thread-safe."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._ref = [0] * num_pages
+        self._gen = [0] * num_pages
+        self._owner: list[str | None] = [None] * num_pages
+        self._lock = threading.Lock()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def alloc(self, n: int, owner: str) -> list[int]:
+        with self._lock:
+            if n > len(self._free):
+                raise PoolExhausted(n, len(self._free))
+            pages = [self._free.pop() for _ in range(n)]
+            for p in pages:
+                self._ref[p] = 1
+                self._owner[p] = owner
+            return pages
+
+    def generations(self, pages: list[int]) -> list[int]:
+        return [self._gen[p] for p in pages]
+
+    def check(self, pages: list[int], generations: list[int] | None = None) -> None:
+        """Raise ``PageError`` unless every page is in use (and at the given generation)."""
+        for i, p in enumerate(pages):
+            if not 0 <= p < self.num_pages or self._ref[p] == 0:
+                raise PageError(f"page {p} is not allocated")
+            if generations is not None and self._gen[p] != generations[i]:
+                raise PageError(f"page {p} generation {generations[i]} is stale (now {self._gen[p]})")
+
+    def incref(self, pages: list[int]) -> None:
+        with self._lock:
+            self.check(pages)
+            for p in pages:
+                self._ref[p] += 1
+
+    def decref(self, pages: list[int]) -> int:
+        """Drop one reference from each page; returns how many pages became free."""
+        with self._lock:
+            self.check(pages)
+            freed = 0
+            for p in pages:
+                self._ref[p] -= 1
+                if self._ref[p] == 0:
+                    self._gen[p] += 1
+                    self._owner[p] = None
+                    self._free.append(p)
+                    freed += 1
+            return freed
+
+    free = decref
+
+    def refcount(self, page: int) -> int:
+        return self._ref[page]
+
+    def set_owner(self, pages: list[int], owner: str) -> None:
+        with self._lock:
+            for p in pages:
+                self._owner[p] = owner
+
+    def owners(self) -> dict[str, int]:
+        """Pages in use per owner tag."""
+        return dict(Counter(o for o in self._owner if o is not None))
+
+
+class KVPool:
+    """Per-layer KV storage in pages plus the allocator.
+
+    ``buffers[layer][name]`` is ``[num_pages, page_size, *component.shape]``;
+    with fp8 KV ``scales[layer][name]`` is ``[num_pages, page_size, *component.scale_shape]`` fp32.
+    ``flat(layer, name)`` views a buffer as ``[num_pages * page_size, ...]`` (slot = page * page_size + offset).
+    """
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
+        self.layout = layout
+        self.device = torch.device(device)
+        self.allocator = PageAllocator(num_pages)
+        self.num_pages = num_pages
+        dt = layout.torch_dtype
+        self.buffers: list[dict[str, torch.Tensor]] = []
+        self.scales: list[dict[str, torch.Tensor]] = []
+        for _ in range(layout.num_layers):
+            self.buffers.append({c.name: torch.zeros((num_pages, layout.page_size, *c.shape), dtype=dt,
+                                                     device=self.device) for c in layout.components})
+            if layout.is_fp8:
+                self.scales.append({c.name: torch.ones((num_pages, layout.page_size, *c.scale_shape),
+                                                       dtype=torch.float32, device=self.device)
+                                    for c in layout.components})
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    def stats(self) -> PoolStats:
+        a = self.allocator
+        return PoolStats(num_pages=a.num_pages, num_free=a.num_free, num_used=a.num_used,
+                         page_size=self.page_size)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def flat(self, layer: int, name: str) -> torch.Tensor:
+        b = self.buffers[layer][name]
+        return b.view(b.shape[0] * b.shape[1], *b.shape[2:])
+
+    def flat_scale(self, layer: int, name: str) -> torch.Tensor:
+        s = self.scales[layer][name]
+        return s.view(s.shape[0] * s.shape[1], *s.shape[2:])
+
+    def write(self, layer: int, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``values`` [n, *shape] at flat ``slots`` [n] (quantizing to fp8 if the pool is fp8)."""
+        if self.layout.is_fp8:
+            q, scale = quantize_fp8(values)
+            self.flat(layer, name).index_copy_(0, slots, q)
+            self.flat_scale(layer, name).index_copy_(0, slots, scale)
+        else:
+            self.flat(layer, name).index_copy_(0, slots, values.to(self.layout.torch_dtype))
+
+    def read(self, layer: int, name: str, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gather ``slots`` (any shape) -> ``[*slots.shape, *component shape]`` in ``dtype``."""
+        flat = self.flat(layer, name)
+        out = flat[slots]
+        if self.layout.is_fp8:
+            return out.to(dtype) * self.flat_scale(layer, name)[slots].unsqueeze(-1).to(dtype)
+        return out.to(dtype)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (last dim) fp8 e4m3 with fp32 scale = amax / 448; zero rows get scale 1."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale

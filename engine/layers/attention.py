@@ -1,0 +1,181 @@
+"""Attention over the paged KV cache: GQA (glm4_moe) and MLA + DSA (glm_moe_dsa)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.batch import ForwardBatch
+from engine.config import ModelConfig
+from engine.kvcache.pool import KVPool
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryTable, apply_half, apply_interleaved
+
+# Below this many queries per request MLA runs absorbed in the latent space (decode,
+# verification); above it the latent is expanded to per-head K/V (prefill chunks).
+MLA_ABSORB_MAX_Q = 16
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+         causal: bool = False) -> torch.Tensor:
+    """q ``[B, H, Tq, D]``, k ``[B, Hk, S, D]``, v ``[B, Hk, S, Dv]`` (Hk divides H) -> ``[B, H, Tq, Dv]``."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+class GQAAttention(nn.Module):
+    """GLM-4.5 attention: optional q/k/v bias, optional per-head QK RMSNorm, partial rotate-half RoPE."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        h, d, kvh = cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        if cfg.use_qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
+                topk_prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cfg = self.cfg
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope.lookup(batch.positions, x.dtype)
+        q, k = apply_half(q, cos, sin), apply_half(k, cos, sin)
+        pool.write(self.layer_idx, "k", batch.out_slots, k)
+        pool.write(self.layer_idx, "v", batch.out_slots, v)
+        if batch.single_fresh and not pool.layout.is_fp8:
+            o = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,
+                     cfg.softmax_scale, causal=True)[0].transpose(0, 1)  # [T, H, D]
+        else:
+            kk = pool.read(self.layer_idx, "k", batch.kv_slots, x.dtype).transpose(1, 2)  # [B, KVH, S, D]
+            vv = pool.read(self.layer_idx, "v", batch.kv_slots, x.dtype).transpose(1, 2)
+            qq = batch.pad_q(q).transpose(1, 2)  # [B, H, Tq, D]
+            o = batch.unpad_q(sdpa(qq, kk, vv, batch.attn_mask, cfg.softmax_scale).transpose(1, 2))
+        return self.o_proj(o.reshape(T, -1)), None
+
+
+class DSAIndexer(nn.Module):
+    """DeepSeek Sparse Attention indexer (GLM-5 variant: interleaved RoPE).
+
+    score(q_t, k_s) = sum_h w_h(t) * relu(q_{t,h} . k_s) * index_head_dim^-0.5, w = weights_proj(x) * H^-0.5;
+    each query keeps its ``index_topk`` best causal keys. The indexer key (LayerNorm'd, RoPE'd) is cached
+    as the ``index`` KV component.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)  # kept fp32
+
+    def key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        k = self.k_norm(self.wk(x))  # [T, D]
+        r = self.cfg.qk_rope_head_dim
+        return torch.cat([apply_interleaved(k[:, :r], cos, sin), k[:, r:]], dim=-1)
+
+    def select(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               keys: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """-> bool ``[B, 1, Tq, S]``: the top-k causal keys of every query."""
+        cfg = self.cfg
+        T, H, D, r = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        q = self.wq_b(q_resid).view(T, H, D)
+        q = torch.cat([apply_interleaved(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * H ** -0.5  # [T, H]
+        qp, wp = batch.pad_q(q).float(), batch.pad_q(w)  # [B, Tq, H, D], [B, Tq, H]
+        kf = keys.float()  # [B, S, D]
+        B, tq, S = qp.shape[0], qp.shape[1], kf.shape[1]
+        if B * tq * H * S <= (1 << 25):
+            s = torch.relu(torch.einsum("bthd,bsd->bths", qp, kf) * D ** -0.5)
+            scores = torch.einsum("bth,bths->bts", wp, s)
+        else:  # bound memory on long contexts: one head at a time
+            scores = torch.zeros(B, tq, S)
+            for h in range(H):
+                s = torch.relu(torch.bmm(qp[:, :, h], kf.transpose(1, 2)) * D ** -0.5)
+                scores += wp[:, :, h, None] * s
+        causal = batch.attn_mask[:, 0]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        idx = scores.topk(min(cfg.index_topk, S), dim=-1).indices
+        sel = torch.zeros(B, tq, S, dtype=torch.bool, device=x.device).scatter_(-1, idx, True)
+        return sel.unsqueeze(1)
+
+
+class MLAAttention(nn.Module):
+    """GLM-5 multi-head latent attention with the DSA indexer.
+
+    KV per token: ``latent`` = kv_a_layernorm(c_kv) [kv_lora_rank], ``rope`` = RoPE'd shared key
+    [qk_rope_head_dim], ``index`` = indexer key. Decode runs absorbed (``W_UK`` folded into the query,
+    ``W_UV`` applied after attention) so no per-head K/V is ever materialised for the context.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        H = cfg.num_attention_heads
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                            bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.shares_topk = cfg.indexer_type(layer_idx) == "shared"
+        self.indexer = None if self.shares_topk else DSAIndexer(cfg)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
+                topk_prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cfg, L = self.cfg, self.layer_idx
+        T, H, nope, r = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(T, H, cfg.qk_head_dim)
+        q_nope, q_rot = q[..., :nope], q[..., nope:]
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(ckv[:, :cfg.kv_lora_rank])  # [T, L]
+        cos, sin = rope.lookup(batch.positions, x.dtype)
+        q_rot = apply_interleaved(q_rot, cos, sin)  # [T, H, r]
+        k_rot = apply_interleaved(ckv[:, cfg.kv_lora_rank:], cos, sin)  # [T, r]
+        pool.write(L, "latent", batch.out_slots, latent)
+        pool.write(L, "rope", batch.out_slots, k_rot)
+        if self.indexer is not None:
+            pool.write(L, "index", batch.out_slots, self.indexer.key(x, cos, sin))
+        else:  # keep the slot defined (shipped and checked like any other component)
+            pool.write(L, "index", batch.out_slots, torch.zeros(T, cfg.index_head_dim, dtype=x.dtype))
+
+        lat = pool.read(L, "latent", batch.kv_slots, x.dtype)  # [B, S, L]
+        krope = pool.read(L, "rope", batch.kv_slots, x.dtype)  # [B, S, r]
+        mask, topk = batch.attn_mask, None
+        if batch.max_kv_len > cfg.index_topk:
+            if self.indexer is not None:
+                keys = pool.read(L, "index", batch.kv_slots, x.dtype)
+                topk = self.indexer.select(x, q_resid, cos, sin, keys, batch)
+            else:
+                if topk_prev is None:
+                    raise ValueError(f"layer {L} shares the DSA top-k but no previous layer produced one")
+                topk = topk_prev
+            mask = mask & topk
+        w_kv = self.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, cfg.kv_lora_rank)
+        qn, qr = batch.pad_q(q_nope), batch.pad_q(q_rot)  # [B, Tq, H, *]
+        if max(batch.q_lens) <= MLA_ABSORB_MAX_Q:
+            q_lat = torch.einsum("bthn,hnl->bthl", qn, w_kv[:, :nope])  # absorb W_UK
+            qq = torch.cat([q_lat, qr], dim=-1).transpose(1, 2)  # [B, H, Tq, L + r]
+            kk = torch.cat([lat, krope], dim=-1)[:, None]  # [B, 1, S, L + r]
+            o_lat = sdpa(qq, kk, lat[:, None], mask, cfg.softmax_scale)  # [B, H, Tq, L]
+            o = torch.einsum("bhtl,hvl->bthv", o_lat, w_kv[:, nope:])  # apply W_UV
+        else:
+            kv = self.kv_b_proj(lat).view(*lat.shape[:2], H, nope + cfg.v_head_dim)
+            k = torch.cat([kv[..., :nope], krope[:, :, None].expand(-1, -1, H, -1)], dim=-1)
+            qq = torch.cat([qn, qr], dim=-1).transpose(1, 2)
+            o = sdpa(qq, k.transpose(1, 2), kv[..., nope:].transpose(1, 2), mask, cfg.softmax_scale)
+            o = o.transpose(1, 2)
+        o = batch.unpad_q(o)  # [T, H, v]
+        return self.o_proj(o.reshape(T, -1)), topk

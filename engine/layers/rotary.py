@@ -1,0 +1,53 @@
+"""Rotary position embeddings, both layouts GLM uses.
+
+* ``interleaved`` (GLM-5 MLA and its DSA indexer): pairs ``(x0, x1), (x2, x3), ...`` rotate together;
+  the output is laid out ``[rotated evens, rotated odds]`` exactly as transformers'
+  ``apply_rotary_pos_emb_interleave`` (queries and keys are permuted alike, so dot products are unchanged).
+* ``half`` (GLM-4.5 GQA): ``rotate_half`` on the first ``rotary_dim`` dims, the rest pass through.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class RotaryTable:
+    """cos/sin of ``position * inv_freq`` in fp32, cached up to the longest position seen."""
+
+    def __init__(self, rotary_dim: int, theta: float, device: torch.device) -> None:
+        self.rotary_dim = rotary_dim
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        self.inv_freq = self.inv_freq.to(device)
+        self._cos = torch.empty(0, rotary_dim // 2, device=device)
+        self._sin = torch.empty(0, rotary_dim // 2, device=device)
+
+    def _grow(self, n: int) -> None:
+        n = max(n, 2 * self._cos.shape[0], 4096)
+        pos = torch.arange(n, dtype=torch.float, device=self.inv_freq.device)
+        freqs = pos[:, None] * self.inv_freq[None, :]  # [n, rotary_dim / 2]
+        self._cos, self._sin = freqs.cos(), freqs.sin()
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> cos, sin ``[T, rotary_dim / 2]`` in ``dtype`` (cast like transformers does)."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self._cos.shape[0]:
+            self._grow(need)
+        return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
+
+
+def apply_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[T, ..., r]``; cos/sin ``[T, r/2]``. Output ``[rotated evens, rotated odds]``."""
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    c, s = cos.view(shape), sin.view(shape)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def apply_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[T, heads, head_dim]``; rotate-half on the first ``2 * cos.shape[-1]`` dims."""
+    half = cos.shape[-1]
+    rot = 2 * half
+    c = torch.cat([cos, cos], dim=-1)[:, None, :]
+    s = torch.cat([sin, sin], dim=-1)[:, None, :]
+    xr, xp = x[..., :rot], x[..., rot:]
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    return torch.cat([xr * c + rotated * s, xp], dim=-1)

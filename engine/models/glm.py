@@ -1,0 +1,117 @@
+"""GLM-5 (``glm_moe_dsa``) and GLM-4.5 (``glm4_moe``) causal LMs with their MTP layers, on paged KV.
+
+Parameter names follow the Hugging Face checkpoints (``model.layers.{i}.self_attn.q_a_proj.weight``)
+except where a tensor is restructured (stacked experts) or relocated (MTP); ``engine.loader`` holds
+the explicit mapping table for those.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from engine.batch import ForwardBatch
+from engine.config import ModelConfig
+from engine.kvcache.pool import KVPool
+from engine.layers.attention import GQAAttention, MLAAttention
+from engine.layers.mlp import MLP, MoE
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryTable
+
+
+class ForwardResult(NamedTuple):
+    logits: torch.Tensor   # [N, vocab] fp32 for batch.logits_index
+    hidden: torch.Tensor   # [T, H] final-normed hidden states (the MTP layer's input)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, moe_impl: str = "auto") -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        attn_cls = MLAAttention if cfg.is_mla else GQAAttention
+        self.self_attn = attn_cls(cfg, layer_idx)
+        self.mlp = MoE(cfg, moe_impl) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
+                topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h, topk = self.self_attn(self.input_layernorm(x), batch, pool, rope, topk)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, topk
+
+
+class MTPLayer(nn.Module):
+    """Multi-token prediction layer (DeepSeek-V3 sec. 2.2; GLM stores it as ``model.layers.{N}``).
+
+    h = block(eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])), logits = lm_head(shared_head_norm(h)),
+    where h_i is the main model's final-normed hidden state at position i (as sglang and vLLM feed it).
+    Its KV lives in pool layer ``num_hidden_layers + k``; the embedding and LM head are the main model's.
+    """
+
+    def __init__(self, cfg: ModelConfig, k: int, moe_impl: str = "auto") -> None:
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers + k, moe_impl)
+        self.shared_head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class GlmForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe_impl: str = "auto") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList([DecoderLayer(cfg, i, moe_impl) for i in range(cfg.num_hidden_layers)])
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = nn.ModuleList([MTPLayer(cfg, k, moe_impl) for k in range(cfg.num_mtp_layers)])
+        self._rope: RotaryTable | None = None
+
+    @property
+    def has_mtp(self) -> bool:
+        return len(self.mtp) > 0
+
+    def rope(self) -> RotaryTable:
+        dev = self.lm_head.weight.device
+        if self._rope is None or self._rope.inv_freq.device != dev:
+            self._rope = RotaryTable(self.cfg.rotary_dim, self.cfg.rope_theta, dev)
+        return self._rope
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool, all_logits: bool = False) -> ForwardResult:
+        rope = self.rope()
+        x = self.model.embed_tokens(batch.input_ids)
+        topk = None
+        for layer in self.model.layers:
+            x, topk = layer(x, batch, pool, rope, topk)
+            if batch.on_layer_done is not None:
+                batch.on_layer_done(layer.layer_idx)
+        hidden = self.model.norm(x)
+        sel = hidden if all_logits else hidden[batch.logits_index]
+        return ForwardResult(self.logits(sel), hidden)
+
+    @torch.inference_mode()
+    def forward_mtp(self, batch: ForwardBatch, pool: KVPool, prev_hidden: torch.Tensor, k: int = 0,
+                    all_logits: bool = False) -> ForwardResult:
+        """Run MTP layer ``k``: ``batch.input_ids`` are the *next* tokens t_{i+1}, ``prev_hidden`` [T, H]
+        the hidden states h_i at the same positions. Returns logits for t_{i+2} and the layer's
+        normed output (fed back as ``prev_hidden`` when chaining drafts)."""
+        m = self.mtp[k]
+        e = m.enorm(self.model.embed_tokens(batch.input_ids))
+        x = m.eh_proj(torch.cat([e, m.hnorm(prev_hidden)], dim=-1))
+        x, _ = m.block(x, batch, pool, self.rope(), None)
+        if batch.on_layer_done is not None:
+            batch.on_layer_done(m.block.layer_idx)
+        hidden = m.shared_head_norm(x)
+        sel = hidden if all_logits else hidden[batch.logits_index]
+        return ForwardResult(self.logits(sel), hidden)

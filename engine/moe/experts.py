@@ -1,0 +1,91 @@
+"""Routed experts and their execution strategies.
+
+Weights are stacked per layer: ``w13 [E, 2I, H]`` (gate rows then up rows) and ``w2 [E, H, I]``.
+An expert computes ``w2 @ (silu(gate x) * (up x))``; the layer output is the routing-weighted sum
+over each token's top-k experts.
+
+Strategies (registered by name in ``MOE_IMPLS``; all give the same result up to float rounding):
+
+* ``sorted``: sort (token, expert) pairs by expert, one GEMM per expert that has tokens. Best for
+  prefill, where each expert sees many tokens.
+* ``gather``: gather each pair's expert weights and run batched GEMVs. Best for a few tokens
+  (decode): no sort, no per-expert Python loop.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.moe.router import Routing
+
+logger = logging.getLogger(__name__)
+
+# Above this many (token, expert) pairs the gather strategy would copy more weight bytes than
+# the sorted one touches; below it, the per-expert loop costs more than the copy.
+GATHER_MAX_PAIRS = 16
+
+
+def moe_sorted(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing) -> torch.Tensor:
+    T, K = routing.ids.shape
+    flat = routing.ids.reshape(-1)  # [T*K]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    tok = order // K
+    xs = x[tok]  # [T*K, H] grouped by expert
+    ys = torch.empty_like(xs)
+    I = w2.shape[2]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        h = F.linear(xs[start:start + n], w13[e])
+        ys[start:start + n] = F.linear(F.silu(h[:, :I]) * h[:, I:], w2[e])
+        start += n
+    ys = ys * routing.weights.reshape(-1)[order, None].to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, tok, ys)
+
+
+def moe_gather(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing) -> torch.Tensor:
+    T, K = routing.ids.shape
+    flat = routing.ids.reshape(-1)
+    I = w2.shape[2]
+    xs = x.repeat_interleave(K, dim=0).unsqueeze(-1)  # [T*K, H, 1]
+    h = torch.bmm(w13[flat], xs).squeeze(-1)  # [T*K, 2I]
+    a = (F.silu(h[:, :I]) * h[:, I:]).unsqueeze(-1)
+    y = torch.bmm(w2[flat], a).squeeze(-1)  # [T*K, H]
+    y = y.view(T, K, -1) * routing.weights.unsqueeze(-1).to(y.dtype)
+    return y.sum(dim=1)
+
+
+MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Routing], torch.Tensor]
+MOE_IMPLS: dict[str, MoEFn] = {"sorted": moe_sorted, "gather": moe_gather}
+
+
+class RoutedExperts(nn.Module):
+    """Dense-weight (bf16/fp32) routed experts. ``impl`` forces a strategy; ``auto`` picks by size."""
+
+    def __init__(self, cfg: ModelConfig, impl: str = "auto") -> None:
+        super().__init__()
+        E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.w2 = nn.Parameter(torch.empty(E, H, I))
+        if impl != "auto" and impl not in MOE_IMPLS:
+            raise ValueError(f"unknown MoE impl {impl!r}; known: auto, {sorted(MOE_IMPLS)}")
+        self.impl = impl
+        self.last_impl = ""
+        """Strategy the last forward ran (reported in worker metrics)."""
+
+    def pick(self, num_pairs: int) -> str:
+        if self.impl != "auto":
+            return self.impl
+        return "gather" if num_pairs <= GATHER_MAX_PAIRS else "sorted"
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        name = self.pick(routing.ids.numel())
+        self.last_impl = name
+        return MOE_IMPLS[name](x, self.w13, self.w2, routing)

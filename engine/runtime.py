@@ -1,0 +1,162 @@
+"""Build a model from a directory and generate in-process on a paged KV pool.
+
+``Engine`` is the smallest complete generation loop: chunked prefill of each new request,
+then one batched decode step per iteration over every running request, pages allocated as
+sequences grow and freed when they finish. The prefill and decode workers build their
+schedulers from the same pieces (``GlmForCausalLM.forward``, ``KVPool``, ``sample``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from engine.batch import BatchRequest, ForwardBatch
+from engine.config import ModelConfig
+from engine.kvcache import KVLayout, KVPool
+from engine.loader import checkpoint_names, detect_mtp_layers, load_weights
+from engine.models.glm import GlmForCausalLM
+from engine.sampling import SamplerState, SamplingParams, sample
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FP32_MODULES = ("mlp.gate", "indexer.weights_proj")
+"""Kept in fp32 whatever the model dtype (router logits and DSA weights, as the reference does)."""
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` -> ``cuda`` (NVIDIA or ROCm; both are ``cuda`` in torch) when available, else ``cpu``."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        logger.info("no CUDA/ROCm device available: running on CPU")
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                moe_impl: str = "auto") -> GlmForCausalLM:
+    with torch.device("meta"):
+        model = GlmForCausalLM(cfg, moe_impl)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for name, mod in model.named_modules():
+        if name.endswith(FP32_MODULES):
+            mod.float()
+    return model.eval()
+
+
+def load_model(model_dir: str, dtype: str = "float32", device: str = "auto",
+               moe_impl: str = "auto") -> tuple[GlmForCausalLM, ModelConfig]:
+    cfg = ModelConfig.from_model_dir(model_dir)
+    cfg = detect_mtp_layers(cfg, checkpoint_names(model_dir))
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
+    model = build_model(cfg, DTYPES[dtype], resolve_device(device), moe_impl)
+    t0 = time.perf_counter()
+    load_weights(model, model_dir, cfg)
+    logger.info("loaded %s (%s, %d layers + %d MTP) in %.2fs", model_dir, cfg.model_type,
+                cfg.num_hidden_layers, cfg.num_mtp_layers, time.perf_counter() - t0)
+    return model, cfg
+
+
+@dataclass(slots=True)
+class Seq:
+    req_id: str
+    prompt_ids: list[int]
+    sampler: SamplerState
+    pages: list[int] = field(default_factory=list)
+    cached_len: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    req_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    """``length`` or ``stop``."""
+
+
+class Engine:
+    """In-process generation over one KV pool (used by ``pdserve run`` and tests)."""
+
+    def __init__(self, model: GlmForCausalLM, cfg: ModelConfig, kv_dtype: str = "float32", page_size: int = 16,
+                 num_pages: int = 1024, chunk_size: int = 2048) -> None:
+        self.model, self.cfg = model, cfg
+        self.layout = KVLayout.for_model(cfg, page_size=page_size, kv_dtype=kv_dtype)
+        self.pool = KVPool(self.layout, num_pages, device=model.lm_head.weight.device)
+        self.chunk_size = chunk_size
+
+    def _ensure_pages(self, seq: Seq, num_tokens: int) -> None:
+        need = self.pool.pages_for(num_tokens) - len(seq.pages)
+        if need > 0:
+            seq.pages += self.pool.allocator.alloc(need, seq.req_id)
+
+    def prefill(self, seq: Seq) -> torch.Tensor:
+        """Run the prompt in chunks; returns last-token logits [1, V]."""
+        ids = seq.prompt_ids
+        logits = None
+        while seq.cached_len < len(ids):
+            chunk = ids[seq.cached_len:seq.cached_len + self.chunk_size]
+            self._ensure_pages(seq, seq.cached_len + len(chunk))
+            batch = ForwardBatch.build([BatchRequest(seq.pages, seq.cached_len, chunk)], self.pool.page_size,
+                                       self.pool.device)
+            logits = self.model(batch, self.pool).logits
+            seq.cached_len += len(chunk)
+        return logits
+
+    def _finished(self, seq: Seq, tok: int) -> str:
+        p = seq.sampler.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.cfg.eos_token_ids):
+            return "stop"
+        if len(seq.output_ids) >= p.max_tokens:
+            return "length"
+        return ""
+
+    def _append(self, seqs: Sequence[Seq], logits: torch.Tensor) -> None:
+        res = sample(logits, [s.sampler for s in seqs])
+        for s, tok in zip(seqs, res.token_ids.tolist()):
+            s.output_ids.append(tok)
+            s.sampler.output_ids.append(tok)
+            s.finish_reason = self._finished(s, tok)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[GenerationResult]:
+        seqs = [Seq(f"req-{i}", list(p), SamplerState(params, list(p))) for i, p in enumerate(prompts)]
+        for s in seqs:
+            if not s.prompt_ids:
+                raise ValueError("empty prompt")
+            if len(s.prompt_ids) + params.max_tokens > self.cfg.max_position_embeddings:
+                raise ValueError(f"prompt ({len(s.prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
+                                 f"context ({self.cfg.max_position_embeddings})")
+        try:
+            for s in seqs:
+                self._append([s], self.prefill(s))
+            running = [s for s in seqs if not s.finish_reason]
+            while running:
+                for s in running:
+                    self._ensure_pages(s, s.cached_len + 1)
+                reqs = [BatchRequest(s.pages, s.cached_len, [s.output_ids[-1]]) for s in running]
+                batch = ForwardBatch.build(reqs, self.pool.page_size, self.pool.device)
+                logits = self.model(batch, self.pool).logits
+                for s in running:
+                    s.cached_len += 1
+                self._append(running, logits)
+                running = [s for s in running if not s.finish_reason]
+        finally:
+            for s in seqs:
+                if s.pages:
+                    self.pool.allocator.free(s.pages)
+                    s.pages = []
+        return [GenerationResult(s.req_id, s.prompt_ids, s.output_ids, s.finish_reason) for s in seqs]
