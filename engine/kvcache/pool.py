@@ -167,7 +167,8 @@ class KVPool:
         """Store ``values`` [n, *shape] at flat ``slots`` [n] (quantizing to fp8 if the pool is fp8)."""
         if self.layout.is_fp8:
             q, scale = quantize_fp8(values)
-            self.flat(layer, name).index_copy_(0, slots, q)
+            # CPU has no fp8 index_copy: move the raw bytes (same layout, 1 byte per element)
+            self.flat(layer, name).view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
             self.flat_scale(layer, name).index_copy_(0, slots, scale)
         else:
             self.flat(layer, name).index_copy_(0, slots, values.to(self.layout.torch_dtype))
@@ -175,10 +176,10 @@ class KVPool:
     def read(self, layer: int, name: str, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gather ``slots`` (any shape) -> ``[*slots.shape, *component shape]`` in ``dtype``."""
         flat = self.flat(layer, name)
-        out = flat[slots]
         if self.layout.is_fp8:
+            out = flat.view(torch.uint8)[slots].view(torch.float8_e4m3fn)
             return out.to(dtype) * self.flat_scale(layer, name)[slots].unsqueeze(-1).to(dtype)
-        return out.to(dtype)
+        return flat[slots].to(dtype)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,22 @@
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "engine"))
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Tiny random transformers checkpoints saved to disk: {'dsa': dir, 'gqa': dir}."""
+    from tiny import make_hf_model
+    out = {}
+    for kind in ("dsa", "gqa"):
+        d = tmp_path_factory.mktemp(f"tiny_{kind}")
+        make_hf_model(kind).save_pretrained(d)
+        out[kind] = str(d)
+    return out
