@@ -1,0 +1,120 @@
+"""The ``pdserve`` command line. Each subcommand imports only what it needs (the router never loads torch)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _parse_ids(s: str | None) -> list[int] | None:
+    if not s:
+        return None
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--token-ids must be comma-separated integers, got {s!r}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from engine.defaults import default_model_dir
+    from engine.runtime import Engine, load_model
+    from engine.sampling import SamplingParams
+    from engine.tokenizer import Tokenizer
+
+    model_dir = args.model or default_model_dir()
+    model, cfg = load_model(model_dir, args.dtype, args.device, args.moe_impl)
+    tok = Tokenizer.from_model_dir(model_dir)
+    ids = _parse_ids(args.token_ids)
+    if ids is None:
+        if args.prompt is None:
+            raise SystemExit("give --token-ids or --prompt")
+        if tok is None:
+            raise SystemExit(f"--prompt needs a tokenizer.json in {model_dir}; use --token-ids")
+        ids = tok.encode(args.prompt)
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if not ids or bad:
+        raise SystemExit(f"token ids must be non-empty and in [0, {cfg.vocab_size}); bad: {bad[:5]}")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    eng = Engine(model, cfg, kv_dtype=args.kv_dtype or args.dtype, page_size=args.page_size,
+                 num_pages=max(64, (len(ids) + args.max_tokens) // args.page_size + 8))
+    t0 = time.perf_counter()
+    res = eng.generate([ids], params)[0]
+    elapsed = time.perf_counter() - t0
+    out = {"token_ids": res.token_ids, "finish_reason": res.finish_reason, "prompt_tokens": len(ids),
+           "elapsed_s": round(elapsed, 4), "model": model_dir}
+    if tok is not None:
+        out["text"] = tok.decode(res.token_ids)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(out.get("text", res.token_ids))
+    return 0
+
+
+def cmd_init_model(args: argparse.Namespace) -> int:
+    from engine.checkpoint import TINY_GLM5, init_random_model
+    init_random_model(TINY_GLM5, args.out, seed=args.seed)
+    print(args.out)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from bench.demo import main as demo_main
+    return demo_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="generate in-process (no servers) and print the result")
+    r.add_argument("--model", default=None, help="model directory (default: the shipped default model)")
+    r.add_argument("--token-ids", default=None, help="comma-separated prompt token ids")
+    r.add_argument("--prompt", default=None, help="prompt text (needs tokenizer.json)")
+    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    r.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp8_e4m3"])
+    r.add_argument("--device", default="auto")
+    r.add_argument("--moe-impl", default="auto")
+    r.add_argument("--page-size", type=int, default=16)
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_sampling(r)
+    r.set_defaults(fn=cmd_run)
+
+    i = sub.add_parser("init-model", help="write a tiny random GLM-5-architecture checkpoint")
+    i.add_argument("--out", required=True)
+    i.add_argument("--seed", type=int, default=0)
+    i.set_defaults(fn=cmd_init_model)
+
+    d = sub.add_parser("demo", help="the main job: answer a real request on the default model, print a table")
+    d.add_argument("--model", default=None)
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except ValueError as e:  # bad input: a clear message, not a traceback
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

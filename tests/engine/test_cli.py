@@ -1,0 +1,47 @@
+"""``pdserve run`` end to end as a subprocess (the installed console script)."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from tiny import make_hf_model
+
+PDSERVE = os.path.join(os.path.dirname(sys.executable), "pdserve")
+
+
+def test_run_json_matches_transformers_generate(tiny_dirs):
+    hf = make_hf_model("dsa")
+    hf.generation_config.eos_token_id = None
+    prompt = [3, 17, 99, 42, 7, 64]
+    out = subprocess.run([PDSERVE, "run", "--model", tiny_dirs["dsa"], "--token-ids", ",".join(map(str, prompt)),
+                          "--max-tokens", "12", "--temperature", "0", "--dtype", "float32", "--ignore-eos", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 6:]
+    assert got["token_ids"] == ref.tolist() and got["finish_reason"] == "length"
+
+
+def test_run_rejects_bad_token_ids(tiny_dirs):
+    out = subprocess.run([PDSERVE, "run", "--model", tiny_dirs["dsa"], "--token-ids", "1,99999", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "[0, 128)" in out.stderr
+
+
+def test_run_prompt_with_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from engine.checkpoint import TINY_GLM5, init_random_model
+    init_random_model(TINY_GLM5, str(tmp_path))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 50,
+                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    out = subprocess.run([PDSERVE, "run", "--model", str(tmp_path), "--prompt", "def f(x):", "--max-tokens", "4",
+                          "--ignore-eos", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert len(got["token_ids"]) == 4 and isinstance(got["text"], str) and got["prompt_tokens"] > 0
