@@ -1,0 +1,27 @@
+"""Quantization formats and helpers."""
+
+from engine.quant.mx import (
+    MX_FORMATS,
+    MXFP4,
+    MXFP6_E2M3,
+    MXFP6_E3M2,
+    MXFP8,
+    MXFormat,
+    MXTensor,
+    dequantize_mx,
+    get_mx_format,
+    quantize_mx,
+)
+
+__all__ = [
+    "MX_FORMATS",
+    "MXFP4",
+    "MXFP6_E2M3",
+    "MXFP6_E3M2",
+    "MXFP8",
+    "MXFormat",
+    "MXTensor",
+    "dequantize_mx",
+    "get_mx_format",
+    "quantize_mx",
+]
