@@ -102,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job: answer a real request on the default model, print a table")
     d.add_argument("--model", default=None)
     d.set_defaults(fn=cmd_demo)
+
+    # Subcommands owned by other parts of the project register themselves here.
+    import importlib
+    for mod in ("cluster.cli_quant", "cluster.cli_serve", "cluster.cli_bench", "cluster.cli_ray"):
+        try:
+            importlib.import_module(mod).register(sub)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
     return p
 
 
