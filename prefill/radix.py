@@ -1,0 +1,198 @@
+"""Radix prefix cache over token ids at page granularity.
+
+Each node below the root holds exactly one full KV page: the page for ``page_size`` tokens
+that follow its parent's tokens. The cache owns one allocator reference to every page in
+the tree; requests borrow cached pages read-only by *locking* the path they matched
+(``lock_ref``), and a locked node is never evicted. Eviction removes least-recently-used
+unlocked leaves and frees their pages.
+
+Lifecycle of a request's prefix::
+
+    match_prefix(ids) -> Match (path locked)     pages usable read-only, never evicted meanwhile
+    insert(ids, pages) after prefill             new full pages handed to the cache (dups freed)
+    release(match)                               unlock; the pages stay cached, now evictable
+
+Every stored or evicted page is published as a block hash (a chain hash of the token
+chunks from the root), so a router can score workers by the prefixes they really hold.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from engine.kvcache.pool import PageAllocator
+
+_clock = itertools.count()
+
+
+def block_hash(parent: int, chunk: Sequence[int]) -> int:
+    """64-bit chained hash of a page of token ids (stable across processes and machines)."""
+    h = hashlib.blake2b(struct.pack(f"<Q{len(chunk)}I", parent, *chunk), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+def prefix_block_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
+    """Block hashes of every full page of ``token_ids`` (what a router compares with cache events)."""
+    out, parent = [], 0
+    for i in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = block_hash(parent, token_ids[i:i + page_size])
+        out.append(parent)
+    return out
+
+
+@dataclass(eq=False)
+class _Node:
+    chunk: tuple[int, ...]
+    page: int
+    hash: int
+    parent: "_Node | None"
+    children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    pages: list[int]
+    """Cached pages covering ``num_tokens`` tokens, in order (read-only)."""
+    num_tokens: int
+    node: _Node
+    """Deepest matched node; the whole path to it is locked until ``release``."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    cached_pages: int
+    evictable_pages: int
+    hit_tokens: int
+    query_tokens: int
+
+
+class RadixCache:
+    def __init__(self, allocator: PageAllocator, page_size: int,
+                 on_event: Callable[[list[int], list[int]], None] | None = None) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = _Node((), -1, 0, None)
+        self.on_event = on_event
+        """Called with (stored block hashes, evicted block hashes)."""
+        self._num_pages = 0
+        self._lock = threading.RLock()
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    # -- queries -------------------------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int]) -> Match:
+        """Longest cached prefix in full pages; locks the matched path."""
+        P = self.page_size
+        with self._lock:
+            node, pages, t = self.root, [], next(_clock)
+            for i in range(0, len(token_ids) - P + 1, P):
+                child = node.children.get(tuple(token_ids[i:i + P]))
+                if child is None:
+                    break
+                node = child
+                node.last_access = t
+                pages.append(node.page)
+            self._lock_path(node, +1)
+            self.hit_tokens += len(pages) * P
+            self.query_tokens += len(token_ids)
+            return Match(pages, len(pages) * P, node)
+
+    def release(self, match: Match) -> None:
+        with self._lock:
+            self._lock_path(match.node, -1)
+
+    def _lock_path(self, node: _Node, delta: int) -> None:
+        while node is not self.root:
+            node.lock_ref += delta
+            if node.lock_ref < 0:
+                raise RuntimeError("radix lock released more often than taken")
+            node = node.parent
+
+    # -- updates -------------------------------------------------------------------------
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
+        """Hand the full pages of a prefilled sequence to the cache.
+
+        ``pages[i]`` holds tokens ``[i * P, (i + 1) * P)``. Pages already in the tree (same
+        prefix) keep the cached copy; the caller's duplicate is freed. Pages past the last full
+        page are not touched (the caller frees them). Returns how many pages the cache took.
+        """
+        P = self.page_size
+        n_full = min(len(token_ids) // P, len(pages))
+        stored: list[int] = []
+        with self._lock:
+            node, taken, t = self.root, 0, next(_clock)
+            dup: list[int] = []
+            for i in range(n_full):
+                chunk = tuple(token_ids[i * P:(i + 1) * P])
+                child = node.children.get(chunk)
+                if child is None:
+                    child = _Node(chunk, pages[i], block_hash(node.hash, chunk), node)
+                    node.children[chunk] = child
+                    self._num_pages += 1
+                    self.allocator.set_owner([pages[i]], "radix")
+                    stored.append(child.hash)
+                    taken += 1
+                elif child.page != pages[i]:
+                    dup.append(pages[i])
+                child.last_access = t
+                node = child
+            if dup:
+                self.allocator.decref(dup)
+        if stored and self.on_event:
+            self.on_event(stored, [])
+        return taken
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` pages from unlocked LRU leaves; returns how many were freed."""
+        evicted_hashes: list[int] = []
+        with self._lock:
+            leaves = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0]
+            freed = 0
+            while freed < num_pages and leaves:
+                leaves.sort(key=lambda n: n.last_access)
+                node = leaves.pop(0)
+                parent = node.parent
+                del parent.children[node.chunk]
+                self.allocator.decref([node.page])
+                self._num_pages -= 1
+                evicted_hashes.append(node.hash)
+                freed += 1
+                if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                    leaves.append(parent)
+        if evicted_hashes and self.on_event:
+            self.on_event([], evicted_hashes)
+        return freed
+
+    def reset(self) -> None:
+        """Drop every unlocked page (for tests and admin)."""
+        self.evict(self._num_pages)
+
+    # -- accounting ----------------------------------------------------------------------
+    def _iter_nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    def num_evictable(self) -> int:
+        """Pages evictable now (unlocked, all descendants unlocked)."""
+        with self._lock:
+            return sum(1 for n in self._iter_nodes() if n.lock_ref == 0)
+
+    def stats(self) -> CacheStats:
+        return CacheStats(self._num_pages, self.num_evictable(), self.hit_tokens, self.query_tokens)
+
+    def all_hashes(self) -> list[int]:
+        with self._lock:
+            return [n.hash for n in self._iter_nodes()]

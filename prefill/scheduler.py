@@ -1,0 +1,362 @@
+"""The prefill worker's scheduler: chunked, batched prefill over a radix prefix cache.
+
+A request walks through::
+
+    QUEUED ──admit──> RUNNING ──last chunk──> TRANSFERRING ──acked──> DONE
+       │                 │                         │
+       └──abort/deadline─┴─────────────────────────┴──> ABORTED / FAILED (pages freed)
+
+Each ``step()`` is schedule -> forward -> sample -> postprocess:
+
+* schedule: running requests continue first, then queued ones are admitted (highest priority,
+  then FCFS) while the token budget and pages last; admission matches the prefix cache (evicting
+  LRU pages when short) and allocates private pages for the rest;
+* forward: one batched forward over every scheduled chunk; each layer's KV is handed to the
+  request's ``KVSink`` as soon as it is written (transfer overlaps compute); then one batched MTP
+  forward over the same chunks (the draft KV the decode side needs), whose next tokens are the
+  prompt's following tokens or, for a last chunk, the sampled first token;
+* postprocess: a finished request's transfer is completed off-thread; its full pages go into the
+  prefix cache, the rest are freed.
+"""
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine.batch import BatchRequest, ForwardBatch
+from engine.kvcache.pool import KVPool, PoolExhausted
+from engine.models.glm import GlmForCausalLM
+from engine.sampling import SamplerState, SamplingParams, sample
+from prefill.radix import Match, RadixCache
+from prefill.sink import KVSink, LocalSink, TransferFailed
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class RequestAborted(RuntimeError):
+    def __init__(self, req_id: str, reason: str) -> None:
+        super().__init__(f"request {req_id} aborted: {reason}")
+        self.reason = reason
+
+
+class State(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    chunk_size: int = 2048
+    """Max new tokens of one request per forward (a 20k prompt takes 10 steps)."""
+    max_batch_tokens: int = 4096
+    """Token budget of one forward over all scheduled chunks."""
+    max_queue: int = 64
+    """Queued requests beyond this are refused (RESOURCE_EXHAUSTED), never buffered."""
+    max_running: int = 16
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1 or self.max_batch_tokens < self.chunk_size:
+            raise ValueError(f"need 1 <= chunk_size ({self.chunk_size}) <= max_batch_tokens "
+                             f"({self.max_batch_tokens})")
+        if self.max_queue < 1 or self.max_running < 1:
+            raise ValueError("max_queue and max_running must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    req_id: str
+    first_token: int
+    first_logprob: float | None
+    cached_tokens: int
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    transfer_bytes: int
+
+
+@dataclass(eq=False)
+class PrefillTask:
+    req_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    on_done: Callable[[PrefillResult | BaseException], None]
+    sink: KVSink = field(default_factory=LocalSink)
+    priority: int = 0
+    deadline: float | None = None
+    """``time.monotonic()`` after which the request is aborted."""
+    state: State = State.QUEUED
+    match: Match | None = None
+    pages: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    computed: int = 0
+    t_arrival: float = field(default_factory=time.monotonic)
+    t_start: float = 0.0
+    abort_reason: str = ""
+    first_token: int = -1
+    first_logprob: float | None = None
+    t_forward_done: float = 0.0
+
+
+class PrefillScheduler:
+    """Owns the model, the pool and the prefix cache of one prefill worker. Thread-safe API."""
+
+    def __init__(self, model: GlmForCausalLM, pool: KVPool, config: PrefillConfig = PrefillConfig(),
+                 on_cache_event: Callable[[list[int], list[int]], None] | None = None) -> None:
+        self.model, self.pool, self.config = model, pool, config
+        self.cache = RadixCache(pool.allocator, pool.page_size, on_cache_event)
+        self._queue: list[tuple[int, int, PrefillTask]] = []
+        self._seq = itertools.count()
+        self._running: list[PrefillTask] = []
+        self._tasks: dict[str, PrefillTask] = {}
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._finisher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefill-finish")
+        self.tokens_done = 0
+        self.busy_s = 0.0
+
+    # -- public, thread-safe -------------------------------------------------------------------
+    def submit(self, task: PrefillTask) -> None:
+        if not task.token_ids:
+            raise ValueError("empty prompt")
+        with self._cv:
+            if task.req_id in self._tasks:
+                raise ValueError(f"duplicate request id {task.req_id!r}")
+            if len(self._queue) >= self.config.max_queue:
+                raise QueueFull(f"prefill queue full ({self.config.max_queue} waiting)")
+            self._tasks[task.req_id] = task
+            heapq.heappush(self._queue, (-task.priority, next(self._seq), task))
+            self._cv.notify()
+
+    def abort(self, req_id: str, reason: str = "cancelled") -> bool:
+        with self._cv:
+            task = self._tasks.get(req_id)
+            if task is None:
+                return False
+            task.abort_reason = task.abort_reason or reason
+            if task.state is State.TRANSFERRING:
+                task.sink.abort(reason)
+            self._cv.notify()
+            return True
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="prefill-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread:
+            self._thread.join(timeout=30)
+        with self._cv:
+            for task in list(self._tasks.values()):
+                task.abort_reason = task.abort_reason or "shutdown"
+            self._reap_aborted()
+        self._finisher.shutdown(wait=True)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._queue and not self._running and not self._has_aborts():
+                    self._cv.wait(timeout=0.5)
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception:  # a bug must not kill the worker silently: fail the batch, keep serving
+                logger.exception("prefill step failed")
+                with self._cv:
+                    for t in self._running:
+                        t.abort_reason = t.abort_reason or "internal error"
+                    self._reap_aborted()
+
+    def _has_aborts(self) -> bool:
+        return any(t.abort_reason for t in self._tasks.values() if t.state is not State.TRANSFERRING)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> bool:
+        with self._cv:
+            self._reap_aborted()
+            chunks = self._schedule()
+        if not chunks:
+            return False
+        t0 = time.perf_counter()
+        self._forward(chunks)
+        self.busy_s += time.perf_counter() - t0
+        return True
+
+    def _schedule(self) -> list[tuple[PrefillTask, int, int]]:
+        budget = self.config.max_batch_tokens
+        chunks = []
+        for task in self._running:
+            n = min(self.config.chunk_size, len(task.token_ids) - task.computed, budget)
+            if n > 0:
+                chunks.append((task, task.computed, task.computed + n))
+                budget -= n
+        while self._queue and budget > 0 and len(self._running) < self.config.max_running:
+            task = self._queue[0][2]
+            admitted = self._admit(task)
+            if admitted is None:  # can never fit: failed, try the next one
+                heapq.heappop(self._queue)
+                continue
+            if not admitted:
+                break
+            heapq.heappop(self._queue)
+            n = min(self.config.chunk_size, len(task.token_ids) - task.computed, budget)
+            chunks.append((task, task.computed, task.computed + n))
+            budget -= n
+        return chunks
+
+    def _admit(self, task: PrefillTask) -> bool | None:
+        """True: running now. False: not enough pages yet. None: can never fit (failed)."""
+        ids, P = task.token_ids, self.pool.page_size
+        match = self.cache.match_prefix(ids)
+        n_hit = match.num_tokens
+        if n_hit >= len(ids):  # at least one token must run to produce logits: recompute the last page
+            n_hit -= P
+        need = self.pool.pages_for(len(ids)) - n_hit // P
+        short = need - self.pool.allocator.num_free
+        if short > 0:
+            self.cache.evict(short)
+        try:
+            private = self.pool.allocator.alloc(need, task.req_id)
+        except PoolExhausted as e:
+            self.cache.release(match)
+            if not self._running:  # nothing will free pages: this request can never fit
+                self._fail(task, e)
+                return None
+            return False
+        task.match, task.num_cached, task.computed = match, n_hit, n_hit
+        task.pages = match.pages[:n_hit // P] + private
+        task.state, task.t_start = State.RUNNING, time.monotonic()
+        self._running.append(task)
+        try:
+            task.sink.start(task.pages, n_hit)
+        except Exception as e:  # noqa: BLE001 - a sink failing to start fails only its request
+            task.abort_reason = f"transfer start failed: {e}"
+        return True
+
+    def _forward(self, chunks: list[tuple[PrefillTask, int, int]]) -> None:
+        P = self.pool.page_size
+        reqs = [BatchRequest(t.pages, s, t.token_ids[s:e]) for t, s, e in chunks]
+        batch = ForwardBatch.build(reqs, P, self.pool.device)
+
+        def ship(layer: int) -> None:
+            for t, s, e in chunks:
+                if not t.abort_reason:
+                    t.sink.send(layer, s, e)
+
+        batch.on_layer_done = ship
+        out = self.model(batch, self.pool)
+        finishing = [i for i, (t, s, e) in enumerate(chunks) if e == len(t.token_ids)]
+        if finishing:
+            states = [SamplerState(chunks[i][0].params, chunks[i][0].token_ids) for i in finishing]
+            res = sample(out.logits[finishing], states)
+            for j, i in enumerate(finishing):
+                t = chunks[i][0]
+                t.first_token = int(res.token_ids[j])
+                t.first_logprob = float(res.logprobs[j]) if res.logprobs is not None else None
+        if self.model.has_mtp:
+            nxt = [t.token_ids[s + 1:e] + ([t.token_ids[e]] if e < len(t.token_ids) else [t.first_token])
+                   for t, s, e in chunks]
+            mtp_batch = ForwardBatch.build([BatchRequest(t.pages, s, n) for (t, s, _), n in zip(chunks, nxt)],
+                                           P, self.pool.device)
+            mtp_batch.on_layer_done = ship
+            self.model.forward_mtp(mtp_batch, self.pool, out.hidden)
+        with self._cv:
+            for t, s, e in chunks:
+                t.computed = e
+                self.tokens_done += e - s
+                if e == len(t.token_ids) and not t.abort_reason:
+                    t.state, t.t_forward_done = State.TRANSFERRING, time.monotonic()
+                    self._running.remove(t)
+                    self._finisher.submit(self._finish, t)
+
+    def _finish(self, task: PrefillTask) -> None:
+        t0 = time.monotonic()
+        try:
+            sr = task.sink.finish()
+        except Exception as e:  # noqa: BLE001
+            with self._cv:
+                self._release(task)
+                task.state = State.FAILED
+                self._tasks.pop(task.req_id, None)
+            task.on_done(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))
+            return
+        with self._cv:
+            self._release(task, insert=True)
+            task.state = State.DONE
+            self._tasks.pop(task.req_id, None)
+        task.on_done(PrefillResult(
+            req_id=task.req_id, first_token=task.first_token, first_logprob=task.first_logprob,
+            cached_tokens=task.num_cached, queue_s=task.t_start - task.t_arrival,
+            prefill_s=task.t_forward_done - task.t_start, transfer_s=time.monotonic() - t0,
+            transfer_bytes=sr.num_bytes))
+
+    # -- cleanup -------------------------------------------------------------------------------
+    def _release(self, task: PrefillTask, insert: bool = False) -> None:
+        """Give a task's pages back: cached ones unlocked, private ones to the cache or freed."""
+        P = self.pool.page_size
+        n_shared = task.num_cached // P
+        private = task.pages[n_shared:]
+        if insert and private:
+            # the cache takes the new full pages (freeing any it already holds); the tail is ours to free
+            self.cache.insert(task.token_ids, task.pages)
+            rest = private[max(0, len(task.token_ids) // P - n_shared):]
+            if rest:
+                self.pool.allocator.decref(rest)
+        elif private:
+            self.pool.allocator.decref(private)
+        task.pages = []
+        if task.match is not None:
+            self.cache.release(task.match)
+            task.match = None
+
+    def _fail(self, task: PrefillTask, exc: BaseException) -> None:
+        task.state = State.FAILED
+        self._tasks.pop(task.req_id, None)
+        task.on_done(exc)
+
+    def _reap_aborted(self) -> None:
+        now = time.monotonic()
+        for task in list(self._tasks.values()):
+            if task.deadline is not None and now > task.deadline and not task.abort_reason:
+                task.abort_reason = "deadline exceeded"
+            if not task.abort_reason or task.state is State.TRANSFERRING:
+                continue
+            if task.state is State.QUEUED:
+                self._queue = [q for q in self._queue if q[2] is not task]
+                heapq.heapify(self._queue)
+            elif task.state is State.RUNNING:
+                self._running.remove(task)
+                task.sink.abort(task.abort_reason)
+                self._release(task)
+            task.state = State.ABORTED
+            self._tasks.pop(task.req_id, None)
+            task.on_done(RequestAborted(task.req_id, task.abort_reason))

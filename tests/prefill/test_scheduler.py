@@ -1,0 +1,192 @@
+"""Prefill scheduler + radix prefix cache on a tiny GLM-5 model with an MTP layer."""
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.checkpoint import TINY_GLM5, init_random_model
+from engine.kvcache import KVLayout, KVPool
+from engine.runtime import load_model
+from engine.sampling import SamplingParams
+from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
+from prefill.sink import KVSink, SinkResult
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny_glm5"))
+    init_random_model({**TINY_GLM5, "index_topk": 64}, d, seed=1)
+    return load_model(d, "float32", "cpu")
+
+
+class CaptureSink(KVSink):
+    """Copies out the KV the request would ship (all layers, all prompt tokens) when it finishes."""
+
+    def __init__(self, pool):
+        self.pool, self.sent = pool, []
+
+    def start(self, pages, cached_len):
+        self.pages, self.cached_len = pages, cached_len
+
+    def send(self, layer, s, e):
+        self.sent.append((layer, s, e))
+
+    def finish(self):
+        P = self.pool.page_size
+        n = max(e for _, _, e in self.sent)
+        slots = torch.tensor([self.pages[j // P] * P + j % P for j in range(n)])
+        self.kv = {(l, c.name): self.pool.flat(l, c.name)[slots].clone()
+                   for l in range(self.pool.layout.num_layers) for c in self.pool.layout.components}
+        return SinkResult(0, 0.0)
+
+    def abort(self, reason):
+        self.aborted = reason
+
+
+def make_sched(tiny, num_pages=64, **kw):
+    model, cfg = tiny
+    pool = KVPool(KVLayout.for_model(cfg, PAGE, "float32"), num_pages)
+    return PrefillScheduler(model, pool, PrefillConfig(**{"chunk_size": 32, "max_batch_tokens": 64, **kw}))
+
+
+def run_all(sched, tasks, max_steps=200):
+    for t in tasks:
+        sched.submit(t)
+    for _ in range(max_steps):
+        if not sched.step() and not sched._tasks:
+            break
+    sched._finisher.shutdown(wait=True)
+    sched._finisher = type(sched._finisher)(max_workers=2)
+
+
+def task(req_id, ids, results, sched=None, **kw):
+    return PrefillTask(req_id, ids, SamplingParams(max_tokens=8), on_done=lambda r: results.__setitem__(req_id, r),
+                       **kw)
+
+
+def test_same_prompt_twice_hits_cache_with_identical_kv_and_first_token(tiny):
+    sched = make_sched(tiny)
+    ids = torch.randint(2, 500, (100,), generator=torch.Generator().manual_seed(0)).tolist()
+    res, s1, s2 = {}, CaptureSink(sched.pool), CaptureSink(sched.pool)
+    start_free = sched.pool.allocator.num_free
+    run_all(sched, [task("a", ids, res, sink=s1)])
+    done_tokens = sched.tokens_done
+    run_all(sched, [task("b", ids, res, sink=s2)])
+    a, b = res["a"], res["b"]
+    assert isinstance(a, PrefillResult) and a.cached_tokens == 0
+    assert b.cached_tokens == 96 and sched.tokens_done - done_tokens == 4  # only the tail recomputed
+    assert a.first_token == b.first_token
+    for key in s1.kv:
+        assert torch.allclose(s1.kv[key], s2.kv[key], atol=1e-5), key
+    # the MTP layer's KV was computed and shipped too
+    n_layers = sched.pool.layout.num_layers
+    assert any(l == n_layers - 1 for l, _, _ in s1.sent) and s1.kv[(n_layers - 1, "latent")].abs().sum() > 0
+    # pages: all either free or held by the cache, none by a request
+    assert sched.pool.allocator.num_free + sched.cache.num_pages == start_free
+    assert set(sched.pool.allocator.owners()) <= {"radix"}
+
+
+def test_shared_60pct_prefix_computes_only_the_rest(tiny):
+    sched = make_sched(tiny)
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(2, 500, (96,), generator=g).tolist()
+    a = prefix + torch.randint(2, 500, (64,), generator=g).tolist()
+    b = prefix + torch.randint(2, 500, (64,), generator=g).tolist()
+    res = {}
+    run_all(sched, [task("a", a, res)])
+    before = sched.tokens_done
+    run_all(sched, [task("b", b, res)])
+    assert res["b"].cached_tokens == 96 and sched.tokens_done - before == 64
+
+
+def test_cached_first_token_equals_cold(tiny):
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(2, 500, (64,), generator=g).tolist()
+    b = prefix + torch.randint(2, 500, (40,), generator=g).tolist()
+    warm, cold, res_w, res_c = make_sched(tiny), make_sched(tiny), {}, {}
+    run_all(warm, [task("a", prefix + [7] * 30, res_w)])
+    run_all(warm, [task("b", b, res_w)])
+    run_all(cold, [task("b", b, res_c)])
+    assert res_w["b"].cached_tokens == 64 and res_w["b"].first_token == res_c["b"].first_token
+
+
+def test_eviction_under_pressure_keeps_correctness(tiny):
+    sched = make_sched(tiny, num_pages=12)  # 12 pages = 192 tokens: each 100-token prompt needs 7
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 500, (100,), generator=g).tolist() for _ in range(4)]
+    res, ref = {}, {}
+    for i, p in enumerate(prompts):
+        run_all(sched, [task(f"r{i}", p, res)])
+    for i, p in enumerate(prompts):
+        fresh = make_sched(tiny)
+        run_all(fresh, [task(f"r{i}", p, ref)])
+        assert res[f"r{i}"].first_token == ref[f"r{i}"].first_token
+    assert sched.pool.allocator.num_free + sched.cache.num_pages == 12
+    run_all(sched, [task("again", prompts[3], res)])  # the most recent one survived eviction
+    assert res["again"].cached_tokens == 96
+
+
+def test_batched_requests_match_solo(tiny):
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (70, 33, 5)]
+    sched, res = make_sched(tiny), {}
+    run_all(sched, [task(f"r{i}", p, res) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        solo = {}
+        run_all(make_sched(tiny), [task("x", p, solo)])
+        assert solo["x"].first_token == res[f"r{i}"].first_token
+
+
+def test_cancel_and_deadline_free_every_page(tiny):
+    sched = make_sched(tiny, chunk_size=16, max_batch_tokens=16)
+    start = sched.pool.allocator.num_free
+    res = {}
+    ids = list(range(2, 202))
+    sched.submit(task("c", ids, res))
+    sched.submit(task("d", ids[::-1], res, deadline=time.monotonic() + 0.05))
+    sched.submit(task("q", ids, res))  # still queued when aborted
+    sched.step()
+    assert sched.pool.allocator.num_used > 0
+    assert sched.abort("c") and sched.abort("q")
+    time.sleep(0.06)
+    for _ in range(30):
+        sched.step()
+    assert isinstance(res["c"], RequestAborted) and isinstance(res["q"], RequestAborted)
+    assert isinstance(res["d"], RequestAborted) and "deadline" in res["d"].reason
+    assert sched.pool.allocator.num_free == start and not sched._tasks
+
+
+def test_full_queue_is_refused(tiny):
+    sched = make_sched(tiny, max_queue=2)
+    res = {}
+    sched.submit(task("a", [3, 4, 5], res))
+    sched.submit(task("b", [3, 4, 5], res))
+    with pytest.raises(QueueFull):
+        sched.submit(task("c", [3, 4, 5], res))
+
+
+def test_prompt_that_can_never_fit_fails_cleanly(tiny):
+    from engine.kvcache import PoolExhausted
+    sched, res = make_sched(tiny, num_pages=4), {}
+    run_all(sched, [task("big", list(range(2, 200)), res), task("small", [5, 6, 7], res)])
+    assert isinstance(res["big"], PoolExhausted) and isinstance(res["small"], PrefillResult)
+
+
+def test_threaded_loop_serves_concurrent_submissions(tiny):
+    sched = make_sched(tiny)
+    sched.start()
+    done = threading.Event()
+    res = {}
+
+    def cb(r, rid):
+        res[rid] = r
+        if len(res) == 3:
+            done.set()
+    for i in range(3):
+        sched.submit(PrefillTask(f"t{i}", list(range(2, 40 + i)), SamplingParams(), on_done=lambda r, i=i: cb(r, f"t{i}")))
+    assert done.wait(30)
+    sched.stop()
+    assert all(isinstance(r, PrefillResult) for r in res.values())
