@@ -1,0 +1,260 @@
+"""The decode worker's continuous-batching scheduler.
+
+A request walks through::
+
+    add() ──> RUNNING ──step()...──> FINISHED (stop | length)
+                 │
+                 └──abort / deadline / pool exhausted──> ABORTED (finish_reason abort | error)
+
+A request joins once its KV has arrived (the server adds it after ``kvtransfer`` reports a complete,
+verified transfer into pages this worker reserved) and leaves when finished; every ``step()`` is one
+batched forward over all running requests (or one speculative draft+verify round when a
+``spec`` decoder is attached): schedule -> forward -> sample -> postprocess. Tokens are emitted
+through each request's ``emit`` callback as they are produced. Pages grow one page at a time; when
+the pool runs out the youngest request is ended with a clear error (never a hang), and its pages
+are freed.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from engine.batch import BatchRequest, ForwardBatch
+from engine.kvcache.pool import KVPool, PoolExhausted
+from engine.models.glm import GlmForCausalLM
+from engine.sampling import SamplerState, SamplingParams, sample
+
+logger = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """What a request's ``emit`` receives: new tokens and, on the last event, why it ended."""
+    token_ids: list[int]
+    finish_reason: str = ""
+    """``stop``, ``length``, ``abort`` or ``error``; empty while running."""
+    message: str = ""
+    logprobs: list[tuple[int, float, list[int], list[float]]] = field(default_factory=list)
+    accept_len: float = 0.0
+
+
+@dataclass(eq=False)
+class DecodeTask:
+    req_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    """Tokens already produced (at least the first token, sampled by prefill)."""
+    params: SamplingParams
+    pages: list[int]
+    """Pages holding the KV of ``cached_len`` tokens (reserved at transfer time, owned by this task)."""
+    cached_len: int
+    emit: Callable[[TokenEvent], None]
+    deadline: float | None = None
+    state: State = State.RUNNING
+    abort_reason: str = ""
+    sampler: SamplerState | None = None
+    steps: int = 0
+    emitted: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sampler is None:
+            self.sampler = SamplerState(self.params, self.prompt_ids, list(self.output_ids))
+
+
+class Speculator(Protocol):
+    """A speculative decoder: one draft + verify round for a batch; returns new tokens per task."""
+
+    def step(self, tasks: list[DecodeTask], ensure_pages: Callable[[DecodeTask, int], None]) -> list[list[int]]: ...
+
+    def accept_len(self, task: DecodeTask) -> float: ...
+
+
+class DecodeScheduler:
+    def __init__(self, model: GlmForCausalLM, pool: KVPool, eos_ids: tuple[int, ...] = (),
+                 max_running: int = 64, stop_checker: Callable[[DecodeTask], str | None] | None = None,
+                 spec: Speculator | None = None) -> None:
+        self.model, self.pool, self.eos_ids = model, pool, set(eos_ids)
+        self.max_running = max_running
+        self.stop_checker = stop_checker
+        """Returns a truncated-text reason (``stop``) when a stop string appeared (needs a tokenizer)."""
+        self.spec = spec
+        self._running: list[DecodeTask] = []
+        self._tasks: dict[str, DecodeTask] = {}
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.tokens_out = 0
+        self.busy_s = 0.0
+
+    # -- public, thread-safe ---------------------------------------------------------------------
+    def add(self, task: DecodeTask) -> None:
+        with self._cv:
+            if task.req_id in self._tasks:
+                raise ValueError(f"duplicate request id {task.req_id!r}")
+            if len(self._running) >= self.max_running:
+                raise PoolExhausted(0, self.pool.allocator.num_free)
+            self._tasks[task.req_id] = task
+            self._running.append(task)
+            self._cv.notify()
+        done = self._check_finished(task, task.output_ids[-1:] if task.output_ids else [])
+        if done:  # e.g. the first token was already EOS / max_tokens == 1
+            with self._cv:
+                self._finish(task, done)
+
+    def abort(self, req_id: str, reason: str = "cancelled") -> bool:
+        with self._cv:
+            task = self._tasks.get(req_id)
+            if task is None:
+                return False
+            task.abort_reason = task.abort_reason or reason
+            self._cv.notify()
+            return True
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="decode-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread:
+            self._thread.join(timeout=30)
+        with self._cv:
+            for t in list(self._running):
+                t.abort_reason = t.abort_reason or "shutdown"
+            self._reap()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._running:
+                    self._cv.wait(timeout=0.5)
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - end the batch with an error, keep the worker alive
+                logger.exception("decode step failed")
+                with self._cv:
+                    for t in list(self._running):
+                        self._finish(t, "error", "internal error in decode step")
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self) -> bool:
+        with self._cv:
+            self._reap()
+            tasks = list(self._running)
+        if not tasks:
+            return False
+        t0 = time.perf_counter()
+        if self.spec is not None:
+            new_tokens = self.spec.step(tasks, self._ensure_pages)
+        else:
+            new_tokens = self._plain_step(tasks)
+        self.busy_s += time.perf_counter() - t0
+        with self._cv:
+            for task, toks in zip(tasks, new_tokens):
+                if task.state is not State.RUNNING or not toks:
+                    continue
+                self._deliver(task, toks)
+        return True
+
+    def _ensure_pages(self, task: DecodeTask, num_tokens: int) -> None:
+        need = self.pool.pages_for(num_tokens) - len(task.pages)
+        if need > 0:
+            task.pages += self.pool.allocator.alloc(need, task.req_id)
+
+    def _plain_step(self, tasks: list[DecodeTask]) -> list[list[int]]:
+        live = []
+        for t in tasks:
+            try:
+                self._ensure_pages(t, t.cached_len + 1)
+                live.append(t)
+            except PoolExhausted as e:
+                with self._cv:
+                    self._finish(t, "error", f"decode KV pool exhausted: {e}")
+        if not live:
+            return [[] for _ in tasks]
+        reqs = [BatchRequest(t.pages, t.cached_len, [t.output_ids[-1]]) for t in live]
+        out = self.model(ForwardBatch.build(reqs, self.pool.page_size, self.pool.device), self.pool)
+        res = sample(out.logits, [t.sampler for t in live])
+        by_task = {}
+        for i, t in enumerate(live):
+            t.cached_len += 1
+            tok = int(res.token_ids[i])
+            if res.logprobs is not None and t.params.logprobs:
+                n = t.params.logprobs
+                t._pending_logprobs = [(tok, float(res.logprobs[i]), res.top_ids[i, :n].tolist(),
+                                        res.top_logprobs[i, :n].tolist())]
+            by_task[t.req_id] = [tok]
+        return [by_task.get(t.req_id, []) for t in tasks]
+
+    def _deliver(self, task: DecodeTask, toks: list[int]) -> None:
+        """Append accepted tokens, cut at the first stop condition, emit."""
+        out = []
+        reason = ""
+        for tok in toks:
+            task.output_ids.append(tok)
+            task.sampler.output_ids.append(tok)
+            out.append(tok)
+            reason = self._check_finished(task, [tok])
+            if reason:
+                break
+        task.steps += 1
+        self.tokens_out += len(out)
+        lp = getattr(task, "_pending_logprobs", [])
+        task._pending_logprobs = []
+        acc = self.spec.accept_len(task) if self.spec is not None else 0.0
+        if reason:
+            self._finish(task, reason, new_tokens=out, logprobs=lp, accept_len=acc)
+        else:
+            task.emitted += len(out)
+            task.emit(TokenEvent(out, logprobs=lp, accept_len=acc))
+
+    def _check_finished(self, task: DecodeTask, new: list[int]) -> str:
+        p = task.params
+        for tok in new:
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+                return "stop"
+        if len(task.output_ids) >= p.max_tokens:
+            return "length"
+        if p.stop and self.stop_checker is not None and self.stop_checker(task):
+            return "stop"
+        return ""
+
+    # -- cleanup ---------------------------------------------------------------------------------
+    def _finish(self, task: DecodeTask, reason: str, message: str = "", new_tokens: list[int] | None = None,
+                logprobs=None, accept_len: float = 0.0) -> None:
+        if task.state is not State.RUNNING:
+            return
+        task.state = State.FINISHED if reason in ("stop", "length") else State.ABORTED
+        if task in self._running:
+            self._running.remove(task)
+        self._tasks.pop(task.req_id, None)
+        if task.pages:
+            self.pool.allocator.decref(task.pages)
+            task.pages = []
+        task.emit(TokenEvent(new_tokens or [], reason, message, logprobs or [], accept_len))
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for task in list(self._running):
+            if task.deadline is not None and now > task.deadline and not task.abort_reason:
+                task.abort_reason = "deadline exceeded"
+            if task.abort_reason:
+                self._finish(task, "abort", task.abort_reason)
