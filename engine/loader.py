@@ -188,3 +188,18 @@ def _fmt(index: tuple) -> str:
         return ""
     parts = [f"{i.start}:{i.stop}" if isinstance(i, slice) else str(i) for i in index]
     return "[" + ", ".join(parts) + "]"
+
+
+def model_hash(model_dir: str) -> str:
+    """Fingerprint of a checkpoint: config.json plus every safetensors header and size (fast: no weights
+    are read). Workers compare it at start so a cluster never mixes two different models."""
+    import hashlib
+    h = hashlib.sha256()
+    with open(os.path.join(model_dir, "config.json"), "rb") as f:
+        h.update(f.read())
+    for path in checkpoint_files(model_dir):
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            h.update(f.read(n))
+        h.update(str(os.path.getsize(path)).encode())
+    return h.hexdigest()[:16]

@@ -7,6 +7,7 @@ import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "engine"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 

@@ -1,0 +1,199 @@
+"""Decode worker process: gRPC ``DecodeWorker`` service over a ``DecodeScheduler`` and a ``KVReceiver``.
+
+    python -m decode.server --model DIR --port 50071 --kv-port 0 [--speculative 5/1/6 | --no-speculative]
+
+``Reserve`` sets pages aside and returns a transfer ticket (RESOURCE_EXHAUSTED when they do not
+fit: nothing is allocated). ``Decode`` waits for the complete, verified transfer, then joins the
+continuous batch and streams tokens; cancelling it frees the request's pages.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+import grpc
+import msgpack
+
+from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
+from engine.kvcache import KVLayout, PoolExhausted
+from engine.loader import model_hash
+from engine.runtime import load_model
+from engine.tokenizer import Tokenizer
+from kvtransfer import FailReason, KVReceiver, KVReceiverConfig, ShmKVPool, TransferError
+from protos import rpc, worker_main
+from protos.convert import logprob_to_proto, sampling_from_proto
+from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger("decode.server")
+SERVICE = "pdserve.v1.DecodeWorker"
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, sched: DecodeScheduler, receiver: KVReceiver, cfg, info: dict[str, str], worker_id: str,
+                 address: str, mhash: str) -> None:
+        self.sched, self.receiver, self.cfg = sched, receiver, cfg
+        self.info, self.worker_id, self.address, self.mhash = info, worker_id, address, mhash
+        self.loop = asyncio.get_running_loop()
+
+    async def Reserve(self, request, context):
+        if request.num_tokens < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_tokens must be >= 1")
+        try:
+            ticket = self.receiver.reserve(request.request_id, request.num_tokens)
+        except TransferError as e:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.reason is FailReason.NO_CAPACITY \
+                else grpc.StatusCode.FAILED_PRECONDITION
+            await context.abort(code, f"cannot reserve {request.num_tokens} tokens of KV: {e}")
+        host, port = ticket.address
+        return worker_pb2.ReserveResponse(ticket=worker_pb2.TransferTicket(
+            request_id=request.request_id, target=f"{host}:{port}",
+            ticket=msgpack.packb(ticket.to_dict(), use_bin_type=True)))
+
+    async def Decode(self, request, context):
+        rid = request.request_id
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as e:
+            self.receiver.cancel(rid, "invalid sampling parameters")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not request.output_prefix:
+            self.receiver.cancel(rid, "no first token")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "output_prefix must hold the first token")
+        timeout = request.transfer_timeout_s or 60.0
+        try:
+            res = await self.receiver.wait_complete(rid, timeout)
+        except TransferError as e:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if e.reason is FailReason.TIMEOUT else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"KV transfer for {rid} failed: {e}")
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        prompt = list(request.prompt_ids)
+        output = list(request.output_prefix)
+        task = DecodeTask(rid, prompt, output, params, list(res.page_ids),
+                          cached_len=len(prompt) + len(output) - 1,
+                          emit=lambda ev: self.loop.call_soon_threadsafe(queue.put_nowait, ev))
+        remaining = context.time_remaining()
+        if remaining is not None:
+            task.deadline = time.monotonic() + remaining
+        try:
+            self.sched.add(task)
+        except PoolExhausted as e:
+            self.receiver.pool.allocator.decref(list(res.page_ids))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {e}")
+        try:
+            while True:
+                ev = await queue.get()
+                yield worker_pb2.DecodeChunk(token_ids=ev.token_ids, finish_reason=ev.finish_reason,
+                                             accept_len=ev.accept_len,
+                                             logprobs=[logprob_to_proto(x) for x in ev.logprobs])
+                if ev.finish_reason:
+                    if ev.finish_reason == "error":
+                        logger.warning("request %s ended with an error: %s", rid, ev.message)
+                    return
+        finally:
+            self.sched.abort(rid, "stream closed by the client")  # no-op when already finished
+
+    async def Abort(self, request, context):
+        found = self.sched.abort(request.request_id, "aborted by the router")
+        if self.receiver.poll(request.request_id) is not None:
+            self.receiver.cancel(request.request_id, "aborted by the router")
+            found = True
+        return worker_pb2.AbortResponse(found=found)
+
+    async def GetStatus(self, request, context):
+        st = self.sched.pool.stats()
+        tps = self.sched.tokens_out / self.sched.busy_s if self.sched.busy_s else 0.0
+        host, port = self.receiver.address
+        return generation_pb2.WorkerStatus(
+            worker_id=self.worker_id, role="decode", address=self.address, kv_address=f"{host}:{port}",
+            healthy=True, running=self.sched.num_running, pages_total=st.num_pages, pages_free=st.num_free,
+            tokens_per_s=tps, model_hash=self.mhash, info=self.info)
+
+
+def stop_checker(tok: Tokenizer | None):
+    """Stop strings: decode a window of the output big enough to hold the longest stop string."""
+    if tok is None:
+        return None
+
+    def check(task: DecodeTask) -> str | None:
+        window = max(len(s) for s in task.params.stop) + 16
+        text = tok.decode(task.output_ids[-window:])
+        return "stop" if any(s in text for s in task.params.stop) else None
+    return check
+
+
+async def amain(args: argparse.Namespace) -> None:
+    from engine.defaults import default_model_dir
+    model_dir = args.model or default_model_dir()
+    secret = rpc.cluster_secret(args.cluster_secret)
+    rpc.check_bind(args.host, secret, "decode worker")
+    mhash = model_hash(model_dir)
+    if args.expect_model_hash and args.expect_model_hash != mhash:
+        raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {args.expect_model_hash}")
+    model, cfg = load_model(args.quantized_model or model_dir, args.dtype, args.device)
+    layout = KVLayout.for_model(cfg, args.page_size, args.kv_dtype or args.dtype)
+    pool = ShmKVPool(layout, args.num_pages) if args.shm else _plain_pool(layout, args.num_pages)
+    receiver = KVReceiver(pool, KVReceiverConfig(host=args.host, port=args.kv_port,
+                                                  cluster_secret=secret.encode() if secret else None))
+    await receiver.start()
+    spec = build_speculator(args, model, cfg, pool)
+    sched = DecodeScheduler(model, pool, cfg.eos_token_ids, max_running=args.max_running,
+                            stop_checker=stop_checker(Tokenizer.from_model_dir(model_dir)), spec=spec)
+    server = rpc.make_server(secret)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    address = f"{args.host}:{port}"
+    info = worker_main.model_info(cfg, model_dir, args.page_size)
+    info["speculative"] = args.speculative if spec is not None else "off"
+    servicer = DecodeServicer(sched, receiver, cfg, info, args.worker_id or f"decode-{port}", address, mhash)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+    hs = rpc.add_health_and_reflection(server, [SERVICE])
+    sched.start()
+    await server.start()
+    await rpc.set_serving(hs, [SERVICE])
+    host, kv_port = receiver.address
+    logger.info("decode worker %s serving on %s, KV data plane %s:%d", servicer.worker_id, address, host, kv_port)
+    print(f"PDSERVE_READY decode {address} kv={host}:{kv_port}", flush=True)
+
+    async def on_stop():
+        sched.stop()
+        await receiver.stop(grace_s=2.0)
+    await worker_main.serve_until_signal(server, on_stop)
+
+
+def _plain_pool(layout, num_pages):
+    from engine.kvcache import KVPool
+    return KVPool(layout, num_pages)
+
+
+def build_speculator(args, model, cfg, pool):
+    """MTP speculative decoding when asked for and the model has an MTP layer (says so once otherwise)."""
+    if args.no_speculative or not args.speculative or args.speculative == "off":
+        return None
+    if not model.has_mtp:
+        logger.warning("model has no MTP layer: running without speculative decoding")
+        return None
+    try:
+        from engine.spec.worker import make_speculator
+    except ImportError:
+        logger.warning("speculative decoding is not available in this build: running without it")
+        return None
+    return make_speculator(model, cfg, pool, args.speculative)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser("pdserve decode worker")
+    worker_main.common_args(p)
+    p.add_argument("--kv-port", type=int, default=0)
+    p.add_argument("--speculative", default="5/1/6", help="STEPS/TOPK/DRAFT_TOKENS, or 'off'")
+    p.add_argument("--no-speculative", action="store_true")
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--quantized-model", default=None, help="serve these (e.g. MXFP4) weights instead")
+    p.add_argument("--shm", action="store_true", help="put the KV pool in shared memory (same-host transfers)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    worker_main.run(amain(args))
+
+
+if __name__ == "__main__":
+    main()

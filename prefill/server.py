@@ -1,0 +1,195 @@
+"""Prefill worker process: gRPC ``PrefillWorker`` service over a ``PrefillScheduler``.
+
+    python -m prefill.server --model DIR --port 50061 [--chunk-size 2048] [--max-queue 64] ...
+
+``Prefill`` submits a task and awaits its result (first token, cached tokens, timings) while the
+scheduler thread computes the KV and ``kvtransfer`` streams it to the decode worker named in the
+ticket. Client cancellation and deadlines abort the task, which frees its pages at once.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+import grpc
+import msgpack
+
+from engine.kvcache import KVLayout, KVPool, PoolExhausted
+from engine.loader import model_hash
+from engine.runtime import load_model
+from kvtransfer import KVSender, KVSenderConfig, TransferTicket
+from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
+from prefill.sink import LocalSink, TransferFailed
+from prefill.transfer import TransferSink
+from protos import rpc, worker_main
+from protos.convert import sampling_from_proto
+from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger("prefill.server")
+SERVICE = "pdserve.v1.PrefillWorker"
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, sched: PrefillScheduler, sender: KVSender, cfg, info: dict[str, str], worker_id: str,
+                 address: str, mhash: str) -> None:
+        self.sched, self.sender, self.cfg = sched, sender, cfg
+        self.info, self.worker_id, self.address, self.mhash = info, worker_id, address, mhash
+        self.loop = asyncio.get_running_loop()
+        self.subscribers: set[asyncio.Queue] = set()
+
+    # called from scheduler threads
+    def publish(self, stored: list[int], evicted: list[int]) -> None:
+        ev = worker_pb2.CacheEvent(stored=stored, evicted=evicted)
+        for q in list(self.subscribers):
+            self.loop.call_soon_threadsafe(_put_nowait, q, ev)
+
+    async def Prefill(self, request, context):
+        ids = list(request.token_ids) + list(request.output_prefix)
+        if not ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
+        bad = [t for t in ids if t >= self.cfg.vocab_size]
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token id {bad[0]} outside the vocabulary (size {self.cfg.vocab_size})")
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        sink = LocalSink()
+        if request.ticket.ticket:
+            try:
+                ticket = TransferTicket.from_dict(msgpack.unpackb(request.ticket.ticket, raw=False))
+            except Exception as e:  # noqa: BLE001 - any malformed ticket is the caller's error
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed transfer ticket: {e}")
+            sink = TransferSink(self.sender, ticket, self.sched.pool.layout.num_layers)
+        fut = self.loop.create_future()
+        remaining = context.time_remaining()
+        task = PrefillTask(request.request_id, ids, params, sink=sink, priority=request.priority,
+                           deadline=time.monotonic() + remaining if remaining is not None else None,
+                           on_done=lambda r: self.loop.call_soon_threadsafe(_set, fut, r))
+        try:
+            self.sched.submit(task)
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            res = await fut
+        except asyncio.CancelledError:
+            self.sched.abort(request.request_id, "cancelled by the client")
+            raise
+        if isinstance(res, PrefillResult):
+            lp = generation_pb2.TokenLogprob(token_id=res.first_token, logprob=res.first_logprob or 0.0)
+            return worker_pb2.PrefillResponse(
+                request_id=res.req_id, first_token=res.first_token, cached_tokens=res.cached_tokens,
+                queue_s=res.queue_s, prefill_s=res.prefill_s, transfer_s=res.transfer_s,
+                transfer_bytes=res.transfer_bytes, first_logprob=lp)
+        code, msg = _status_of(res)
+        await context.abort(code, msg)
+
+    async def Abort(self, request, context):
+        return worker_pb2.AbortResponse(found=self.sched.abort(request.request_id, "aborted by the router"))
+
+    async def GetStatus(self, request, context):
+        st = self.sched.pool.stats()
+        c = self.sched.cache
+        rate = c.hit_tokens / c.query_tokens if c.query_tokens else 0.0
+        tps = self.sched.tokens_done / self.sched.busy_s if self.sched.busy_s else 0.0
+        return generation_pb2.WorkerStatus(
+            worker_id=self.worker_id, role="prefill", address=self.address, healthy=True,
+            running=self.sched.num_running, queued=self.sched.num_queued, pages_total=st.num_pages,
+            pages_free=st.num_free, pages_cached=c.num_pages, cache_hit_rate=rate, tokens_per_s=tps,
+            model_hash=self.mhash, info={**self.info, "pages_owned_by_requests": str(
+                st.num_used - c.num_pages)})
+
+    async def StreamCacheEvents(self, request, context):
+        q: asyncio.Queue = asyncio.Queue(maxsize=10_000)
+        self.subscribers.add(q)
+        try:
+            yield worker_pb2.CacheEvent(reset=True, stored=self.sched.cache.all_hashes())
+            while True:
+                ev = await q.get()
+                if ev is None:  # overflowed: resync from a snapshot
+                    yield worker_pb2.CacheEvent(reset=True, stored=self.sched.cache.all_hashes())
+                else:
+                    yield ev
+        finally:
+            self.subscribers.discard(q)
+
+
+def _put_nowait(q: asyncio.Queue, ev) -> None:
+    try:
+        q.put_nowait(ev)
+    except asyncio.QueueFull:
+        while not q.empty():
+            q.get_nowait()
+        q.put_nowait(None)
+
+
+def _set(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, RequestAborted):
+        if "deadline" in exc.reason:
+            return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+        return grpc.StatusCode.CANCELLED, str(exc)
+    if isinstance(exc, PoolExhausted):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"prompt does not fit the prefill KV pool: {exc}"
+    if isinstance(exc, TransferFailed):
+        return grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}"
+    return grpc.StatusCode.INTERNAL, f"prefill failed: {exc}"
+
+
+async def amain(args: argparse.Namespace) -> None:
+    from engine.defaults import default_model_dir
+    model_dir = args.model or default_model_dir()
+    secret = rpc.cluster_secret(args.cluster_secret)
+    rpc.check_bind(args.host, secret, "prefill worker")
+    mhash = model_hash(model_dir)
+    if args.expect_model_hash and args.expect_model_hash != mhash:
+        raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {args.expect_model_hash}")
+    model, cfg = load_model(model_dir, args.dtype, args.device)
+    layout = KVLayout.for_model(cfg, args.page_size, args.kv_dtype or args.dtype)
+    pool = KVPool(layout, args.num_pages, model.lm_head.weight.device)
+    sender = KVSender(pool, KVSenderConfig(cluster_secret=secret.encode() if secret else None))
+    sched = PrefillScheduler(model, pool, PrefillConfig(chunk_size=args.chunk_size,
+                                                        max_batch_tokens=max(args.chunk_size, args.max_batch_tokens),
+                                                        max_queue=args.max_queue))
+    server = rpc.make_server(secret)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    address = f"{args.host}:{port}"
+    servicer = PrefillServicer(sched, sender, cfg, worker_main.model_info(cfg, model_dir, args.page_size),
+                               args.worker_id or f"prefill-{port}", address, mhash)
+    sched.cache.on_event = servicer.publish
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+    hs = rpc.add_health_and_reflection(server, [SERVICE])
+    sched.start()
+    await server.start()
+    await rpc.set_serving(hs, [SERVICE])
+    logger.info("prefill worker %s serving on %s (model %s, hash %s)", servicer.worker_id, address, model_dir, mhash)
+    print(f"PDSERVE_READY prefill {address}", flush=True)
+
+    async def on_stop():
+        sched.stop()
+        sender.close(grace_s=2.0)
+    await worker_main.serve_until_signal(server, on_stop)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser("pdserve prefill worker")
+    worker_main.common_args(p)
+    p.add_argument("--chunk-size", type=int, default=2048)
+    p.add_argument("--max-batch-tokens", type=int, default=4096)
+    p.add_argument("--max-queue", type=int, default=64)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    worker_main.run(amain(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""``KVSink`` over ``kvtransfer``: ships a request's KV layer by layer into the decode worker's pages."""
+from __future__ import annotations
+
+import time
+
+from kvtransfer import KVSender, TransferError, TransferTicket
+from prefill.sink import KVSink, SinkResult, TransferFailed
+
+
+class TransferSink(KVSink):
+    def __init__(self, sender: KVSender, ticket: TransferTicket, num_layers: int, timeout_s: float = 60.0) -> None:
+        self.sender, self.ticket, self.num_layers, self.timeout_s = sender, ticket, num_layers, timeout_s
+        self.error: Exception | None = None
+        self.pages: list[int] = []
+        self.t0 = 0.0
+
+    def start(self, pages: list[int], cached_len: int) -> None:
+        self.pages, self.t0 = pages, time.monotonic()
+        if cached_len:  # the cached prefix's KV ships first, every layer (MTP included)
+            for layer in range(self.num_layers):
+                self.send(layer, 0, cached_len)
+
+    def send(self, layer: int, token_start: int, token_end: int) -> None:
+        if self.error is not None:
+            return
+        try:
+            self.sender.send_layer(self.ticket, layer, self.pages, token_start, token_end)
+        except (TransferError, ValueError) as e:  # recorded; finish() reports it
+            self.error = e
+
+    def finish(self) -> SinkResult:
+        if self.error is not None:
+            self.sender.cancel(self.ticket, f"prefill side error: {self.error}")
+            raise TransferFailed(str(self.error))
+        try:
+            res = self.sender.finish(self.ticket).result(timeout=self.timeout_s)
+        except TransferError as e:
+            raise TransferFailed(str(e)) from e
+        except TimeoutError as e:
+            self.sender.cancel(self.ticket, "finish timed out")
+            raise TransferFailed(f"KV transfer not acknowledged within {self.timeout_s}s") from e
+        return SinkResult(int(getattr(res, "num_bytes", 0)), time.monotonic() - self.t0)
+
+    def abort(self, reason: str) -> None:
+        self.sender.cancel(self.ticket, reason)

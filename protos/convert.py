@@ -1,0 +1,34 @@
+"""Proto <-> engine conversions shared by the prefill and decode workers (the only place both meet)."""
+from __future__ import annotations
+
+import math
+
+from engine.sampling import SamplingParams
+from protos.pdserve.v1 import generation_pb2
+
+
+def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError (-> INVALID_ARGUMENT) with the offending value."""
+    temp = sp.temperature if sp.HasField("temperature") else 0.0
+    if math.isnan(temp):
+        raise ValueError("temperature is NaN")
+    return SamplingParams(
+        max_tokens=sp.max_tokens or 16,
+        temperature=float(temp),
+        top_p=float(sp.top_p) if sp.HasField("top_p") else 1.0,
+        top_k=int(sp.top_k),
+        min_p=float(sp.min_p),
+        seed=int(sp.seed) if sp.HasField("seed") else None,
+        repetition_penalty=float(sp.repetition_penalty) if sp.HasField("repetition_penalty") else 1.0,
+        frequency_penalty=float(sp.frequency_penalty),
+        presence_penalty=float(sp.presence_penalty),
+        stop_token_ids=tuple(int(t) for t in sp.stop_token_ids),
+        stop=tuple(sp.stop),
+        ignore_eos=bool(sp.ignore_eos),
+        logprobs=int(sp.logprobs),
+    )
+
+
+def logprob_to_proto(entry: tuple[int, float, list[int], list[float]]) -> generation_pb2.TokenLogprob:
+    tok, lp, top_ids, top_lps = entry
+    return generation_pb2.TokenLogprob(token_id=tok, logprob=lp, top_ids=top_ids, top_logprobs=top_lps)

@@ -1,0 +1,114 @@
+"""gRPC plumbing shared by the router and the workers (no torch): server options, the cluster-secret
+check on internal services, health and reflection.
+
+Internal services (workers) require ``authorization: Bearer <cluster secret>`` metadata when a
+secret is configured (``PDSERVE_CLUSTER_SECRET`` or ``--cluster-secret``); the router's public
+port can require an API key the same way. Without a secret, servers bind to loopback only.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+from typing import Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Largest gRPC message any pdserve service accepts or sends (a 1M-token prompt as ids is ~5 MB)."""
+SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+CHANNEL_OPTIONS = SERVER_OPTIONS[:2] + [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+
+
+def cluster_secret(explicit: str | None = None) -> str | None:
+    return explicit or os.environ.get(SECRET_ENV) or None
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, secret: str | None, what: str) -> None:
+    """Refuse to expose an unauthenticated service beyond loopback."""
+    if not is_loopback(host) and not secret:
+        raise ValueError(f"{what} would listen on {host} without a secret: set {SECRET_ENV} "
+                         "(or pass a secret / API key), or bind to 127.0.0.1")
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without ``authorization: Bearer <token>`` (health and reflection stay open)."""
+
+    OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+    def __init__(self, token: str, what: str = "cluster secret") -> None:
+        self._token = token.encode()
+        self._what = what
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(self.OPEN_PREFIXES):
+            return await continuation(handler_call_details)
+        md = dict(handler_call_details.invocation_metadata or ())
+        got = md.get("authorization", "")
+        ok = got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), self._token)
+        if ok:
+            return await continuation(handler_call_details)
+        what = self._what
+
+        async def deny(request_or_iterator, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"missing or wrong {what} in 'authorization: Bearer ...' metadata")
+
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.response_streaming:
+            async def deny_stream(request, context):
+                await deny(request, context)
+                yield  # pragma: no cover
+            kind = grpc.unary_stream_rpc_method_handler if not handler.request_streaming else \
+                grpc.stream_stream_rpc_method_handler
+            return kind(deny_stream, request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
+        kind = grpc.unary_unary_rpc_method_handler if not handler.request_streaming else \
+            grpc.stream_unary_rpc_method_handler
+        return kind(deny, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def make_server(secret: str | None = None, what: str = "cluster secret") -> grpc.aio.Server:
+    interceptors = [BearerAuthInterceptor(secret, what)] if secret else []
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> health.aio.HealthServicer:
+    """Standard health service (overall + each service SERVING) and server reflection."""
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    names = list(service_names)
+    reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return hs
+
+
+async def set_serving(hs: health.aio.HealthServicer, service_names: Iterable[str], serving: bool = True) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    await hs.set("", status)
+    for n in service_names:
+        await hs.set(n, status)

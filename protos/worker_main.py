@@ -1,0 +1,55 @@
+"""Shared start-up of a worker process: flags, model loading, serving until SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+logger = logging.getLogger(__name__)
+
+
+def model_info(cfg, model_dir: str, page_size: int) -> dict[str, str]:
+    """What the router needs to validate requests without loading the model (WorkerStatus.info)."""
+    import os
+    return {"vocab_size": str(cfg.vocab_size), "max_context": str(cfg.max_position_embeddings),
+            "page_size": str(page_size), "eos_token_ids": ",".join(map(str, cfg.eos_token_ids)),
+            "model_dir": os.path.abspath(model_dir), "model_type": cfg.model_type,
+            "has_tokenizer": "1" if os.path.exists(os.path.join(model_dir, "tokenizer.json")) else "0",
+            "num_mtp_layers": str(cfg.num_mtp_layers)}
+
+
+def common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: the default model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp8_e4m3"])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=4096)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--cluster-secret", default=None, help="default: $PDSERVE_CLUSTER_SECRET")
+    p.add_argument("--expect-model-hash", default=None, help="refuse to start if the model differs")
+    p.add_argument("--log-level", default="INFO")
+
+
+async def serve_until_signal(server, on_stop) -> None:
+    """Run until SIGTERM/SIGINT, then stop accepting, let calls finish (grace), run ``on_stop``."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("signal received: shutting down")
+    await server.stop(grace=3.0)
+    await on_stop()
+
+
+def run(main_coro) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency, but stay runnable without it
+        asyncio.run(main_coro)
+        return
+    uvloop.run(main_coro)
