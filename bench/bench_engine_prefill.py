@@ -28,7 +28,7 @@ def best_time(fn, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lens", default="2048,8192")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default="glm4_moe,glm_moe_dsa")
     args = ap.parse_args()

@@ -121,3 +121,20 @@ def test_pool_accounting_and_generations():
     with pytest.raises(PageError, match="stale"):
         a.check([p[0]], [gens[0]])  # reused page: the old generation is rejected
     assert a.owners() == {"r3": 4} and sorted(q) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("impl", ["sorted", "grouped", "gather"])
+def test_moe_strategies_agree(impl):
+    from engine.moe.experts import MOE_IMPLS
+    from engine.moe.router import Routing
+    g = torch.Generator().manual_seed(0)
+    E, H, I, T, K = 8, 32, 16, 50, 3
+    x, w13, w2 = torch.randn(T, H, generator=g), torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    r = Routing(ids, torch.rand(T, K, generator=g))
+    ref = torch.zeros(T, H)
+    for t in range(T):  # the definition, token by token
+        for k in range(K):
+            h = w13[ids[t, k]] @ x[t]
+            ref[t] += r.weights[t, k] * (w2[ids[t, k]] @ (torch.nn.functional.silu(h[:I]) * h[I:]))
+    assert (MOE_IMPLS[impl](x, w13, w2, r) - ref).abs().max() < 1e-5 * ref.abs().max()
