@@ -1,0 +1,60 @@
+"""``python -m router --port 50051 --prefill HOST:PORT,... --decode HOST:PORT,... [--api-key KEY] [--model DIR]``
+
+Prints ``PDSERVE_READY router HOST:PORT`` once listening, serves until SIGTERM/SIGINT, then stops with a
+grace period. Flags are generated from ``RouterConfig``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from router.config import RouterConfig, add_config_args, config_from_args
+from router.server import RouterServer
+
+logger = logging.getLogger("router")
+
+
+async def amain(cfg: RouterConfig) -> None:
+    srv = RouterServer(cfg)
+    await srv.start()
+    missing = await srv.core.registry.wait_first_poll(cfg.startup_timeout_s)
+    if missing:
+        logger.warning("workers not healthy yet (serving anyway, they join when healthy): %s", ", ".join(missing))
+    print(f"PDSERVE_READY router {srv.address}", flush=True)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("signal received: shutting down")
+    await srv.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser("python -m router", description="pdserve router (public gRPC API)")
+    add_config_args(p)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"router: error: {e}", file=sys.stderr)
+        return 2
+    if not cfg.prefill or not cfg.decode:
+        print("router: error: give at least one --prefill and one --decode worker address", file=sys.stderr)
+        return 2
+    from protos.worker_main import run
+    run(amain(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Routing policies. Prefill policies register by name; decode ordering and the local-prefill decision are
+plain functions.
+
+A policy sees ``Candidate`` views (id, load, pages) of the workers currently in rotation, never the
+workers themselves, so it is pure and cheap to benchmark. ``load`` is what the router knows best: the
+calls it has outstanding at the worker, or the worker's own running + queued count when that is higher
+(another router may be sending work too).
+"""
+from __future__ import annotations
+
+import abc
+import random
+from dataclasses import dataclass
+from typing import Callable, ClassVar, NamedTuple, Sequence
+
+from router.config import RouterConfig
+from router.prefix_index import PrefixIndex, PromptHashes
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    worker_id: str
+    load: int
+    """Outstanding requests at the worker."""
+    pages_free: int = 0
+    pages_total: int = 0
+    supports_local_prefill: bool = False
+    """Decode workers only: the worker can prefill a prompt itself (``info['local_prefill'] == '1'``)."""
+
+
+class Choice(NamedTuple):
+    worker_id: str
+    matched_tokens: int
+    """Prompt tokens the chosen worker is believed to hold (0 unless cache-aware)."""
+    reason: str
+
+
+class PrefillPolicy(abc.ABC):
+    """Picks one prefill worker for a prompt. ``candidates`` is never empty; ``prompt`` may be None
+    (no page size known yet). Implementations must be fast: they run once per request on the event loop."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def choose(self, candidates: Sequence[Candidate], prompt: PromptHashes | None, index: PrefixIndex) -> Choice: ...
+
+
+POLICIES: dict[str, Callable[[RouterConfig], PrefillPolicy]] = {}
+
+
+def register(name: str):
+    def deco(cls):
+        cls.name = name
+        POLICIES[name] = cls
+        return cls
+    return deco
+
+
+def make_policy(cfg: RouterConfig) -> PrefillPolicy:
+    return POLICIES[cfg.routing](cfg)
+
+
+@register("round_robin")
+class RoundRobinPolicy(PrefillPolicy):
+    def __init__(self, cfg: RouterConfig | None = None) -> None:
+        self._next = 0
+
+    def choose(self, candidates, prompt, index):
+        c = candidates[self._next % len(candidates)]
+        self._next += 1
+        return Choice(c.worker_id, 0, "round_robin")
+
+
+@register("random")
+class RandomPolicy(PrefillPolicy):
+    def __init__(self, cfg: RouterConfig | None = None, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, candidates, prompt, index):
+        return Choice(self._rng.choice(candidates).worker_id, 0, "random")
+
+
+@register("least_load")
+class LeastLoadPolicy(PrefillPolicy):
+    def __init__(self, cfg: RouterConfig | None = None) -> None:
+        self._tie = 0
+
+    def choose(self, candidates, prompt, index):
+        self._tie += 1
+        n = len(candidates)
+        # rotate the tie-break so equal loads spread instead of piling on the first worker
+        best = min(range(n), key=lambda i: (candidates[i].load, (i - self._tie) % n))
+        return Choice(candidates[best].worker_id, 0, "least_load")
+
+
+@register("cache_aware")
+class CacheAwarePolicy(PrefillPolicy):
+    """SGLang-style: when loads are imbalanced (max - min > abs threshold and max > rel threshold * min)
+    route to the least-loaded worker; otherwise to the longest prefix the workers really hold (their cache
+    events), ties going to the lighter load and then to the worker holding fewer blocks (spreads the cache)."""
+
+    def __init__(self, cfg: RouterConfig | None = None) -> None:
+        cfg = cfg or RouterConfig()
+        self.abs_threshold = cfg.balance_abs_threshold
+        self.rel_threshold = cfg.balance_rel_threshold
+        self._least = LeastLoadPolicy()
+        self._tie = 0
+
+    def imbalanced(self, candidates: Sequence[Candidate]) -> bool:
+        loads = [c.load for c in candidates]
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.abs_threshold and hi > lo * self.rel_threshold
+
+    def choose(self, candidates, prompt, index):
+        if prompt is None or len(candidates) == 1 or self.imbalanced(candidates):
+            c = self._least.choose(candidates, prompt, index)
+            return Choice(c.worker_id, 0, "least_load" if len(candidates) > 1 else "only")
+        matched = index.match(prompt, [c.worker_id for c in candidates])
+        self._tie += 1
+        n = len(candidates)
+
+        def key(i: int):
+            c = candidates[i]
+            return (-matched[c.worker_id], c.load, index.num_blocks(c.worker_id), (i - self._tie) % n)
+        best = candidates[min(range(n), key=key)]
+        blocks = matched[best.worker_id]
+        return Choice(best.worker_id, blocks * prompt.page_size, "prefix" if blocks else "cold")
+
+
+def order_decode(candidates: Sequence[Candidate], need_pages: int) -> list[Candidate]:
+    """Decode workers in the order to try a reservation: those whose last known free pages fit the request
+    first, by fewest running requests then most free pages; the rest after (their numbers may be stale)."""
+    def key(c: Candidate):
+        return (c.pages_free < need_pages, c.load, -c.pages_free)
+    return sorted(candidates, key=key)
+
+
+def use_local_prefill(prompt_len: int, cfg: RouterConfig, decode: Candidate) -> bool:
+    """Conditional disaggregation: prefill short prompts on the decode worker itself when it can."""
+    return prompt_len < cfg.local_prefill_below and decode.supports_local_prefill

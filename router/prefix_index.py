@@ -1,0 +1,112 @@
+"""Which prefill worker really holds which prefix: a global block-hash index fed by the workers' cache events.
+
+A prefill worker's radix cache publishes every page it stores or evicts as a *block hash*: a 64-bit
+blake2b chain hash of the page's token ids and its parent's hash (``prefill.radix.block_hash``; the
+same function is reimplemented here because the router must not import ``prefill``, and a test checks
+both agree). Because the hash is chained, a worker holding block ``i`` of a prompt holds exactly that
+prefix, so a longest-prefix match is a walk down the prompt's block hashes that stops at the first miss.
+
+The walk is lazy: block hashes are computed only while some worker still matches, so a cold prompt
+costs one hash whatever its length.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Iterable, Sequence
+
+
+def block_hash(parent: int, chunk: Sequence[int]) -> int:
+    """64-bit chained hash of a page of token ids; equal to ``prefill.radix.block_hash``."""
+    h = hashlib.blake2b(struct.pack(f"<Q{len(chunk)}I", parent, *chunk), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+def prefix_block_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
+    """Block hashes of every full page of ``token_ids``."""
+    return list(PromptHashes(token_ids, page_size).iter_all())
+
+
+class PromptHashes:
+    """The chained block hashes of one prompt, computed on demand and memoised."""
+
+    __slots__ = ("token_ids", "page_size", "num_blocks", "_hashes")
+
+    def __init__(self, token_ids: Sequence[int], page_size: int) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.token_ids = token_ids
+        self.page_size = page_size
+        self.num_blocks = len(token_ids) // page_size
+        self._hashes: list[int] = []
+
+    def __getitem__(self, i: int) -> int:
+        while len(self._hashes) <= i:
+            k = len(self._hashes)
+            if k >= self.num_blocks:
+                raise IndexError(i)
+            parent = self._hashes[-1] if self._hashes else 0
+            self._hashes.append(block_hash(parent, self.token_ids[k * self.page_size:(k + 1) * self.page_size]))
+        return self._hashes[i]
+
+    def iter_all(self):
+        for i in range(self.num_blocks):
+            yield self[i]
+
+
+class PrefixIndex:
+    """Block hashes held per worker. Not thread-safe: used from the router's event loop only."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, set[str]] = {}
+        """block hash -> workers holding it"""
+        self._by_worker: dict[str, set[int]] = {}
+
+    def apply(self, worker_id: str, stored: Iterable[int] = (), evicted: Iterable[int] = (),
+              reset: bool = False) -> None:
+        """Apply one cache event (``reset`` drops what was known first; ``stored`` is then a snapshot)."""
+        if reset:
+            self.drop(worker_id)
+        mine = self._by_worker.setdefault(worker_id, set())
+        for h in evicted:
+            if h in mine:
+                mine.discard(h)
+                holders = self._holders[h]
+                holders.discard(worker_id)
+                if not holders:
+                    del self._holders[h]
+        for h in stored:
+            if h not in mine:
+                mine.add(h)
+                self._holders.setdefault(h, set()).add(worker_id)
+
+    def drop(self, worker_id: str) -> None:
+        """Forget a worker's blocks (its event stream broke or it left)."""
+        for h in self._by_worker.pop(worker_id, ()):
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.discard(worker_id)
+                if not holders:
+                    del self._holders[h]
+
+    def num_blocks(self, worker_id: str) -> int:
+        return len(self._by_worker.get(worker_id, ()))
+
+    def holds(self, worker_id: str, h: int) -> bool:
+        return h in self._by_worker.get(worker_id, ())
+
+    def match(self, prompt: PromptHashes, worker_ids: Iterable[str]) -> dict[str, int]:
+        """Matched prefix length in *blocks* for each of ``worker_ids`` (0 when nothing matches)."""
+        result = dict.fromkeys(worker_ids, 0)
+        alive = {w for w in result if self._by_worker.get(w)}
+        i = 0
+        while alive and i < prompt.num_blocks:
+            holders = self._holders.get(prompt[i])
+            nxt = alive & holders if holders else set()
+            for w in alive - nxt:
+                result[w] = i
+            alive = nxt
+            i += 1
+        for w in alive:
+            result[w] = i
+        return result

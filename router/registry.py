@@ -1,0 +1,222 @@
+"""The workers the router sends requests to: channels, health, load, and (prefill) cache contents.
+
+Every worker is polled with ``GetStatus`` every ``health_interval_s`` (timeout ``health_timeout_s``).
+A worker enters the rotation on its first good answer and leaves after ``unhealthy_after`` failed polls,
+or at once when a request call to it fails and a quick probe confirms it is gone; the next good poll
+puts it back. A worker serving a different model (hash) than the first one seen stays out.
+
+Each prefill worker's ``StreamCacheEvents`` feeds the shared ``PrefixIndex``; when the stream breaks
+the worker's blocks are dropped (nothing stale is trusted) and the stream is reopened with backoff; the
+worker's first event after (re)connecting is a full snapshot.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+
+from protos import rpc
+from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from router.config import RouterConfig
+from router.policy import Candidate
+from router.prefix_index import PrefixIndex
+from router.validate import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Worker:
+    role: str
+    """"prefill" or "decode"."""
+    address: str
+    """gRPC host:port; the worker's key in the router (stable, unique)."""
+    channel: grpc.aio.Channel
+    stub: object
+    healthy: bool = False
+    failures: int = 0
+    status: generation_pb2.WorkerStatus | None = None
+    inflight: int = 0
+    """Calls this router has outstanding at the worker (prefill: Prefill calls; decode: open streams)."""
+    last_error: str = ""
+    last_ok_s: float = 0.0
+    excluded: str = ""
+    """Why the worker is kept out of rotation whatever its health (model mismatch), or ""."""
+
+    @property
+    def name(self) -> str:
+        return self.status.worker_id if self.status is not None and self.status.worker_id else self.address
+
+    def candidate(self) -> Candidate:
+        st = self.status
+        polled = (st.running + st.queued) if st is not None else 0
+        return Candidate(self.address, max(self.inflight, polled),
+                         st.pages_free if st is not None else 0, st.pages_total if st is not None else 0,
+                         st is not None and st.info.get("local_prefill") == "1")
+
+
+@dataclass
+class Registry:
+    cfg: RouterConfig
+    secret: str | None = None
+    on_change: Callable[[], None] | None = None
+    """Called (on the loop) whenever a worker enters or leaves the rotation."""
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+    workers: dict[str, Worker] = field(default_factory=dict)
+    model_hash: str = ""
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+    _first_poll: dict[str, asyncio.Event] = field(default_factory=dict)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return rpc.auth_metadata(self.secret)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        for role, addrs, stub_cls in (("prefill", self.cfg.prefill, worker_pb2_grpc.PrefillWorkerStub),
+                                      ("decode", self.cfg.decode, worker_pb2_grpc.DecodeWorkerStub)):
+            for addr in addrs:
+                if addr in self.workers:
+                    raise ValueError(f"worker {addr} listed twice")
+                ch = grpc.aio.insecure_channel(addr, options=rpc.CHANNEL_OPTIONS)
+                w = Worker(role, addr, ch, stub_cls(ch))
+                self.workers[addr] = w
+                self._first_poll[addr] = asyncio.Event()
+                self._spawn(self._poll_loop(w), f"poll {addr}")
+                if role == "prefill":
+                    self._spawn(self._events_loop(w), f"cache events {addr}")
+
+    async def wait_first_poll(self, timeout_s: float) -> list[str]:
+        """Wait until every worker answered once (or failed to); returns the addresses that never did."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self._first_poll.values())), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        return [a for a, w in self.workers.items() if not w.healthy]
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+        for w in self.workers.values():
+            await w.channel.close(grace=None)
+
+    def _spawn(self, coro, name: str) -> None:
+        t = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    # -- queries -----------------------------------------------------------------------------------
+    def healthy(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role and w.healthy and not w.excluded]
+
+    def model_info(self) -> ModelInfo | None:
+        """From the first healthy worker that reports it (prefill preferred: its page size is the index's)."""
+        for role in ("prefill", "decode"):
+            for w in self.healthy(role):
+                try:
+                    return ModelInfo.from_info(w.status.info, w.status.model_hash)
+                except ValueError as e:
+                    logger.warning("worker %s: %s", w.address, e)
+        return None
+
+    def serving(self) -> bool:
+        return bool(self.healthy("prefill")) and bool(self.healthy("decode"))
+
+    # -- health ------------------------------------------------------------------------------------
+    async def poll_once(self, w: Worker, timeout_s: float | None = None) -> bool:
+        try:
+            st = await w.stub.GetStatus(worker_pb2.StatusRequest(), metadata=self.metadata,
+                                        timeout=timeout_s or self.cfg.health_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            self._set_failed(w, f"{e.code().name}: {e.details()}", immediate=False)
+            return False
+        w.status, w.failures, w.last_error, w.last_ok_s = st, 0, "", time.monotonic()
+        self._check_model(w, st.model_hash)
+        self._set_healthy(w, True)
+        return True
+
+    def _check_model(self, w: Worker, mhash: str) -> None:
+        if not mhash:
+            return
+        if not self.model_hash:
+            self.model_hash = mhash
+        if mhash != self.model_hash and not w.excluded:
+            w.excluded = f"serves model {mhash}, the cluster serves {self.model_hash}"
+            logger.error("worker %s left out of rotation: %s", w.address, w.excluded)
+
+    async def confirm_failure(self, w: Worker, err: str) -> None:
+        """A request call failed as if the worker were gone: probe at once and take it out if so."""
+        if not await self.poll_once(w, timeout_s=min(1.0, self.cfg.health_timeout_s)):
+            self._set_failed(w, err, immediate=True)
+
+    def _set_failed(self, w: Worker, err: str, immediate: bool) -> None:
+        w.failures += 1
+        w.last_error = err
+        if immediate or w.failures >= self.cfg.unhealthy_after:
+            self._set_healthy(w, False)
+
+    def _set_healthy(self, w: Worker, healthy: bool) -> None:
+        first = self._first_poll.get(w.address)
+        if first is not None and (healthy or w.failures >= self.cfg.unhealthy_after):
+            first.set()
+        if w.healthy == healthy:
+            return
+        w.healthy = healthy
+        if healthy:
+            logger.info("%s worker %s (%s) is in rotation", w.role, w.name, w.address)
+        else:
+            logger.warning("%s worker %s (%s) is out of rotation: %s", w.role, w.name, w.address, w.last_error)
+        if self.on_change is not None:
+            self.on_change()
+
+    async def _poll_loop(self, w: Worker) -> None:
+        while True:
+            t0 = time.monotonic()
+            await self.poll_once(w)
+            await asyncio.sleep(max(0.0, self.cfg.health_interval_s - (time.monotonic() - t0)))
+
+    # -- cache events ------------------------------------------------------------------------------
+    async def _events_loop(self, w: Worker) -> None:
+        backoff = 0.1
+        while True:
+            call = w.stub.StreamCacheEvents(worker_pb2.CacheEventsRequest(), metadata=self.metadata)
+            try:
+                async for ev in call:
+                    self.index.apply(w.address, ev.stored, ev.evicted, ev.reset)
+                    backoff = 0.1
+            except grpc.aio.AioRpcError as e:
+                logger.debug("cache event stream of %s broke: %s", w.address, e.code().name)
+            finally:
+                call.cancel()
+            self.index.drop(w.address)
+            await asyncio.sleep(backoff)
+            backoff = min(2.0, backoff * 2)
+
+    # -- admin -------------------------------------------------------------------------------------
+    async def live_status(self, timeout_s: float = 2.0) -> list[generation_pb2.WorkerStatus]:
+        """Every worker's status, asked now (last known, marked unhealthy, when it does not answer)."""
+        async def one(w: Worker) -> generation_pb2.WorkerStatus:
+            ok = await self.poll_once(w, timeout_s)
+            st = generation_pb2.WorkerStatus()
+            if w.status is not None:
+                st.CopyFrom(w.status)
+            st.address = w.address
+            st.role = st.role or w.role
+            st.worker_id = st.worker_id or w.address
+            st.healthy = ok and w.healthy and not w.excluded
+            st.info["router_inflight"] = str(w.inflight)
+            if w.role == "prefill":
+                st.info["router_cached_blocks"] = str(self.index.num_blocks(w.address))
+            if w.last_error:
+                st.info["router_last_error"] = w.last_error
+            if w.excluded:
+                st.info["router_excluded"] = w.excluded
+            return st
+        return list(await asyncio.gather(*(one(w) for w in self.workers.values())))

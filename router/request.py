@@ -1,0 +1,248 @@
+"""One ``Generate`` call through the cluster. Lifecycle::
+
+    VALIDATED ──Reserve on a decode worker (next one on RESOURCE_EXHAUSTED)──> RESERVED
+    RESERVED ──Prefill on the chosen prefill worker, KV shipped to the reservation──> PREFILLED
+        (first token streamed to the client at once; a prefill that fails before it - worker gone,
+         queue full, transfer failed - is retried once, preferably on another worker, with a fresh
+         reservation under a new internal id)
+    PREFILLED ──Decode stream, forwarded chunk by chunk──> FINISHED (last chunk: finish_reason, usage, metrics)
+    any state ──client cancel / deadline / worker error──> ABORTED: Abort(req_id) to every worker that saw it
+
+The decode worker is always called, even when the first token already ends the request (EOS, stop
+token, max_tokens == 1): it answers with a finish chunk and frees the reservation itself.
+
+Conditional disaggregation: when the request's prompt is shorter than ``local_prefill_below`` and the
+chosen decode worker advertises ``info['local_prefill'] == '1'``, the prefill step is skipped and
+``Decode`` is sent with an empty ``output_prefix``, meaning "prefill the prompt into the reservation
+yourself"; the first streamed chunk then carries the first token. Workers that do not advertise it
+get the disaggregated path.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+import uuid
+from typing import TYPE_CHECKING, AsyncIterator
+
+import grpc
+
+from protos.pdserve.v1 import generation_pb2, worker_pb2
+from router.policy import order_decode, use_local_prefill
+from router.prefix_index import PromptHashes
+from router.registry import Worker
+from router.text import Detokenizer
+from router.validate import RequestError, ValidRequest
+
+if TYPE_CHECKING:
+    from router.server import RouterCore
+
+logger = logging.getLogger(__name__)
+_RETRIABLE_PREFILL = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL)
+
+
+class Phase(enum.Enum):
+    VALIDATED = "validated"
+    RESERVED = "reserved"
+    PREFILLED = "prefilled"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+def new_req_id(client_id: str) -> str:
+    """Internal id: unique even when two clients reuse one request_id."""
+    suffix = uuid.uuid4().hex
+    return f"{client_id}.{suffix[:8]}" if client_id else suffix[:16]
+
+
+class GenerateRun:
+    def __init__(self, core: "RouterCore", valid: ValidRequest, client_id: str, priority: int,
+                 deadline: float, t_received: float) -> None:
+        self.core, self.valid, self.priority = core, valid, priority
+        self.client_id = client_id or new_req_id("")
+        self.req_id = new_req_id(client_id) if client_id else self.client_id
+        self.deadline, self.t0 = deadline, t_received
+        self.phase = Phase.VALIDATED
+        self.touched: list[tuple[Worker, str]] = []
+        """(worker, internal id) pairs that may hold state for this request: aborted unless FINISHED."""
+        self.metrics = generation_pb2.RequestMetrics()
+        self.cached_tokens = 0
+        self.num_out = 0
+        self.first_token: int | None = None
+        self._accept: list[float] = []
+        self._detok = Detokenizer(core.codec) if core.codec is not None else None
+        self._live_calls: list = []
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request finished")
+        return left
+
+    def short_timeout(self) -> float:
+        return min(self.core.cfg.rpc_timeout_s, self.remaining())
+
+    def abort(self, why: str) -> None:
+        """Free the request everywhere (idempotent; runs in the background, never blocks the caller)."""
+        if self.phase in (Phase.FINISHED, Phase.ABORTED):
+            return
+        self.phase = Phase.ABORTED
+        for call in self._live_calls:
+            call.cancel()
+        for w, rid in self.touched:
+            self.core.spawn(self.core.abort_on(w, rid, why))
+
+    def _response(self, ids: list[int], finish: str = "", logprobs=()) -> generation_pb2.GenerateResponse:
+        text = self._detok.step(ids) if self._detok is not None and ids else ""
+        r = generation_pb2.GenerateResponse(request_id=self.client_id, token_ids=ids, text=text,
+                                            finish_reason=finish, logprobs=logprobs)
+        if finish:
+            if self._detok is not None:
+                r.text += self._detok.flush()
+            r.usage.prompt_tokens = len(self.valid.prompt_ids)
+            r.usage.cached_tokens = self.cached_tokens
+            r.usage.completion_tokens = self.num_out
+            self.metrics.accept_len = sum(self._accept) / len(self._accept) if self._accept else 0.0
+            r.metrics.CopyFrom(self.metrics)
+        return r
+
+    # -- the request -----------------------------------------------------------------------------------
+    async def stream(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            dw, rid, first = await self._first_token()
+            if first is not None:
+                self.num_out = 1
+                self.metrics.ttft_s = time.monotonic() - self.t0
+                yield first
+            async for resp in self._decode(dw, rid, local=first is None):
+                yield resp
+            self.phase = Phase.FINISHED
+        except RequestError as e:
+            self.abort(e.message)
+            raise
+        except BaseException:  # cancelled by the client or the deadline, or closed: free the workers
+            self.abort("cancelled")
+            raise
+
+    async def _first_token(self) -> tuple[Worker, str, generation_pb2.GenerateResponse | None]:
+        """Reserve + prefill with one retry; returns the decode worker, the internal id in use there and the
+        first response (None when the decode worker prefills locally)."""
+        tried: set[str] = set()
+        for attempt in range(2):
+            rid = self.req_id if attempt == 0 else f"{self.req_id}.retry{attempt}"
+            dw, ticket = await self._reserve(rid)
+            if use_local_prefill(len(self.valid.prompt_ids), self.core.cfg, dw.candidate()):
+                self.metrics.prefill_worker = dw.name
+                return dw, rid, None
+            pw = self._choose_prefill(tried)
+            try:
+                return dw, rid, await self._prefill(pw, rid, ticket)
+            except grpc.aio.AioRpcError as e:
+                self.core.spawn(self.core.abort_on(dw, rid, "prefill failed"))
+                self.core.spawn(self.core.abort_on(pw, rid, "prefill failed"))
+                code, msg = e.code(), f"prefill worker {pw.name}: {e.details()}"
+                if attempt == 0 and code in _RETRIABLE_PREFILL and self.deadline > time.monotonic():
+                    if code is grpc.StatusCode.UNAVAILABLE:
+                        await self.core.registry.confirm_failure(pw, msg)
+                    logger.warning("request %s: %s (%s); retrying once", self.client_id, msg, code.name)
+                    tried.add(pw.address)
+                    self.metrics.retries += 1
+                    continue
+                raise RequestError(code, msg) from None
+        raise AssertionError("unreachable")
+
+    async def _reserve(self, rid: str) -> tuple[Worker, worker_pb2.TransferTicket]:
+        reg = self.core.registry
+        page = max(1, self.core.page_size())
+        need = math.ceil((len(self.valid.prompt_ids) + self.valid.max_tokens) / page)
+        order = order_decode([w.candidate() for w in reg.healthy("decode")], need)
+        if not order:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+        full, failed = [], []
+        for c in order:
+            w = reg.workers[c.worker_id]
+            req = worker_pb2.ReserveRequest(request_id=rid, num_tokens=len(self.valid.prompt_ids),
+                                            max_new_tokens=self.valid.max_tokens)
+            self.touched.append((w, rid))
+            try:
+                resp = await w.stub.Reserve(req, metadata=reg.metadata, timeout=self.short_timeout())
+            except grpc.aio.AioRpcError as e:
+                if e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full.append(f"{w.name}: {e.details()}")
+                    continue
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self.remaining()  # our own deadline first
+                    failed.append(f"{w.name}: {e.code().name} {e.details()}")
+                    self.core.spawn(reg.confirm_failure(w, e.details() or e.code().name))
+                    continue
+                raise RequestError(e.code(), f"decode worker {w.name} refused the reservation: {e.details()}")
+            self.phase = Phase.RESERVED
+            self.metrics.decode_worker = w.name
+            return w, resp.ticket
+        if full:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               "no decode worker has room for this request: " + "; ".join(full + failed))
+        raise RequestError(grpc.StatusCode.UNAVAILABLE, "no decode worker answered: " + "; ".join(failed))
+
+    def _choose_prefill(self, tried: set[str]) -> Worker:
+        reg = self.core.registry
+        healthy = reg.healthy("prefill")
+        pool = [w for w in healthy if w.address not in tried] or healthy
+        if not pool:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+        page = self.core.page_size()
+        prompt = PromptHashes(self.valid.prompt_ids, page) if page else None
+        choice = self.core.policy.choose([w.candidate() for w in pool], prompt, reg.index)
+        return reg.workers[choice.worker_id]
+
+    async def _prefill(self, pw: Worker, rid: str, ticket) -> generation_pb2.GenerateResponse:
+        req = worker_pb2.PrefillRequest(request_id=rid, token_ids=self.valid.prompt_ids, sampling=self.valid.sampling,
+                                        ticket=ticket, priority=self.priority)
+        self.touched.append((pw, rid))
+        self.metrics.prefill_worker = pw.name
+        pw.inflight += 1
+        call = pw.stub.Prefill(req, metadata=self.core.registry.metadata, timeout=self.remaining())
+        self._live_calls.append(call)
+        try:
+            r = await call
+        finally:
+            pw.inflight -= 1
+            self._live_calls.remove(call)
+        self.phase = Phase.PREFILLED
+        self.first_token = r.first_token
+        self.cached_tokens = r.cached_tokens
+        m = self.metrics
+        m.queue_s, m.prefill_s, m.kv_transfer_s, m.kv_transfer_bytes = r.queue_s, r.prefill_s, r.transfer_s, \
+            r.transfer_bytes
+        lps = [r.first_logprob] if self.valid.sampling.logprobs and r.HasField("first_logprob") else []
+        return self._response([r.first_token], logprobs=lps)
+
+    async def _decode(self, dw: Worker, rid: str, local: bool) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        prefix = [] if local else [self.first_token]
+        req = worker_pb2.DecodeRequest(request_id=rid, prompt_ids=self.valid.prompt_ids, output_prefix=prefix,
+                                       sampling=self.valid.sampling,
+                                       transfer_timeout_s=min(self.core.cfg.transfer_timeout_s, self.remaining()))
+        dw.inflight += 1
+        call = dw.stub.Decode(req, metadata=self.core.registry.metadata, timeout=self.remaining())
+        self._live_calls.append(call)
+        try:
+            async for chunk in call:
+                ids = list(chunk.token_ids)
+                if local and self.num_out == 0 and ids:
+                    self.metrics.ttft_s = time.monotonic() - self.t0
+                self.num_out += len(ids)
+                if chunk.accept_len > 0:
+                    self._accept.append(chunk.accept_len)
+                yield self._response(ids, chunk.finish_reason, chunk.logprobs)
+                if chunk.finish_reason:
+                    return
+        except grpc.aio.AioRpcError as e:
+            if e.code() is grpc.StatusCode.UNAVAILABLE:
+                self.core.spawn(self.core.registry.confirm_failure(dw, e.details() or "UNAVAILABLE"))
+            raise RequestError(e.code(), f"decode worker {dw.name}: {e.details()}") from None
+        finally:
+            dw.inflight -= 1
+            self._live_calls.remove(call)
+        raise RequestError(grpc.StatusCode.INTERNAL, f"decode worker {dw.name} ended the stream without a finish")

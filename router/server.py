@@ -1,0 +1,166 @@
+"""The router's gRPC server: public ``Generation`` and ``Admin`` services over the worker registry.
+
+``RouterServer.start()`` binds the port, starts the registry (health polls, cache-event streams) and
+serves the standard health service (SERVING once at least one prefill and one decode worker are in
+rotation) and server reflection. ``stop()`` refuses new calls, gives in-flight ones ``grace_s``, then
+cancels and awaits every background task (aborts to workers included) and closes the channels.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+import grpc
+
+from protos import rpc
+from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
+from router.config import RouterConfig
+from router.policy import make_policy
+from router.registry import Registry, Worker
+from router.request import GenerateRun
+from router.text import TextCodec
+from router.validate import RequestError, validate
+
+logger = logging.getLogger(__name__)
+PUBLIC_SERVICES = ("pdserve.v1.Generation", "pdserve.v1.Admin")
+
+
+class RouterCore:
+    """What every request shares: config, registry, policy, tokenizer and the background-task set."""
+
+    def __init__(self, cfg: RouterConfig, secret: str | None) -> None:
+        self.cfg = cfg
+        self.registry = Registry(cfg, secret)
+        self.policy = make_policy(cfg)
+        self.codec: TextCodec | None = TextCodec.from_model_dir(cfg.model)
+        self._codec_tried = cfg.model is not None
+        self.inflight = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def page_size(self) -> int:
+        info = self.registry.model_info()
+        return info.page_size if info is not None else 0
+
+    def ensure_codec(self, model_dir: str, has_tokenizer: bool) -> None:
+        """Load the tokenizer from the workers' model dir the first time it is known (same machine)."""
+        if not self._codec_tried and has_tokenizer and model_dir:
+            self._codec_tried = True
+            self.codec = TextCodec.from_model_dir(model_dir)
+
+    async def abort_on(self, w: Worker, rid: str, why: str) -> None:
+        try:
+            await w.stub.Abort(worker_pb2.AbortRequest(request_id=rid), metadata=self.registry.metadata,
+                               timeout=self.cfg.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            logger.debug("abort of %s on %s failed (%s): %s", rid, w.address, why, e.code().name)
+
+    async def drain(self, timeout_s: float) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        for t in list(self._tasks):
+            t.cancel()
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+
+    async def Generate(self, request, context):
+        core, t0 = self.core, time.monotonic()
+        if core.inflight >= core.cfg.max_inflight:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"router is at its limit of {core.cfg.max_inflight} requests in flight; retry later")
+        model = core.registry.model_info()
+        if model is None or not core.registry.serving():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy prefill and decode workers: " +
+                                _why_unavailable(core.registry))
+        core.ensure_codec(model.model_dir, model.has_tokenizer)
+        try:
+            valid = validate(request, model, core.codec.encode if core.codec is not None else None)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        left = context.time_remaining()
+        budget = core.cfg.request_timeout_s if left is None or math.isinf(left) else min(left,
+                                                                                          core.cfg.request_timeout_s)
+        run = GenerateRun(core, valid, request.request_id, request.priority, t0 + budget, t0)
+        context.add_done_callback(lambda ctx: run.abort("rpc ended") if ctx.cancelled() else None)
+        core.inflight += 1
+        try:
+            async for resp in run.stream():
+                yield resp
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        finally:
+            core.inflight -= 1
+
+
+def _why_unavailable(reg: Registry) -> str:
+    parts = []
+    for w in reg.workers.values():
+        state = "in rotation" if w.healthy and not w.excluded else (w.excluded or w.last_error or "not answered yet")
+        parts.append(f"{w.role} {w.address}: {state}")
+    return "; ".join(parts) or "no workers configured"
+
+
+class AdminServicer(generation_pb2_grpc.AdminServicer):
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+
+    async def GetClusterStatus(self, request, context):
+        workers = await self.core.registry.live_status(timeout_s=min(2.0, self.core.cfg.health_timeout_s))
+        info = self.core.registry.model_info()
+        return generation_pb2.ClusterStatus(workers=workers, model=info.model_dir if info is not None else "")
+
+
+class RouterServer:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        secret = rpc.cluster_secret(cfg.cluster_secret)
+        self.core = RouterCore(cfg, secret)
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self._health = None
+        self._serving: bool | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.host}:{self.port}"
+
+    async def start(self) -> None:
+        rpc.check_bind(self.cfg.host, self.cfg.api_key, "router")
+        self.server = rpc.make_server(self.cfg.api_key, "API key")
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.core), self.server)
+        generation_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.core), self.server)
+        self._health = rpc.add_health_and_reflection(self.server, PUBLIC_SERVICES)
+        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {self.cfg.host}:{self.cfg.port}")
+        await self._set_serving(False)
+        self.core.registry.on_change = lambda: self.core.spawn(self._update_health())
+        await self.core.registry.start()
+        await self.server.start()
+        logger.info("router listening on %s (%d prefill, %d decode workers, routing %s)", self.address,
+                    len(self.cfg.prefill), len(self.cfg.decode), self.cfg.routing)
+
+    async def _update_health(self) -> None:
+        await self._set_serving(self.core.registry.serving())
+
+    async def _set_serving(self, serving: bool) -> None:
+        if serving != self._serving:
+            self._serving = serving
+            await rpc.set_serving(self._health, PUBLIC_SERVICES, serving)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self._set_serving(False)
+            await self.server.stop(grace=self.cfg.grace_s)
+        await self.core.drain(timeout_s=self.cfg.rpc_timeout_s)
+        await self.core.registry.close()
+
