@@ -89,6 +89,7 @@ class DecodeScheduler:
         """Returns a truncated-text reason (``stop``) when a stop string appeared (needs a tokenizer)."""
         self.spec = spec
         self._running: list[DecodeTask] = []
+        self._pending_prefill: list[DecodeTask] = []
         self._tasks: dict[str, DecodeTask] = {}
         self._cv = threading.Condition()
         self._stop = False
@@ -110,6 +111,23 @@ class DecodeScheduler:
         if done:  # e.g. the first token was already EOS / max_tokens == 1
             with self._cv:
                 self._finish(task, done)
+
+    def add_local(self, task: DecodeTask) -> None:
+        """Conditional disaggregation: prefill ``task.prompt_ids`` here (no transfer), then decode.
+
+        Pages are allocated now (``PoolExhausted`` propagates: nothing is kept); the first token is
+        emitted like any other. ``task.output_ids`` must be empty and ``cached_len`` 0.
+        """
+        if task.output_ids or task.cached_len:
+            raise ValueError("a local prefill starts from the prompt alone")
+        task.pages = self.pool.allocator.alloc(self.pool.pages_for(len(task.prompt_ids) + 1), task.req_id)
+        with self._cv:
+            if task.req_id in self._tasks:
+                self.pool.allocator.decref(task.pages)
+                raise ValueError(f"duplicate request id {task.req_id!r}")
+            self._tasks[task.req_id] = task
+            self._pending_prefill.append(task)
+            self._cv.notify()
 
     def abort(self, req_id: str, reason: str = "cancelled") -> bool:
         with self._cv:
@@ -142,7 +160,7 @@ class DecodeScheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._running:
+                while not self._stop and not self._running and not self._pending_prefill:
                     self._cv.wait(timeout=0.5)
                 if self._stop:
                     return
@@ -158,9 +176,13 @@ class DecodeScheduler:
     def step(self) -> bool:
         with self._cv:
             self._reap()
+            local, self._pending_prefill = self._pending_prefill, []
+        if local:
+            self._local_prefill(local)
+        with self._cv:
             tasks = list(self._running)
         if not tasks:
-            return False
+            return bool(local)
         t0 = time.perf_counter()
         if self.spec is not None:
             new_tokens = self.spec.step(tasks, self._ensure_pages)
@@ -173,6 +195,25 @@ class DecodeScheduler:
                     continue
                 self._deliver(task, toks)
         return True
+
+    def _local_prefill(self, tasks: list[DecodeTask]) -> None:
+        """One batched forward over the prompts (short by construction), first tokens, MTP pass."""
+        P, dev = self.pool.page_size, self.pool.device
+        out = self.model(ForwardBatch.build([BatchRequest(t.pages, 0, t.prompt_ids) for t in tasks], P, dev),
+                         self.pool)
+        firsts = sample(out.logits, [t.sampler for t in tasks]).token_ids.tolist()
+        if self.model.has_mtp:  # the draft layer's KV over the prompt, as a prefill worker would ship it
+            reqs = [BatchRequest(t.pages, 0, t.prompt_ids[1:] + [f]) for t, f in zip(tasks, firsts)]
+            self.model.forward_mtp(ForwardBatch.build(reqs, P, dev), self.pool, out.hidden)
+        with self._cv:
+            for t, f in zip(tasks, firsts):
+                t.cached_len = len(t.prompt_ids)
+                if t.abort_reason:
+                    t.state = State.RUNNING
+                    self._running.append(t)
+                    continue  # reaped (and its pages freed) at the next step
+                self._running.append(t)
+                self._deliver(t, [f])
 
     def _ensure_pages(self, task: DecodeTask, num_tokens: int) -> None:
         need = self.pool.pages_for(num_tokens) - len(task.pages)
@@ -253,6 +294,9 @@ class DecodeScheduler:
 
     def _reap(self) -> None:
         now = time.monotonic()
+        for task in [t for t in self._pending_prefill if t.abort_reason]:
+            self._pending_prefill.remove(task)
+            self._running.append(task)
         for task in list(self._running):
             if task.deadline is not None and now > task.deadline and not task.abort_reason:
                 task.abort_reason = "deadline exceeded"

@@ -58,29 +58,40 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except ValueError as e:
             self.receiver.cancel(rid, "invalid sampling parameters")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if not request.output_prefix:
-            self.receiver.cancel(rid, "no first token")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "output_prefix must hold the first token")
-        timeout = request.transfer_timeout_s or 60.0
-        try:
-            res = await self.receiver.wait_complete(rid, timeout)
-        except TransferError as e:
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if e.reason is FailReason.TIMEOUT else grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, f"KV transfer for {rid} failed: {e}")
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         prompt = list(request.prompt_ids)
-        output = list(request.output_prefix)
-        task = DecodeTask(rid, prompt, output, params, list(res.page_ids),
-                          cached_len=len(prompt) + len(output) - 1,
-                          emit=lambda ev: self.loop.call_soon_threadsafe(queue.put_nowait, ev))
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        emit = lambda ev: self.loop.call_soon_threadsafe(queue.put_nowait, ev)  # noqa: E731
         remaining = context.time_remaining()
-        if remaining is not None:
-            task.deadline = time.monotonic() + remaining
-        try:
-            self.sched.add(task)
-        except PoolExhausted as e:
-            self.receiver.pool.allocator.decref(list(res.page_ids))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {e}")
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        if request.local_prefill:
+            bad = [t for t in prompt if t >= self.cfg.vocab_size]
+            if not prompt or bad:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "local prefill needs a valid, non-empty prompt")
+            task = DecodeTask(rid, prompt, [], params, [], 0, emit=emit, deadline=deadline)
+            try:
+                self.sched.add_local(task)
+            except PoolExhausted as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {e}")
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        else:
+            if not request.output_prefix:
+                self.receiver.cancel(rid, "no first token")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "output_prefix must hold the first token")
+            try:
+                res = await self.receiver.wait_complete(rid, request.transfer_timeout_s or 60.0)
+            except TransferError as e:
+                code = (grpc.StatusCode.DEADLINE_EXCEEDED if e.reason is FailReason.TIMEOUT
+                        else grpc.StatusCode.UNAVAILABLE)
+                await context.abort(code, f"KV transfer for {rid} failed: {e}")
+            output = list(request.output_prefix)
+            task = DecodeTask(rid, prompt, output, params, list(res.page_ids),
+                              cached_len=len(prompt) + len(output) - 1, emit=emit, deadline=deadline)
+            try:
+                self.sched.add(task)
+            except PoolExhausted as e:
+                self.receiver.pool.allocator.decref(list(res.page_ids))
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {e}")
         try:
             while True:
                 ev = await queue.get()
@@ -125,6 +136,7 @@ def stop_checker(tok: Tokenizer | None):
 
 async def amain(args: argparse.Namespace) -> None:
     from engine.defaults import default_model_dir
+    worker_main.apply_threads(args.threads)
     model_dir = args.model or default_model_dir()
     secret = rpc.cluster_secret(args.cluster_secret)
     rpc.check_bind(args.host, secret, "decode worker")

@@ -147,6 +147,7 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 async def amain(args: argparse.Namespace) -> None:
     from engine.defaults import default_model_dir
+    worker_main.apply_threads(args.threads)
     model_dir = args.model or default_model_dir()
     secret = rpc.cluster_secret(args.cluster_secret)
     rpc.check_bind(args.host, secret, "prefill worker")

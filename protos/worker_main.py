@@ -31,7 +31,16 @@ def common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--cluster-secret", default=None, help="default: $PDSERVE_CLUSTER_SECRET")
     p.add_argument("--expect-model-hash", default=None, help="refuse to start if the model differs")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0: torch's default). Co-located workers should split the cores: "
+                        "oversubscribed OpenMP threads make small decode ops tens of times slower")
     p.add_argument("--log-level", default="INFO")
+
+
+def apply_threads(n: int) -> None:
+    import torch
+    if n > 0:
+        torch.set_num_threads(n)
 
 
 async def serve_until_signal(server, on_stop) -> None:

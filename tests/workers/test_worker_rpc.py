@@ -128,3 +128,20 @@ def test_abort_after_reserve_frees_decode_pages(cluster):
                 break
             time.sleep(0.05)
         assert d.GetStatus(worker_pb2.StatusRequest(), metadata=MD, timeout=5).pages_free == before
+
+
+def test_local_prefill_on_the_decode_worker(cluster):
+    """Conditional disaggregation: a short prompt prefilled by the decode worker itself equals the PD path."""
+    _, pa, da = cluster
+    sp = generation_pb2.SamplingParams(max_tokens=10, ignore_eos=True)
+    ids = list(range(30, 50))
+    _, ref, _ = generate(pa, da, "pd-short", ids, sp)
+    with grpc.insecure_channel(da) as ch:
+        d = worker_pb2_grpc.DecodeWorkerStub(ch)
+        out = []
+        for chunk in d.Decode(worker_pb2.DecodeRequest(request_id="local", prompt_ids=ids, sampling=sp,
+                                                       local_prefill=True), metadata=MD, timeout=60):
+            out += list(chunk.token_ids)
+        assert out == ref and chunk.finish_reason == "length"
+        st = d.GetStatus(worker_pb2.StatusRequest(), metadata=MD, timeout=5)
+        assert st.pages_free == st.pages_total

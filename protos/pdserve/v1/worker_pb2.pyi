@@ -70,18 +70,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "output_prefix", "sampling", "transfer_timeout_s")
+    __slots__ = ("request_id", "prompt_ids", "output_prefix", "sampling", "transfer_timeout_s", "local_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_PREFIX_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     output_prefix: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     transfer_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_prefix: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_timeout_s: _Optional[float] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_prefix: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_timeout_s: _Optional[float] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "accept_len", "logprobs")
