@@ -25,7 +25,7 @@ class Candidate:
     pages_free: int = 0
     pages_total: int = 0
     supports_local_prefill: bool = False
-    """Decode workers only: the worker can prefill a prompt itself (``info['local_prefill'] == '1'``)."""
+    """Decode workers only: the worker can prefill a prompt itself (unless its ``info['local_prefill'] == '0'``)."""
 
 
 class Choice(NamedTuple):

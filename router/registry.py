@@ -56,7 +56,7 @@ class Worker:
         polled = (st.running + st.queued) if st is not None else 0
         return Candidate(self.address, max(self.inflight, polled),
                          st.pages_free if st is not None else 0, st.pages_total if st is not None else 0,
-                         st is not None and st.info.get("local_prefill") == "1")
+                         st is not None and st.info.get("local_prefill", "1") != "0")
 
 
 @dataclass

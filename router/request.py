@@ -11,11 +11,10 @@
 The decode worker is always called, even when the first token already ends the request (EOS, stop
 token, max_tokens == 1): it answers with a finish chunk and frees the reservation itself.
 
-Conditional disaggregation: when the request's prompt is shorter than ``local_prefill_below`` and the
-chosen decode worker advertises ``info['local_prefill'] == '1'``, the prefill step is skipped and
-``Decode`` is sent with an empty ``output_prefix``, meaning "prefill the prompt into the reservation
-yourself"; the first streamed chunk then carries the first token. Workers that do not advertise it
-get the disaggregated path.
+Conditional disaggregation: when the prompt is shorter than ``local_prefill_below``, reservation and
+prefill are skipped: ``Decode(local_prefill=True)`` goes straight to the best decode worker, which
+prefills the prompt itself (no transfer) and streams the first token as its first chunk. A decode
+worker whose status says ``info['local_prefill'] == '0'`` is never asked to.
 """
 from __future__ import annotations
 
@@ -129,13 +128,15 @@ class GenerateRun:
     async def _first_token(self) -> tuple[Worker, str, generation_pb2.GenerateResponse | None]:
         """Reserve + prefill with one retry; returns the decode worker, the internal id in use there and the
         first response (None when the decode worker prefills locally)."""
+        local = self._local_decode_worker()
+        if local is not None:
+            self.touched.append((local, self.req_id))
+            self.metrics.prefill_worker = self.metrics.decode_worker = local.name
+            return local, self.req_id, None
         tried: set[str] = set()
         for attempt in range(2):
             rid = self.req_id if attempt == 0 else f"{self.req_id}.retry{attempt}"
             dw, ticket = await self._reserve(rid)
-            if use_local_prefill(len(self.valid.prompt_ids), self.core.cfg, dw.candidate()):
-                self.metrics.prefill_worker = dw.name
-                return dw, rid, None
             pw = self._choose_prefill(tried)
             try:
                 return dw, rid, await self._prefill(pw, rid, ticket)
@@ -152,6 +153,19 @@ class GenerateRun:
                     continue
                 raise RequestError(code, msg) from None
         raise AssertionError("unreachable")
+
+    def _local_decode_worker(self) -> Worker | None:
+        """Conditional disaggregation: the decode worker to prefill this (short) prompt itself, if any."""
+        n = len(self.valid.prompt_ids)
+        if n >= self.core.cfg.local_prefill_below:
+            return None
+        page = max(1, self.core.page_size())
+        order = order_decode([w.candidate() for w in self.core.registry.healthy("decode")],
+                             math.ceil((n + self.valid.max_tokens) / page))
+        for c in order:
+            if use_local_prefill(n, self.core.cfg, c):
+                return self.core.registry.workers[c.worker_id]
+        return None
 
     async def _reserve(self, rid: str) -> tuple[Worker, worker_pb2.TransferTicket]:
         reg = self.core.registry
@@ -222,7 +236,7 @@ class GenerateRun:
     async def _decode(self, dw: Worker, rid: str, local: bool) -> AsyncIterator[generation_pb2.GenerateResponse]:
         prefix = [] if local else [self.first_token]
         req = worker_pb2.DecodeRequest(request_id=rid, prompt_ids=self.valid.prompt_ids, output_prefix=prefix,
-                                       sampling=self.valid.sampling,
+                                       sampling=self.valid.sampling, local_prefill=local,
                                        transfer_timeout_s=min(self.core.cfg.transfer_timeout_s, self.remaining()))
         dw.inflight += 1
         call = dw.stub.Decode(req, metadata=self.core.registry.metadata, timeout=self.remaining())

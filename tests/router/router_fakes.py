@@ -196,13 +196,14 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Decode(self, request, context):
         rid, sp = request.request_id, request.sampling
-        if rid not in self.reserved:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no reservation for {rid}")
         out = list(request.output_prefix)
-        if not out:  # local prefill (conditional disaggregation)
+        if request.local_prefill:  # conditional disaggregation: no reservation, prefill here
             self.local_prefills.append(rid)
+            self.reserved[rid] = math.ceil(len(request.prompt_ids) / PAGE)
             out = [first_token(list(request.prompt_ids))]
             yield worker_pb2.DecodeChunk(token_ids=out)
+        elif rid not in self.reserved:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no reservation for {rid}")
         elif rid not in self.filled:
             self.reserved.pop(rid, None)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV for {rid} never arrived")

@@ -292,15 +292,19 @@ def test_local_prefill_on_a_decode_worker_that_supports_it():
     async def go():
         async with FakeCluster(1, 1, local_prefill_below=8) as fc:
             d, p = fc.decodes[0], fc.prefills[0]
-            d.b.extra_info = {"local_prefill": "1"}
-            await fc.wait_for(lambda: fc.registry.workers[d.address].candidate().supports_local_prefill,
-                              what="status poll")
             c = await fc.client.generate(token_ids=[5, 6, 7], max_tokens=4)
             assert c.token_ids == expected_tokens([5, 6, 7], 4) and c.metrics.ttft_s > 0
-            assert len(d.local_prefills) == 1 and p.calls == []
+            assert len(d.local_prefills) == 1 and p.calls == [] and d.calls == []  # no Reserve either
+            assert c.metrics.prefill_worker == c.metrics.decode_worker == "d0"
             long = list(range(2, 12))
             c = await fc.client.generate(token_ids=long, max_tokens=4)
             assert c.token_ids == expected_tokens(long, 4) and len(p.calls) == 1
+            await fc.wait_for(lambda: d.pages_free == d.pages_total, what="pages freed")
+            d.b.extra_info = {"local_prefill": "0"}  # a worker that says it cannot
+            await fc.wait_for(lambda: not fc.registry.workers[d.address].candidate().supports_local_prefill,
+                              what="status poll")
+            await fc.client.generate(token_ids=[5, 6, 7], max_tokens=4)
+            assert len(d.local_prefills) == 1 and len(p.calls) == 2
     run(go())
 
 

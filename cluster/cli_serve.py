@@ -1,0 +1,143 @@
+"""``pdserve serve`` (a local cluster: router + workers) and ``pdserve generate`` (stream one answer)."""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+
+
+class _Shutdown(Exception):
+    """Raised in the main thread by SIGTERM/SIGINT so startup and the serve loop unwind through cleanup."""
+
+
+def register(sub) -> None:
+    s = sub.add_parser("serve", help="start a router plus prefill and decode workers on this machine")
+    s.add_argument("--model", default=None, help="model directory (default: the shipped default model)")
+    s.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
+    s.add_argument("--decode", type=int, default=1, help="decode worker processes")
+    s.add_argument("--host", default="127.0.0.1", help="router bind address")
+    s.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp8_e4m3"])
+    s.add_argument("--page-size", type=int, default=16)
+    s.add_argument("--num-pages", type=int, default=None, help="KV pages per worker (default: the worker's)")
+    s.add_argument("--speculative", default="5/1/6", help="MTP speculation STEPS/TOPK/DRAFT_TOKENS")
+    s.add_argument("--no-speculative", action="store_true")
+    s.add_argument("--api-key", default=None, help="require 'authorization: Bearer KEY' on the public port")
+    s.add_argument("--routing", default="cache_aware", choices=["cache_aware", "round_robin", "least_load", "random"])
+    s.add_argument("--local-prefill-below", type=int, default=0,
+                   help="prefill prompts shorter than this on the decode worker (0: always disaggregate)")
+    s.add_argument("--threads-per-worker", type=int, default=0, help="0: split the cores between the workers")
+    s.add_argument("--run-dir", default=None, help="where worker logs go (default: a new temporary directory)")
+    s.add_argument("--startup-timeout", type=float, default=300.0, help="seconds every process may take to start")
+    s.set_defaults(fn=cmd_serve)
+
+    g = sub.add_parser("generate", help="send one request to a running router and stream the answer")
+    g.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT")
+    g.add_argument("--prompt", default=None, help="prompt text (the server needs a tokenizer)")
+    g.add_argument("--token-ids", default=None, help="comma-separated prompt token ids")
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", default=None, help="comma-separated token ids")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--priority", type=int, default=0)
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds before the request is abandoned")
+    g.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    g.set_defaults(fn=cmd_generate)
+
+
+def _raise_shutdown(signum, frame):
+    raise _Shutdown(signal.Signals(signum).name)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
+    cfg = LocalClusterConfig(
+        model=args.model, num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
+        dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size, num_pages=args.num_pages,
+        speculative=None if args.no_speculative else args.speculative, api_key=args.api_key, routing=args.routing,
+        local_prefill_below=args.local_prefill_below, threads_per_worker=args.threads_per_worker,
+        run_dir=args.run_dir, startup_timeout_s=args.startup_timeout)
+    old = {s: signal.signal(s, _raise_shutdown) for s in (signal.SIGTERM, signal.SIGINT)}
+    cluster = LocalCluster(cfg)
+    print(f"pdserve: run directory {cluster.run_dir} (logs); starting {cfg.num_prefill} prefill + "
+          f"{cfg.num_decode} decode workers for {cluster.model}", flush=True)
+    rc = 0
+    try:
+        cluster.start()
+        print(f"pdserve: listening on {cluster.router_address}", flush=True)
+        for ch in cluster.children:
+            print(f"pdserve:   {ch.name:<10} pid {ch.pid:<7} {ch.address}  log {ch.log_path}", flush=True)
+        rc = _watch(cluster)
+    except ClusterStartError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr, flush=True)
+        rc = 1
+    except _Shutdown as e:
+        print(f"pdserve: {e}: shutting down", flush=True)
+    finally:
+        for s in old:  # a second signal must not interrupt the cleanup
+            signal.signal(s, signal.SIG_IGN)
+        cluster.stop()
+        print("pdserve: stopped", flush=True)
+    return rc
+
+
+def _watch(cluster) -> int:
+    """Serve until a signal; a dead worker is reported (the router routes around it), a dead router ends it."""
+    reported: set[str] = set()
+    while True:
+        time.sleep(0.5)
+        for ch in cluster.dead_children():
+            if ch.name in reported:
+                continue
+            reported.add(ch.name)
+            print(f"pdserve: {ch.name} (pid {ch.pid}) exited with code {ch.proc.returncode}; log tail:\n"
+                  f"{ch.log_tail(2000)}", file=sys.stderr, flush=True)
+            if ch is cluster.router:
+                return 1
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+    from cluster.cli import _parse_ids
+    from router.client import Completion, GenerationClient
+    ids = _parse_ids(args.token_ids)
+    if (ids is None) == (args.prompt is None):
+        raise SystemExit("give exactly one of --prompt and --token-ids")
+    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+              min_p=args.min_p, seed=args.seed, stop=args.stop, stop_token_ids=_parse_ids(args.stop_token_ids) or [],
+              ignore_eos=args.ignore_eos, priority=args.priority, timeout_s=args.timeout)
+    out, t0 = Completion(), time.perf_counter()
+    with GenerationClient(args.target, api_key=args.api_key) as client:
+        try:
+            for chunk in client.stream(args.prompt, ids, **kw):
+                out.add(chunk, t0)
+                if args.json:
+                    continue
+                if args.prompt is not None:  # text in, text out; token ids in, token ids out
+                    print(chunk.text, end="", flush=True)
+                elif chunk.token_ids:
+                    print(" ".join(map(str, chunk.token_ids)), end=" ", flush=True)
+        except grpc.RpcError as e:
+            print(f"\npdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    u, m = out.usage, out.metrics
+    if args.json:
+        print(json.dumps({"request_id": out.request_id, "token_ids": out.token_ids, "text": out.text,
+                          "finish_reason": out.finish_reason, "prompt_tokens": u.prompt_tokens,
+                          "cached_tokens": u.cached_tokens, "completion_tokens": u.completion_tokens,
+                          "ttft_s": round(out.ttft_s, 4), "elapsed_s": round(time.perf_counter() - t0, 4),
+                          "prefill_worker": m.prefill_worker, "decode_worker": m.decode_worker}))
+    else:
+        print(f"\n[{out.finish_reason}: {u.completion_tokens} tokens, prompt {u.prompt_tokens} "
+              f"({u.cached_tokens} cached), ttft {out.ttft_s * 1000:.1f} ms, "
+              f"{m.prefill_worker} -> {m.decode_worker}]", file=sys.stderr)
+    return 0

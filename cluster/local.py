@@ -1,0 +1,244 @@
+"""A whole pdserve cluster on this machine: N prefill + M decode worker processes and a router process.
+
+    cluster = LocalCluster(LocalClusterConfig(model=DIR, num_prefill=1, num_decode=1, port=50051))
+    cluster.start()          # raises ClusterStartError naming the worker that failed, with its log tail
+    cluster.router_address   # where clients connect
+    cluster.stop()           # SIGTERM everything (router first), SIGKILL what is left after the grace period
+
+Every child writes its log to ``run_dir/<name>.log``. The internal plane gets a cluster secret (the
+caller's ``PDSERVE_CLUSTER_SECRET`` or a random one) through the children's environment, never argv.
+Children stay in the launcher's process group (Ctrl-C reaches them all) and are asked by the kernel to
+exit if the launcher dies without cleaning up (``PR_SET_PDEATHSIG``), so no worker outlives it.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from protos import rpc
+
+READY_PREFIX = "PDSERVE_READY"
+
+
+class ClusterStartError(RuntimeError):
+    """A child failed to start; the message names it and carries its log tail."""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalClusterConfig:
+    model: str | None = None
+    """Model directory (None: ``engine.defaults.default_model_dir()``)."""
+    num_prefill: int = 1
+    """Prefill worker processes."""
+    num_decode: int = 1
+    """Decode worker processes."""
+    host: str = "127.0.0.1"
+    """Router bind address (workers always bind to loopback)."""
+    port: int = 50051
+    """Router port (0: any free port)."""
+    dtype: str = "float32"
+    """Weights dtype of the workers."""
+    kv_dtype: str | None = None
+    """KV cache dtype (None: the weights dtype)."""
+    page_size: int = 16
+    """KV page size in tokens."""
+    num_pages: int | None = None
+    """KV pages per worker (None: the worker default)."""
+    speculative: str | None = "5/1/6"
+    """MTP speculation STEPS/TOPK/DRAFT_TOKENS for the decode workers; None: off."""
+    api_key: str | None = None
+    """Require this bearer token on the router's public port."""
+    routing: str = "cache_aware"
+    """Router prefill policy."""
+    local_prefill_below: int = 0
+    """Router: prefill prompts shorter than this on the decode worker (0: off)."""
+    threads_per_worker: int = 0
+    """torch threads per worker (0: split this machine's cores between the workers)."""
+    run_dir: str | None = None
+    """Where logs go (None: a new temporary directory)."""
+    startup_timeout_s: float = 300.0
+    """How long every child may take to become ready."""
+    stop_grace_s: float = 10.0
+    """How long children get after SIGTERM before SIGKILL."""
+    extra_worker_args: tuple[str, ...] = ()
+    """Appended to every worker's command line."""
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError(f"need at least one prefill and one decode worker, got {self.num_prefill} + "
+                             f"{self.num_decode}")
+        if self.startup_timeout_s <= 0 or self.stop_grace_s <= 0:
+            raise ValueError("startup_timeout_s and stop_grace_s must be > 0")
+
+
+class Child:
+    """One child process with its log file; ``address`` is parsed from its ``PDSERVE_READY`` line."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: str) -> None:
+        self.name, self.cmd, self.log_path = name, cmd, log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, preexec_fn=_die_with_parent)
+        self.address: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll_ready(self) -> bool:
+        """True once the child printed its ready line; raises ClusterStartError if it exited."""
+        if self.address is not None:
+            return True
+        with open(self.log_path, "rb") as f:
+            for line in f.read().decode(errors="replace").splitlines():
+                if line.startswith(READY_PREFIX):
+                    self.address = line.split()[2]
+                    return True
+        if self.proc.poll() is not None:
+            raise ClusterStartError(f"{self.name} (pid {self.pid}) exited with code {self.proc.returncode} before "
+                                    f"becoming ready; log {self.log_path}:\n{self.log_tail()}")
+        return False
+
+    def log_tail(self, num_bytes: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - num_bytes))
+                return f.read().decode(errors="replace")
+        except OSError as e:
+            return f"<no log: {e}>"
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def close(self) -> None:
+        self._log.close()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalCluster:
+    def __init__(self, cfg: LocalClusterConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="pdserve-run-")
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.model = cfg.model or _default_model()
+        self.secret = rpc.cluster_secret() or secrets.token_hex(16)
+        self.env = {**os.environ, rpc.SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1"}
+        self.workers: list[Child] = []
+        self.router: Child | None = None
+
+    @property
+    def router_address(self) -> str:
+        return self.router.address if self.router is not None and self.router.address else ""
+
+    @property
+    def children(self) -> list[Child]:
+        return self.workers + ([self.router] if self.router is not None else [])
+
+    def _worker_cmd(self, role: str, i: int) -> list[str]:
+        c = self.cfg
+        cmd = [sys.executable, "-m", f"{role}.server", "--model", self.model, "--host", "127.0.0.1", "--port", "0",
+               "--worker-id", f"{role}-{i}", "--dtype", c.dtype, "--page-size", str(c.page_size)]
+        if c.kv_dtype:
+            cmd += ["--kv-dtype", c.kv_dtype]
+        if c.num_pages:
+            cmd += ["--num-pages", str(c.num_pages)]
+        threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // (c.num_prefill + c.num_decode))
+        cmd += ["--threads", str(threads)]
+        if role == "decode":
+            cmd += ["--kv-port", "0"]
+            cmd += ["--speculative", c.speculative] if c.speculative else ["--no-speculative"]
+        return cmd + list(c.extra_worker_args)
+
+    def start(self) -> None:
+        """Start every worker, wait until all are ready, then start the router and wait for it too."""
+        c = self.cfg
+        try:
+            for role, n in (("prefill", c.num_prefill), ("decode", c.num_decode)):
+                for i in range(n):
+                    name = f"{role}-{i}"
+                    self.workers.append(Child(name, self._worker_cmd(role, i), self.env,
+                                              os.path.join(self.run_dir, f"{name}.log")))
+            self._wait_ready(self.workers, c.startup_timeout_s)
+            self.router = Child("router", self._router_cmd(), self.env, os.path.join(self.run_dir, "router.log"))
+            self._wait_ready([self.router], c.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _router_cmd(self) -> list[str]:
+        c = self.cfg
+        pre = ",".join(w.address for w in self.workers if w.name.startswith("prefill"))
+        dec = ",".join(w.address for w in self.workers if w.name.startswith("decode"))
+        cmd = [sys.executable, "-m", "router", "--host", c.host, "--port", str(c.port), "--prefill", pre,
+               "--decode", dec, "--routing", c.routing, "--model", self.model,
+               "--local-prefill-below", str(c.local_prefill_below), "--startup-timeout-s", str(c.startup_timeout_s)]
+        if c.api_key:
+            cmd += ["--api-key", c.api_key]
+        return cmd
+
+    @staticmethod
+    def _wait_ready(children: list[Child], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(children)
+        while pending:
+            pending = [ch for ch in pending if not ch.poll_ready()]
+            if pending and time.monotonic() > deadline:
+                ch = pending[0]
+                raise ClusterStartError(f"{ch.name} (pid {ch.pid}) not ready within {timeout_s:.0f}s; "
+                                        f"log {ch.log_path}:\n{ch.log_tail()}")
+            if pending:
+                time.sleep(0.1)
+
+    def dead_children(self) -> list[Child]:
+        return [ch for ch in self.children if ch.proc.poll() is not None]
+
+    def stop(self) -> None:
+        """SIGTERM the router, then the workers; SIGKILL whatever outlives the grace period. Idempotent."""
+        if self.router is not None:
+            self.router.terminate()
+            _wait_all([self.router], self.cfg.stop_grace_s)
+        for w in self.workers:
+            w.terminate()
+        _wait_all(self.children, self.cfg.stop_grace_s)
+        for ch in self.children:
+            if ch.proc.poll() is None:
+                ch.proc.kill()
+                ch.proc.wait(5)
+            ch.close()
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _wait_all(children: list[Child], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for ch in children:
+        try:
+            ch.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _default_model() -> str:
+    from engine.defaults import default_model_dir
+    return default_model_dir()
+
