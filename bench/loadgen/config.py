@@ -1,0 +1,268 @@
+"""Load-generator configuration: one frozen dataclass; the ``pdserve bench`` flags are generated from its fields.
+
+A field ``foo_bar`` becomes ``--foo-bar``; a trailing ``_s`` (seconds) is dropped from the flag, so
+``duration_s`` is ``--duration``. Fields left ``None`` take the workload's defaults in ``with_defaults()``
+(``WORKLOAD_DEFAULTS``): the JSON report records the resolved values, never ``None`` placeholders.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any
+
+WORKLOADS = ("prefill-bound", "single-stream", "random", "trace")
+
+WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
+    # The reference workload: long prompts that mostly hit the prefix cache, modest outputs.
+    "prefill-bound": dict(input_len=20_000, output_len=1_000, cache_hit=0.6),
+    # One request at a time; what public leaderboards call "output speed".
+    "single-stream": dict(input_len=10_000, output_len=1_500, cache_hit=0.0, concurrency=(1,)),
+    "random": dict(input_len=1_024, output_len=128, cache_hit=0.0),
+    # Lengths come from the trace; the shared prefix covers cache_hit of each prompt in a prefix group.
+    "trace": dict(input_len=0, output_len=0, cache_hit=0.6),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """Service-level objective: what a request must meet to count towards goodput.
+
+    Parsed from ``ttft=5s,tpot=50ms[,e2e=30s][,success=0.99]``; units ``s`` or ``ms`` (bare numbers are seconds).
+    """
+    ttft_s: float = 5.0
+    """Time to first token, client side."""
+    tpot_s: float | None = None
+    """Mean time per output token after the first (None: not part of the SLO)."""
+    e2e_s: float | None = None
+    """End-to-end time (None: not part of the SLO)."""
+    min_success: float = 0.99
+    """A step is within the SLO only if at least this fraction of its requests succeeded (the knee needs it)."""
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s", "e2e_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"SLO {name} must be > 0, got {v}")
+        if not 0.0 <= self.min_success <= 1.0:
+            raise ValueError(f"SLO success must be in [0, 1], got {self.min_success}")
+
+    @classmethod
+    def parse(cls, text: str) -> "Slo":
+        kw: dict[str, float] = {}
+        keys = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s", "success": "min_success"}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, val = part.partition("=")
+            if not sep or key.strip() not in keys:
+                raise ValueError(f"SLO terms are ttft=, tpot=, e2e=, success=; got {part!r} in {text!r}")
+            kw[keys[key.strip()]] = float(val) if key.strip() == "success" else parse_seconds(val)
+        return cls(**kw)
+
+    def describe(self) -> str:
+        parts = [f"ttft<={self.ttft_s:g}s"]
+        if self.tpot_s is not None:
+            parts.append(f"tpot<={self.tpot_s * 1e3:g}ms")
+        if self.e2e_s is not None:
+            parts.append(f"e2e<={self.e2e_s:g}s")
+        return ", ".join(parts)
+
+
+def parse_seconds(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s)?\s*", text)
+    if m is None:
+        raise ValueError(f"expected a duration like 5s, 50ms or 0.2, got {text!r}")
+    return float(m.group(1)) * (1e-3 if m.group(2) == "ms" else 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    target: str = "127.0.0.1:50051"
+    """Router address HOST:PORT (the public Generation/Admin gRPC API)."""
+    workload: str = "prefill-bound"
+    """prefill-bound, single-stream, random or trace."""
+    input_len: int | None = None
+    """Prompt tokens per request (default per workload: 20000 prefill-bound, 10000 single-stream, 1024 random)."""
+    output_len: int | None = None
+    """Output tokens per request, exact: sent as max_tokens with ignore_eos (default 1000 / 1500 / 128)."""
+    cache_hit: float | None = None
+    """Fraction of every prompt covered by a prefix shared with its prefix group (default 0.6 prefill-bound)."""
+    num_prefixes: int = 8
+    """Distinct shared prefixes; each request belongs to one, drawn with the seed."""
+    input_range: tuple[int, ...] = ()
+    """random: LO,HI prompt lengths, inclusive (default input_len/2 .. input_len*3/2)."""
+    output_range: tuple[int, ...] = ()
+    """random: LO,HI output lengths, inclusive (default output_len/2 .. output_len*3/2)."""
+    trace: str | None = None
+    """trace: JSONL file, one {"timestamp", "input_len", "output_len", "prefix_group"} object per line."""
+    trace_speed: float = 1.0
+    """trace: replay this many times faster than recorded."""
+    rps: tuple[float, ...] = ()
+    """Poisson arrival rates to sweep, requests/s, comma separated (e.g. 0.5,1,1.5,2)."""
+    concurrency: tuple[int, ...] = ()
+    """Fixed numbers of requests in flight to sweep instead of --rps, comma separated."""
+    duration_s: float | None = None
+    """Measured window of every step, seconds, after the warm-up (default 60; trace: to the end of the trace)."""
+    warmup_s: float = 10.0
+    """Seconds of load before each step's measured window; requests sent then are excluded."""
+    drain_timeout_s: float = 120.0
+    """After sending stops, how long in-flight requests get before they are cancelled (and counted failed)."""
+    request_timeout_s: float = 600.0
+    """gRPC deadline of one request (a request past it fails with DEADLINE_EXCEEDED)."""
+    out: str = "bench-results"
+    """Directory for bench.json and bench.png."""
+    api_key: str | None = None
+    """Sent as 'authorization: Bearer KEY'."""
+    seed: int = 0
+    """Seeds prompts, prefix groups, lengths and arrivals: two runs with one seed send the same requests."""
+    vocab_size: int | None = None
+    """Token ids are drawn in [2, vocab_size) (default: the workers' vocab_size from Admin.GetClusterStatus)."""
+    text_prompts: bool = False
+    """Send text prompts (words, lengths approximate) instead of token ids; the server needs a tokenizer."""
+    nodes: int = 1
+    """Nodes the cluster spans: tok/s, cost and power figures are per node."""
+    slo: Slo = Slo()
+    """SLO for goodput and the knee, e.g. ttft=5s,tpot=50ms (optionally e2e=, success=)."""
+    cost_per_hour: float | None = None
+    """USD per node-hour: adds cost per million tokens."""
+    power_watts: float | None = None
+    """Watts per node: adds tokens per joule."""
+    compare: str | None = None
+    """A previous bench.json: print both runs side by side with ratios."""
+    quiet: bool = False
+    """No progress bar."""
+
+    def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
+        host, _, port = self.target.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"target must be HOST:PORT, got {self.target!r}")
+        if self.rps and self.concurrency:
+            raise ValueError("give --rps or --concurrency, not both")
+        if any(not r > 0 for r in self.rps) or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"rates must be > 0 and concurrencies >= 1, got rps={self.rps} "
+                             f"concurrency={self.concurrency}")
+        for name in ("input_len", "output_len"):
+            v = getattr(self, name)
+            if v is not None and v < (0 if self.workload == "trace" else 1):
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if self.cache_hit is not None and not 0.0 <= self.cache_hit < 1.0:
+            raise ValueError(f"cache_hit must be in [0, 1), got {self.cache_hit}")
+        for name in ("input_range", "output_range"):
+            r = getattr(self, name)
+            if r and (len(r) != 2 or not 1 <= r[0] <= r[1]):
+                raise ValueError(f"{name} must be LO,HI with 1 <= LO <= HI, got {r}")
+        if self.num_prefixes < 1 or self.nodes < 1:
+            raise ValueError(f"num_prefixes and nodes must be >= 1, got {self.num_prefixes} and {self.nodes}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError(f"duration must be > 0, got {self.duration_s}")
+        for name in ("warmup_s",):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("drain_timeout_s", "request_timeout_s", "trace_speed"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.vocab_size is not None and self.vocab_size < 3:
+            raise ValueError(f"vocab_size must be >= 3 (ids are drawn in [2, vocab)), got {self.vocab_size}")
+        if self.workload == "trace" and not self.trace:
+            raise ValueError("the trace workload needs --trace FILE")
+        for name in ("cost_per_hour", "power_watts"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v}")
+
+    def with_defaults(self) -> "BenchConfig":
+        """The workload's defaults filled in; raises ValueError when the load shape is missing or contradictory."""
+        d = WORKLOAD_DEFAULTS[self.workload]
+        kw: dict[str, Any] = {k: d[k] for k in ("input_len", "output_len", "cache_hit") if getattr(self, k) is None}
+        if self.workload == "single-stream":
+            if self.rps or self.concurrency not in ((), (1,)):
+                raise ValueError("single-stream sends one request at a time: drop --rps/--concurrency")
+            kw["concurrency"] = (1,)
+        elif self.workload == "trace":
+            if self.rps or self.concurrency:
+                raise ValueError("trace replays the file's timestamps: drop --rps/--concurrency")
+        elif not (self.rps or self.concurrency):
+            raise ValueError(f"{self.workload} needs --rps LIST or --concurrency LIST")
+        if self.duration_s is None and self.workload != "trace":
+            kw["duration_s"] = 60.0
+        cfg = dataclasses.replace(self, **kw)
+        if cfg.workload == "random":
+            lo_in, lo_out = max(1, cfg.input_len // 2), max(1, cfg.output_len // 2)
+            kw2 = {}
+            if not cfg.input_range:
+                kw2["input_range"] = (lo_in, max(lo_in, cfg.input_len * 3 // 2))
+            if not cfg.output_range:
+                kw2["output_range"] = (lo_out, max(lo_out, cfg.output_len * 3 // 2))
+            cfg = dataclasses.replace(cfg, **kw2)
+        return cfg
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["slo"] = dataclasses.asdict(self.slo)
+        out.pop("api_key")  # a secret never lands in a results file
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+# -- flags generated from the fields -------------------------------------------------------------------
+
+def _field_docs(cls) -> dict[str, str]:
+    """The docstring under each field (the single source of the flag help)."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for prev, node in zip(body, body[1:]):
+        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            docs[prev.target.id] = " ".join(str(node.value.value).split())
+    return docs
+
+
+def flag_name(field_name: str) -> str:
+    name = field_name[:-2] if field_name.endswith("_s") else field_name
+    return "--" + name.replace("_", "-")
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def float_list(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _parser_for(type_name: str):
+    if type_name.startswith("tuple[int"):
+        return int_list
+    if type_name.startswith("tuple[float"):
+        return float_list
+    if type_name == "Slo":
+        return Slo.parse
+    for prefix, kind in (("int", int), ("float", float)):
+        if type_name.startswith(prefix):
+            return kind
+    return str
+
+
+def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per ``BenchConfig`` field; bools are switches; argparse defaults stay None so that
+    ``config_from_args`` can tell an explicit flag from the dataclass default."""
+    docs = _field_docs(BenchConfig)
+    for f in dataclasses.fields(BenchConfig):
+        if f.name in skip:
+            continue
+        flag, help_ = flag_name(f.name), docs.get(f.name)
+        if str(f.type) == "bool":
+            p.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_)
+        else:
+            choices = WORKLOADS if f.name == "workload" else None
+            metavar = "SECONDS" if f.name.endswith("_s") else "LIST" if str(f.type).startswith("tuple") else None
+            p.add_argument(flag, dest=f.name, type=_parser_for(str(f.type)), default=None, choices=choices,
+                           metavar=metavar, help=help_)
+
+
+def config_from_args(args: argparse.Namespace, **overrides) -> BenchConfig:
+    names = {f.name for f in dataclasses.fields(BenchConfig)}
+    kw = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return BenchConfig(**{**kw, **overrides})

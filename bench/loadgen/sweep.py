@@ -1,0 +1,179 @@
+"""A whole benchmark: ask the cluster what it serves, run every sweep step, report.
+
+    cfg = BenchConfig(target="127.0.0.1:50051", rps=(0.5, 1.0), input_len=4096, output_len=200).with_defaults()
+    result = run_sweep(cfg)             # the JSON form (report.Result)
+    print(format_table(result))
+    write_outputs(result, cfg.out)      # bench.json + bench.png
+
+Steps run one after the other on one channel; the request stream continues across steps (indices never
+repeat), so every prompt of the sweep is unique while the prefix groups stay the same.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import time
+from typing import Any
+
+import grpc
+
+from bench.loadgen.config import BenchConfig, Slo
+from bench.loadgen.report import Result, format_compare, format_table, load_json, plot_png, write_json
+from bench.loadgen.runner import LoadStep, StepRunner
+from bench.loadgen.stats import find_knee, step_stats
+from bench.loadgen.workload import TraceWorkload, make_workload
+from protos import rpc
+from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+logger = logging.getLogger(__name__)
+SCHEMA = 1
+"""Version of the bench.json layout."""
+
+
+async def fetch_cluster(channel: grpc.aio.Channel, metadata, timeout_s: float = 10.0) -> dict[str, Any]:
+    """What Admin.GetClusterStatus says (model, workers, vocab_size, max_context), or {'error': ...}."""
+    try:
+        st = await generation_pb2_grpc.AdminStub(channel).GetClusterStatus(
+            generation_pb2.GetClusterStatusRequest(), metadata=metadata, timeout=timeout_s)
+    except grpc.aio.AioRpcError as e:
+        return {"error": f"{e.code().name}: {e.details()}"}
+    workers = [{"worker_id": w.worker_id, "role": w.role, "address": w.address, "healthy": w.healthy,
+                "info": dict(w.info)} for w in st.workers]
+    out: dict[str, Any] = {"model": st.model, "workers": workers}
+    for key in ("vocab_size", "max_context", "page_size"):
+        vals = [int(w["info"][key]) for w in workers if w["info"].get(key, "").isdigit()]
+        out[key] = vals[0] if vals else None
+    return out
+
+
+def _steps(cfg: BenchConfig) -> list[LoadStep]:
+    if cfg.workload == "trace":
+        return [LoadStep("trace", cfg.trace_speed)]
+    if cfg.rps:
+        return [LoadStep("rps", r) for r in cfg.rps]
+    return [LoadStep("concurrency", c) for c in cfg.concurrency]
+
+
+def _check_lengths(cfg: BenchConfig, server: dict[str, Any]) -> None:
+    limit = server.get("max_context")
+    if not limit or cfg.workload == "trace":
+        return
+    longest = (cfg.input_range[1] + cfg.output_range[1]) if cfg.workload == "random" else \
+        cfg.input_len + cfg.output_len
+    if longest > limit:
+        raise ValueError(f"requests of up to {longest} tokens (input + output) exceed the server's max_context "
+                         f"{limit}: lower --input-len/--output-len")
+
+
+class _Progress:
+    """A tqdm bar per step: seconds of load, with sent/done/failed counts; draining shown past the end."""
+
+    def __init__(self, label: str, total_s: float, enabled: bool) -> None:
+        from tqdm import tqdm
+        self.total_s = total_s
+        self.bar = tqdm(total=round(total_s, 1), desc=f"{label:>10}", unit="s", disable=not enabled,
+                        bar_format="{desc} |{bar}| {n:.0f}/{total:.0f}s {postfix}", leave=True)
+
+    def __call__(self, elapsed_s: float, sent: int, done: int, failed: int) -> None:
+        self.bar.n = round(min(elapsed_s, self.total_s), 1)
+        phase = " draining" if elapsed_s > self.total_s else ""
+        self.bar.set_postfix_str(f"sent {sent} done {done} failed {failed}{phase}", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+async def run_sweep_async(cfg: BenchConfig, progress: bool = True) -> Result:
+    """Run every step of ``cfg`` (resolved with ``with_defaults()``) and return the JSON-form result."""
+    started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
+    metadata = rpc.auth_metadata(cfg.api_key)
+    async with grpc.aio.insecure_channel(cfg.target, options=rpc.CHANNEL_OPTIONS) as channel:
+        server = await fetch_cluster(channel, metadata)
+        vocab = cfg.vocab_size or server.get("vocab_size")
+        if not cfg.text_prompts and not vocab:
+            raise ValueError(f"no vocab_size: the server's status gave none ({server.get('error', 'no worker info')})"
+                             "; pass --vocab-size")
+        _check_lengths(cfg, server)
+        workload = make_workload(cfg, vocab)
+        duration = cfg.duration_s
+        if duration is None:  # trace: to its end
+            duration = workload.span_s - cfg.warmup_s if isinstance(workload, TraceWorkload) else 60.0
+            if duration <= 0:
+                raise ValueError(f"the trace spans {workload.span_s:.1f}s, not more than the {cfg.warmup_s:g}s "
+                                 "warm-up: lower --warmup")
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        stats, index = [], 0
+        for k, step in enumerate(_steps(cfg)):
+            bar = _Progress(step.label, cfg.warmup_s + duration, progress and not cfg.quiet)
+            try:
+                runner = StepRunner(stub, workload, cfg, metadata, first_index=index, on_progress=bar)
+                records = await runner.run(step, cfg.warmup_s, duration, step_num=k)
+            finally:
+                bar.close()
+            index = runner.next_index
+            stats.append(step_stats(records, cfg))
+    steps = [_asdict(s) for s in stats]
+    knee = find_knee([s["rate"] for s in steps], [s["within_slo"] for s in steps])
+    warnings = [f"cluster status unavailable ({server['error']})"] if "error" in server else []
+    return {
+        "schema": SCHEMA, "tool": "pdserve bench", "started_at": started.isoformat(timespec="seconds"),
+        "elapsed_s": round(time.perf_counter() - t0, 3), "config": cfg.to_json(),
+        "resolved": {"vocab_size": vocab, "duration_s": duration, "text_prompts": cfg.text_prompts},
+        "server": server, "steps": steps,
+        "knee": None if knee is None else {"index": knee, "label": steps[knee]["label"], "rate": steps[knee]["rate"]},
+        "warnings": warnings,
+    }
+
+
+def _asdict(obj) -> Any:
+    """dataclasses.asdict for slotted frozen dataclasses with nested ones (and no deep copies of records)."""
+    import dataclasses
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _asdict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: _asdict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_asdict(v) for v in obj]
+    return obj
+
+
+def run_sweep(cfg: BenchConfig, progress: bool = True) -> Result:
+    return asyncio.run(run_sweep_async(cfg, progress))
+
+
+def write_outputs(result: Result, out_dir: str) -> tuple[str, str]:
+    """bench.json and bench.png in ``out_dir``; returns their paths."""
+    return (write_json(result, os.path.join(out_dir, "bench.json")),
+            plot_png(result, os.path.join(out_dir, "bench.png")))
+
+
+def report(result: Result, compare: str | None = None) -> str:
+    """The table, plus the side-by-side comparison with a saved run when asked."""
+    text = format_table(result)
+    if compare:
+        text += "\n\n" + format_compare(result, load_json(compare), "this", os.path.basename(compare))
+    return text
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> tuple[Result, str]:
+    """What ``pdserve bench`` does: run, write bench.json / bench.png under cfg.out, return (result, report)."""
+    cfg = cfg.with_defaults()
+    result = run_sweep(cfg, progress)
+    json_path, png_path = write_outputs(result, cfg.out)
+    text = report(result, cfg.compare) + f"\nwrote {json_path} and {png_path}"
+    return result, text
+
+
+def run_demo_sweep(target: str, out_dir: str, vocab_size: int) -> str:
+    """A short prefill-bound sweep sized for a 2-core machine (about 1-2 minutes): 1024-token prompts with a
+    60% shared prefix (2 prefixes), 32 output tokens, 0.25 and 0.5 requests/s, 5 s warm-up + 20 s windows.
+    Prints and returns the table; bench.json and bench.png go to ``out_dir``."""
+    cfg = BenchConfig(target=target, workload="prefill-bound", input_len=1024, output_len=32, cache_hit=0.6,
+                      num_prefixes=2, rps=(0.25, 0.5), warmup_s=5.0, duration_s=20.0, drain_timeout_s=60.0,
+                      request_timeout_s=120.0, out=out_dir, vocab_size=vocab_size, slo=Slo(ttft_s=5.0))
+    _, text = run_bench(cfg)
+    print(text, flush=True)
+    return text

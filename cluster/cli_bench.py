@@ -1,0 +1,35 @@
+"""``pdserve bench``: load a running cluster through its public gRPC API and report (bench/loadgen)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub) -> None:
+    from bench.loadgen.config import add_config_args
+    p = sub.add_parser("bench", help="benchmark a running router: sweep request rates, report TTFT/ITL/tok/s",
+                       description="Sweep Poisson request rates (--rps) or concurrencies against a running "
+                                   "router and report throughput, latency percentiles, cache hits, goodput "
+                                   "and the knee. Writes OUT/bench.json and OUT/bench.png. "
+                                   "See docs/benchmarks.md.")
+    add_config_args(p)
+    p.add_argument("--from-json", default=None, metavar="BENCH_JSON",
+                   help="re-report a saved bench.json (with --compare: compare two saved runs); sends nothing")
+    p.set_defaults(fn=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench.loadgen.config import config_from_args
+    from bench.loadgen.report import load_json
+    from bench.loadgen.sweep import report, run_bench
+    if args.from_json:
+        print(report(load_json(args.from_json), args.compare))
+        return 0
+    cfg = config_from_args(args)
+    try:
+        result, text = run_bench(cfg, progress=sys.stderr.isatty())
+    except KeyboardInterrupt:
+        print("pdserve bench: interrupted", file=sys.stderr)
+        return 130
+    print(text)
+    return 0 if any(s["num_ok"] for s in result["steps"]) else 1
