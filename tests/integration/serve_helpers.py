@@ -1,0 +1,109 @@
+"""Run ``pdserve serve`` as a subprocess for end-to-end tests, and build the model it serves."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from or had by "
+         "hot word but what some we can out other were all there when up use your how said an each she which do "
+         "their time if will way about many then them write would like so these her long make thing see him two "
+         "has look more day could go come did number sound no most people my over know water than call first who "
+         "may down side been now find any new work part take get place made live where after back little only "
+         "round man year came show every good me give our under name very through just form").split()
+
+
+def model_with_tokenizer(src_dir: str, dst_dir: str, vocab_size: int) -> str:
+    """Copy a checkpoint and add a word-level ``tokenizer.json`` whose ids fit the vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    shutil.copytree(src_dir, dst_dir)
+    vocab = {"[UNK]": 0}
+    for w in WORDS:
+        if len(vocab) >= vocab_size:
+            break
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(dst_dir, "tokenizer.json"))
+    return dst_dir
+
+
+class ServeProcess:
+    """``pdserve serve ...`` in its own session (it is the process group leader), output to a file."""
+
+    def __init__(self, args: list[str], out_path: str, env: dict | None = None) -> None:
+        self.out_path = out_path
+        self._out = open(out_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", *args], cwd=REPO,
+                                     stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
+        self.address = ""
+        self.children: dict[str, int] = {}
+
+    def output(self) -> str:
+        with open(self.out_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def wait_listening(self, timeout_s: float = 240) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            out = self.output()
+            m = re.search(r"pdserve: listening on (\S+)", out)
+            if m and "router" in out.split(m.group(0))[1]:
+                self.address = m.group(1)
+                self.children = {name: int(pid) for name, pid in
+                                 re.findall(r"pdserve:\s+(\S+)\s+pid (\d+)", out)}
+                return self.address
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pdserve serve exited with {self.proc.returncode}:\n{out[-4000:]}")
+            time.sleep(0.2)
+        raise TimeoutError(f"pdserve serve not listening within {timeout_s}s:\n{self.output()[-4000:]}")
+
+    def stop(self, timeout_s: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self._out.close()
+        return self.proc.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(cond, timeout_s: float = 20.0, what: str = "condition", interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def rpc_code(fn) -> tuple[grpc.StatusCode, str]:
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    raise AssertionError("the call succeeded")

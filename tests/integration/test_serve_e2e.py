@@ -1,0 +1,252 @@
+"""End to end over real gRPC: ``pdserve serve`` (router + 2 prefill + 1 decode worker processes) serving a tiny
+random GLM-5 (DSA) checkpoint in fp32, driven through the public API only.
+
+One cluster for the whole module (startup dominates); the tests that break it (a prefill worker killed,
+SIGTERM to the serve process) run last, in file order.
+"""
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from protos.pdserve.v1 import generation_pb2
+from router.client import GenerationClient, make_request
+from serve_helpers import REPO, ServeProcess, model_with_tokenizer, pid_alive, rpc_code, wait_until
+
+API_KEY = "e2e-key-0123"
+MAX_CONTEXT = 4096
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dirs, tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve")
+    model = model_with_tokenizer(tiny_dirs["dsa"], str(d / "model"), vocab_size=128)
+    sp = ServeProcess(["--model", model, "--prefill", "2", "--decode", "1", "--port", "0", "--no-speculative",
+                       "--dtype", "float32", "--api-key", API_KEY, "--num-pages", "512", "--run-dir",
+                       str(d / "run")], str(d / "serve.out"))
+    try:
+        sp.wait_listening()
+        yield sp, model
+    finally:
+        sp.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with GenerationClient(served[0].address, api_key=API_KEY, timeout_s=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from tiny import make_hf_model
+    hf = make_hf_model("dsa")  # the same seed and weights tiny_dirs saved
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def hf_greedy(hf, prompt, n):
+    with torch.no_grad():
+        return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+
+
+def pages_all_free(client) -> bool:
+    st = client.cluster_status()
+    dec = [w for w in st.workers if w.role == "decode"]
+    pre = [w for w in st.workers if w.role == "prefill"]
+    return all(w.pages_free == w.pages_total for w in dec) and \
+        all(w.info.get("pages_owned_by_requests") == "0" for w in pre)
+
+
+def test_greedy_tokens_equal_transformers_generate(client, hf_model):
+    rng = random.Random(0)
+    for n in (5, 23, 77):
+        prompt = [rng.randrange(2, 128) for _ in range(n)]
+        out = client.generate(token_ids=prompt, max_tokens=24, ignore_eos=True)
+        assert out.token_ids == hf_greedy(hf_model, prompt, 24), n
+        assert out.finish_reason == "length"
+
+
+def test_streaming_order_usage_and_metrics(client):
+    prompt = list(range(3, 40))
+    chunks = list(client.stream(token_ids=prompt, max_tokens=12, ignore_eos=True, request_id="order-1"))
+    assert len(chunks[0].token_ids) == 1 and not chunks[0].finish_reason  # the first token, alone, at once
+    assert all(not c.finish_reason for c in chunks[:-1]) and chunks[-1].finish_reason == "length"
+    assert all(c.request_id == "order-1" for c in chunks)
+    ids = [t for c in chunks for t in c.token_ids]
+    u, m = chunks[-1].usage, chunks[-1].metrics
+    assert (u.prompt_tokens, u.completion_tokens) == (len(prompt), len(ids)) == (37, 12)
+    assert m.prefill_worker.startswith("prefill-") and m.decode_worker == "decode-0"
+    assert 0 < m.ttft_s and m.kv_transfer_bytes > 0 and m.prefill_s > 0
+    wait_until(lambda: pages_all_free(client), what="pages back after a finished request")
+
+
+def test_first_token_that_ends_the_request_frees_the_reservation(client):
+    out = client.generate(token_ids=[7, 8, 9], max_tokens=1)
+    assert out.finish_reason == "length" and len(out.token_ids) == 1
+    first = out.token_ids[0]
+    out = client.generate(token_ids=[7, 8, 9], max_tokens=5, stop_token_ids=[first])
+    assert out.finish_reason == "stop" and out.token_ids == [first]
+    wait_until(lambda: pages_all_free(client), what="reservations freed")
+
+
+def test_shared_prefix_lands_on_the_worker_holding_it(client, hf_model):
+    rng = random.Random(1)
+    shared = [rng.randrange(2, 128) for _ in range(64)]  # 4 pages of 16
+    first = client.generate(token_ids=shared + [5], max_tokens=4, ignore_eos=True)
+    holder = first.metrics.prefill_worker
+    assert first.usage.cached_tokens == 0
+
+    def router_knows():
+        st = client.cluster_status()
+        return {w.worker_id: int(w.info["router_cached_blocks"]) for w in st.workers if w.role == "prefill"}
+    wait_until(lambda: router_knows()[holder] >= 4, what="the router to see the cache events")
+    for tail in ([9, 10], [11, 12, 13]):
+        prompt = shared + tail
+        out = client.generate(token_ids=prompt, max_tokens=6, ignore_eos=True)
+        assert out.metrics.prefill_worker == holder and out.usage.cached_tokens == 64
+        assert out.token_ids == hf_greedy(hf_model, prompt, 6)
+
+
+def test_text_prompt_streams_text(client, served):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(served[1], "tokenizer.json"))
+    chunks = list(client.stream(prompt="the water of time", max_tokens=8, ignore_eos=True))
+    ids = [t for c in chunks for t in c.token_ids]
+    assert chunks[-1].usage.prompt_tokens == 4
+    assert "".join(c.text for c in chunks) == tok.decode(ids)
+
+
+def test_cancel_mid_stream_frees_pages_on_both_workers(client):
+    call = client.stream(token_ids=list(range(10, 50)), max_tokens=3000, ignore_eos=True)
+    for i, _ in enumerate(call):
+        if i == 3:
+            break
+    st = client.cluster_status()
+    assert any(w.pages_free < w.pages_total for w in st.workers if w.role == "decode")
+    call.cancel()
+    wait_until(lambda: pages_all_free(client), what="pages freed after cancel")
+
+
+def test_deadline_exceeded_frees_pages(client):
+    code, _ = rpc_code(lambda: client.generate(token_ids=list(range(20, 60)), max_tokens=3000, ignore_eos=True,
+                                               timeout_s=1.0))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: pages_all_free(client), what="pages freed after the deadline")
+
+
+BAD = [({"token_ids": []}, "empty prompt"), ({"prompt": ""}, "empty prompt"),
+       ({"token_ids": [5, 128]}, "outside the vocabulary"),
+       ({"token_ids": [5] * MAX_CONTEXT}, "longer than the context"),
+       ({"token_ids": [5] * 4000, "max_tokens": 200}, "beyond the context"),
+       ({"token_ids": [5], "temperature": -1.0}, "temperature"),
+       ({"token_ids": [5], "temperature": math.nan}, "temperature"),
+       ({"token_ids": [5], "top_p": 0.0}, "top_p"), ({"token_ids": [5], "top_p": 1.5}, "top_p")]
+
+
+@pytest.mark.parametrize("kw,needle", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+def test_invalid_argument(client, kw, needle):
+    code, msg = rpc_code(lambda: client.generate(**kw))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in msg, msg
+
+
+def test_unknown_fields_and_wire_defaults(served):
+    sp = served[0]
+    with grpc.insecure_channel(sp.address) as ch:
+        raw = ch.unary_stream("/pdserve.v1.Generation/Generate",
+                              response_deserializer=generation_pb2.GenerateResponse.FromString)
+        md = (("authorization", f"Bearer {API_KEY}"),)
+        good = make_request(token_ids=[5, 6], ignore_eos=True).SerializeToString()
+        code, msg = rpc_code(lambda: list(raw(good + bytes([0xF8, 0x07, 0x01]), metadata=md, timeout=30)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "does not understand" in msg
+        # max_tokens 0 is "unset" on the wire (proto3): the documented default of 16
+        zero = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5, 6]),
+                                              sampling=generation_pb2.SamplingParams(ignore_eos=True))
+        chunks = list(raw(zero.SerializeToString(), metadata=md, timeout=30))
+        assert chunks[-1].usage.completion_tokens == 16
+
+
+def test_unauthenticated_without_the_api_key(served):
+    for key in (None, "wrong-key"):
+        with GenerationClient(served[0].address, api_key=key) as c:
+            code, msg = rpc_code(lambda: c.generate(token_ids=[5]))
+            assert code == grpc.StatusCode.UNAUTHENTICATED and "API key" in msg
+            assert rpc_code(c.cluster_status)[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_health_and_reflection_answer_without_a_key(served):
+    with grpc.insecure_channel(served[0].address) as ch:
+        h = health_pb2_grpc.HealthStub(ch)
+        for svc in ("", "pdserve.v1.Generation", "pdserve.v1.Admin"):
+            assert h.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        reqs = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol="pdserve.v1.Generation")]
+        resps = list(stub.ServerReflectionInfo(iter(reqs), timeout=5))
+        names = {s.name for s in resps[0].list_services_response.service}
+        assert {"pdserve.v1.Generation", "pdserve.v1.Admin", "grpc.health.v1.Health"} <= names
+        assert resps[1].file_descriptor_response.file_descriptor_proto
+
+
+def test_cluster_status_lists_every_worker(client):
+    st = client.cluster_status()
+    assert sorted(w.worker_id for w in st.workers) == ["decode-0", "prefill-0", "prefill-1"]
+    assert all(w.healthy and w.pages_total > 0 and w.model_hash for w in st.workers)
+    assert st.model.endswith("model")
+
+
+def test_generate_cli_streams_the_same_tokens(served, client):
+    prompt = [11, 12, 13, 14, 15]
+    ref = client.generate(token_ids=prompt, max_tokens=8, ignore_eos=True).token_ids
+    cmd = [sys.executable, "-m", "cluster.cli", "generate", "--target", served[0].address, "--api-key", API_KEY,
+           "--token-ids", ",".join(map(str, prompt)), "--max-tokens", "8", "--ignore-eos"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert [int(x) for x in out.stdout.split()] == ref and "[length: 8 tokens" in out.stderr
+    bad = subprocess.run(cmd[:-5] + ["--token-ids", "5,999"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+
+
+def test_prefill_worker_killed_before_the_first_token_is_retried(served, client):
+    sp = served[0]
+    rng = random.Random(2)
+    prompt = [rng.randrange(2, 128) for _ in range(1200)]  # ~1 s of prefill on this CPU
+    result = {}
+    t = threading.Thread(target=lambda: result.update(out=client.generate(token_ids=prompt, max_tokens=4)))
+    t.start()
+
+    def busy_prefill():
+        st = client.cluster_status(timeout_s=5)
+        return next((w.worker_id for w in st.workers if w.role == "prefill" and w.info["router_inflight"] == "1"),
+                    None)
+    victim = wait_until(busy_prefill, timeout_s=10, interval_s=0.02, what="the prefill to start")
+    os.kill(sp.children[victim], signal.SIGKILL)
+    t.join(60)
+    out = result["out"]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    assert out.metrics.retries == 1 and out.metrics.prefill_worker != victim
+    st = client.cluster_status()
+    assert [w.healthy for w in st.workers if w.worker_id == victim] == [False]
+    # the rest of the cluster keeps serving
+    assert client.generate(token_ids=[5, 6, 7], max_tokens=3).finish_reason in ("length", "stop")
+
+
+def test_sigterm_to_serve_stops_every_child(served):
+    sp = served[0]
+    pids = dict(sp.children)
+    assert set(pids) == {"prefill-0", "prefill-1", "decode-0", "router"}
+    os.kill(sp.proc.pid, signal.SIGTERM)  # the process group leader only
+    assert sp.proc.wait(40) == 0
+    wait_until(lambda: not any(pid_alive(p) for p in pids.values()), timeout_s=20, what="children gone")
+    assert "pdserve: stopped" in sp.output()
