@@ -3,7 +3,7 @@
 Timeline of a step (times relative to its start, ``perf_counter`` seconds)::
 
     0 ──── warm-up ────> warmup_s ──── measured window ────> warmup_s + duration_s ── drain ──> (drain_timeout_s)
-         sent, not measured          requests sent here are measured          no new sends; stragglers cancelled
+         sent, not measured       requests scheduled here are measured         no new sends; stragglers cancelled
 
 Open loop (``rps``, ``trace``): requests go out on a precomputed schedule whatever the server does, each
 as its own task, so an overloaded server shows up as growing TTFT, not as a slower client. Closed loop
@@ -126,7 +126,9 @@ class StepRecords:
 
     @property
     def measured(self) -> list[RequestRecord]:
-        return [r for r in self.records if self.window_start_s <= r.t_send < self.window_end_s]
+        """Requests scheduled inside the window (by schedule, not actual send time: with open-loop load the
+        measured set is fixed by the seed, however late a busy client sends)."""
+        return [r for r in self.records if self.window_start_s <= r.t_sched < self.window_end_s]
 
 
 ProgressFn = Callable[[float, int, int, int], None]

@@ -99,8 +99,8 @@ async def run_sweep_async(cfg: BenchConfig, progress: bool = True) -> Result:
         _check_lengths(cfg, server)
         workload = make_workload(cfg, vocab)
         duration = cfg.duration_s
-        if duration is None:  # trace: to its end
-            duration = workload.span_s - cfg.warmup_s if isinstance(workload, TraceWorkload) else 60.0
+        if duration is None:  # trace: the window closes 1 ms after the last entry
+            duration = workload.span_s + 1e-3 - cfg.warmup_s if isinstance(workload, TraceWorkload) else 60.0
             if duration <= 0:
                 raise ValueError(f"the trace spans {workload.span_s:.1f}s, not more than the {cfg.warmup_s:g}s "
                                  "warm-up: lower --warmup")
@@ -167,13 +167,14 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> tuple[Result, str]:
     return result, text
 
 
-def run_demo_sweep(target: str, out_dir: str, vocab_size: int) -> str:
+def run_demo_sweep(target: str, out_dir: str, vocab_size: int, **overrides) -> str:
     """A short prefill-bound sweep sized for a 2-core machine (about 1-2 minutes): 1024-token prompts with a
     60% shared prefix (2 prefixes), 32 output tokens, 0.25 and 0.5 requests/s, 5 s warm-up + 20 s windows.
-    Prints and returns the table; bench.json and bench.png go to ``out_dir``."""
-    cfg = BenchConfig(target=target, workload="prefill-bound", input_len=1024, output_len=32, cache_hit=0.6,
-                      num_prefixes=2, rps=(0.25, 0.5), warmup_s=5.0, duration_s=20.0, drain_timeout_s=60.0,
-                      request_timeout_s=120.0, out=out_dir, vocab_size=vocab_size, slo=Slo(ttft_s=5.0))
-    _, text = run_bench(cfg)
+    Prints and returns the table; bench.json and bench.png go to ``out_dir``. ``overrides`` replace
+    BenchConfig fields (tests shorten the windows)."""
+    kw = dict(target=target, workload="prefill-bound", input_len=1024, output_len=32, cache_hit=0.6,
+              num_prefixes=2, rps=(0.25, 0.5), warmup_s=5.0, duration_s=20.0, drain_timeout_s=60.0,
+              request_timeout_s=120.0, out=out_dir, vocab_size=vocab_size, slo=Slo(ttft_s=5.0))
+    _, text = run_bench(BenchConfig(**{**kw, **overrides}))
     print(text, flush=True)
     return text

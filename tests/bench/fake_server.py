@@ -1,0 +1,149 @@
+"""An in-process fake of the public API (grpc.aio, its own event loop in a thread) for the bench's tests.
+
+It streams ``max_tokens`` tokens with controlled delays, keeps a page-granular prefix cache so
+``usage.cached_tokens`` behaves like a real prefill worker's, and fails chosen requests: every
+``fail_every``-th one (by the bench's request index) with RESOURCE_EXHAUSTED before any token, every
+``error_every``-th one with a stream that ends in finish_reason "error".
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+
+@dataclass
+class FakeBehaviour:
+    ttft_s: float = 0.02
+    """Fixed time before the first token."""
+    prefill_s_per_token: float = 0.0
+    """Extra time before the first token per uncached prompt token."""
+    itl_s: float = 0.005
+    """Gap between chunks."""
+    tokens_per_chunk: int = 1
+    """> 1 imitates speculative decoding (reported as accept_len)."""
+    fail_every: int = 0
+    """Request index i with i % fail_every == fail_every - 1 is refused with RESOURCE_EXHAUSTED (0: never)."""
+    error_every: int = 0
+    """Request index i with i % error_every == error_every - 1 ends with finish_reason 'error' (0: never)."""
+    vocab_size: int = 512
+    page_size: int = 16
+    kv_bytes_per_token: int = 1000
+    api_key: str | None = None
+
+
+@dataclass
+class FakeLog:
+    seen: list[str] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+    errored: list[str] = field(default_factory=list)
+    prompts: dict[str, list[int]] = field(default_factory=dict)
+
+
+class PageCache:
+    """Longest cached page-aligned prefix; every full page of a prompt is cached after it is seen."""
+
+    def __init__(self, page: int) -> None:
+        self.page, self.keys = page, set()
+
+    def match_and_insert(self, ids: list[int]) -> int:
+        pages = len(ids) // self.page
+        hit = 0
+        while hit < pages and tuple(ids[:(hit + 1) * self.page]) in self.keys:
+            hit += 1
+        for k in range(hit + 1, pages + 1):
+            self.keys.add(tuple(ids[:k * self.page]))
+        return hit * self.page
+
+
+def _index(req_id: str) -> int:
+    tail = req_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+class FakeGeneration(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, b: FakeBehaviour, log: FakeLog) -> None:
+        self.b, self.log, self.cache = b, log, PageCache(b.page_size)
+
+    async def Generate(self, request, context):
+        b, rid = self.b, request.request_id
+        if b.api_key and dict(context.invocation_metadata()).get("authorization") != f"Bearer {b.api_key}":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "fake: wrong API key")
+        self.log.seen.append(rid)
+        i = _index(rid)
+        if b.fail_every and i % b.fail_every == b.fail_every - 1:
+            self.log.rejected.append(rid)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake: queue full")
+        ids = list(request.token_ids.ids) if request.HasField("token_ids") else \
+            [hash(w) % b.vocab_size for w in request.text.split()]
+        self.log.prompts[rid] = ids
+        cached = self.cache.match_and_insert(ids)
+        await asyncio.sleep(b.ttft_s + b.prefill_s_per_token * (len(ids) - cached))
+        n_out, sent = request.sampling.max_tokens, 0
+        errors = b.error_every and i % b.error_every == b.error_every - 1
+        while sent < n_out:
+            k = min(b.tokens_per_chunk, n_out - sent)
+            sent += k
+            resp = generation_pb2.GenerateResponse(request_id=rid, token_ids=[7] * k)
+            if errors and sent >= 2:
+                self.log.errored.append(rid)
+                resp.finish_reason = "error"
+                yield resp
+                return
+            if sent == n_out:
+                resp.finish_reason = "length"
+                resp.usage.prompt_tokens, resp.usage.cached_tokens = len(ids), cached
+                resp.usage.completion_tokens = n_out
+                m = resp.metrics
+                m.ttft_s, m.prefill_s, m.kv_transfer_s = b.ttft_s, b.ttft_s, 0.001
+                m.kv_transfer_bytes = b.kv_bytes_per_token * len(ids)
+                m.accept_len = float(b.tokens_per_chunk) if b.tokens_per_chunk > 1 else 0.0
+            yield resp
+            if sent < n_out:
+                await asyncio.sleep(b.itl_s)
+
+
+class FakeAdmin(generation_pb2_grpc.AdminServicer):
+    def __init__(self, b: FakeBehaviour) -> None:
+        self.b = b
+
+    async def GetClusterStatus(self, request, context):
+        info = {"vocab_size": str(self.b.vocab_size), "max_context": "65536", "page_size": str(self.b.page_size)}
+        return generation_pb2.ClusterStatus(model="fake", workers=[
+            generation_pb2.WorkerStatus(worker_id="fake-prefill", role="prefill", healthy=True, info=info),
+            generation_pb2.WorkerStatus(worker_id="fake-decode", role="decode", healthy=True, info=info)])
+
+
+class FakeServer:
+    """``with FakeServer(FakeBehaviour(...)) as srv: srv.address`` - a live server on loopback."""
+
+    def __init__(self, behaviour: FakeBehaviour | None = None) -> None:
+        self.behaviour = behaviour or FakeBehaviour()
+        self.log = FakeLog()
+        self.address = ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: grpc.aio.Server | None = None
+
+    async def _start(self) -> str:
+        self._server = grpc.aio.server()
+        generation_pb2_grpc.add_GenerationServicer_to_server(FakeGeneration(self.behaviour, self.log), self._server)
+        generation_pb2_grpc.add_AdminServicer_to_server(FakeAdmin(self.behaviour), self._server)
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+        return f"127.0.0.1:{port}"
+
+    def __enter__(self) -> "FakeServer":
+        self._thread.start()
+        self.address = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self._server.stop(grace=0.5), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
