@@ -11,14 +11,20 @@ costs one hash whatever its length.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from typing import Iterable, Sequence
 
 
+@functools.lru_cache(maxsize=64)
+def _packer(num_tokens: int) -> struct.Struct:
+    return struct.Struct(f"<Q{num_tokens}I")
+
+
 def block_hash(parent: int, chunk: Sequence[int]) -> int:
     """64-bit chained hash of a page of token ids; equal to ``prefill.radix.block_hash``."""
-    h = hashlib.blake2b(struct.pack(f"<Q{len(chunk)}I", parent, *chunk), digest_size=8)
+    h = hashlib.blake2b(_packer(len(chunk)).pack(parent, *chunk), digest_size=8)
     return int.from_bytes(h.digest(), "little")
 
 
@@ -41,13 +47,17 @@ class PromptHashes:
         self._hashes: list[int] = []
 
     def __getitem__(self, i: int) -> int:
-        while len(self._hashes) <= i:
-            k = len(self._hashes)
-            if k >= self.num_blocks:
-                raise IndexError(i)
-            parent = self._hashes[-1] if self._hashes else 0
-            self._hashes.append(block_hash(parent, self.token_ids[k * self.page_size:(k + 1) * self.page_size]))
-        return self._hashes[i]
+        hashes = self._hashes
+        if i < len(hashes):
+            return hashes[i]
+        if i >= self.num_blocks:
+            raise IndexError(i)
+        P, ids = self.page_size, self.token_ids
+        parent = hashes[-1] if hashes else 0
+        for k in range(len(hashes), i + 1):
+            parent = block_hash(parent, ids[k * P:(k + 1) * P])
+            hashes.append(parent)
+        return parent
 
     def iter_all(self):
         for i in range(self.num_blocks):

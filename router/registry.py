@@ -27,6 +27,10 @@ from router.prefix_index import PrefixIndex
 from router.validate import ModelInfo
 
 logger = logging.getLogger(__name__)
+WORKER_CHANNEL_OPTIONS = rpc.CHANNEL_OPTIONS + [
+    # reconnect within ~a second of a restarted worker coming back (gRPC's default backoff grows to 120 s)
+    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 @dataclass(eq=False)
@@ -34,7 +38,7 @@ class Worker:
     role: str
     """"prefill" or "decode"."""
     address: str
-    """gRPC host:port; the worker's key in the router (stable, unique)."""
+    """gRPC host:port (one process may serve both roles on one port)."""
     channel: grpc.aio.Channel
     stub: object
     healthy: bool = False
@@ -48,13 +52,18 @@ class Worker:
     """Why the worker is kept out of rotation whatever its health (model mismatch), or ""."""
 
     @property
+    def key(self) -> str:
+        """The worker's key in the router (stable, unique): role/host:port."""
+        return f"{self.role}/{self.address}"
+
+    @property
     def name(self) -> str:
         return self.status.worker_id if self.status is not None and self.status.worker_id else self.address
 
     def candidate(self) -> Candidate:
         st = self.status
         polled = (st.running + st.queued) if st is not None else 0
-        return Candidate(self.address, max(self.inflight, polled),
+        return Candidate(self.key, max(self.inflight, polled),
                          st.pages_free if st is not None else 0, st.pages_total if st is not None else 0,
                          st is not None and st.info.get("local_prefill", "1") != "0")
 
@@ -70,6 +79,8 @@ class Registry:
     model_hash: str = ""
     _tasks: set[asyncio.Task] = field(default_factory=set)
     _first_poll: dict[str, asyncio.Event] = field(default_factory=dict)
+    _info_src: generation_pb2.WorkerStatus | None = None
+    _info: ModelInfo | None = None
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -80,23 +91,23 @@ class Registry:
         for role, addrs, stub_cls in (("prefill", self.cfg.prefill, worker_pb2_grpc.PrefillWorkerStub),
                                       ("decode", self.cfg.decode, worker_pb2_grpc.DecodeWorkerStub)):
             for addr in addrs:
-                if addr in self.workers:
-                    raise ValueError(f"worker {addr} listed twice")
-                ch = grpc.aio.insecure_channel(addr, options=rpc.CHANNEL_OPTIONS)
+                ch = grpc.aio.insecure_channel(addr, options=WORKER_CHANNEL_OPTIONS)
                 w = Worker(role, addr, ch, stub_cls(ch))
-                self.workers[addr] = w
-                self._first_poll[addr] = asyncio.Event()
+                if w.key in self.workers:
+                    raise ValueError(f"{role} worker {addr} listed twice")
+                self.workers[w.key] = w
+                self._first_poll[w.key] = asyncio.Event()
                 self._spawn(self._poll_loop(w), f"poll {addr}")
                 if role == "prefill":
                     self._spawn(self._events_loop(w), f"cache events {addr}")
 
     async def wait_first_poll(self, timeout_s: float) -> list[str]:
-        """Wait until every worker answered once (or failed to); returns the addresses that never did."""
+        """Wait until every worker answered once (or failed to); returns the keys of those that never did."""
         try:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self._first_poll.values())), timeout_s)
         except asyncio.TimeoutError:
             pass
-        return [a for a, w in self.workers.items() if not w.healthy]
+        return [w.key for w in self.workers.values() if not w.healthy]
 
     async def close(self) -> None:
         tasks = list(self._tasks)
@@ -117,13 +128,19 @@ class Registry:
         return [w for w in self.workers.values() if w.role == role and w.healthy and not w.excluded]
 
     def model_info(self) -> ModelInfo | None:
-        """From the first healthy worker that reports it (prefill preferred: its page size is the index's)."""
+        """From the first healthy worker that reports it (prefill preferred: its page size is the index's).
+        Parsed once per status poll of that worker (this runs several times per request)."""
         for role in ("prefill", "decode"):
             for w in self.healthy(role):
+                if self._info_src is w.status:
+                    return self._info
                 try:
-                    return ModelInfo.from_info(w.status.info, w.status.model_hash)
+                    info = ModelInfo.from_info(w.status.info, w.status.model_hash)
                 except ValueError as e:
                     logger.warning("worker %s: %s", w.address, e)
+                    continue
+                self._info_src, self._info = w.status, info
+                return info
         return None
 
     def serving(self) -> bool:
@@ -163,7 +180,7 @@ class Registry:
             self._set_healthy(w, False)
 
     def _set_healthy(self, w: Worker, healthy: bool) -> None:
-        first = self._first_poll.get(w.address)
+        first = self._first_poll.get(w.key)
         if first is not None and (healthy or w.failures >= self.cfg.unhealthy_after):
             first.set()
         if w.healthy == healthy:
@@ -189,13 +206,13 @@ class Registry:
             call = w.stub.StreamCacheEvents(worker_pb2.CacheEventsRequest(), metadata=self.metadata)
             try:
                 async for ev in call:
-                    self.index.apply(w.address, ev.stored, ev.evicted, ev.reset)
+                    self.index.apply(w.key, ev.stored, ev.evicted, ev.reset)
                     backoff = 0.1
             except grpc.aio.AioRpcError as e:
                 logger.debug("cache event stream of %s broke: %s", w.address, e.code().name)
             finally:
                 call.cancel()
-            self.index.drop(w.address)
+            self.index.drop(w.key)
             await asyncio.sleep(backoff)
             backoff = min(2.0, backoff * 2)
 
@@ -213,7 +230,7 @@ class Registry:
             st.healthy = ok and w.healthy and not w.excluded
             st.info["router_inflight"] = str(w.inflight)
             if w.role == "prefill":
-                st.info["router_cached_blocks"] = str(self.index.num_blocks(w.address))
+                st.info["router_cached_blocks"] = str(self.index.num_blocks(w.key))
             if w.last_error:
                 st.info["router_last_error"] = w.last_error
             if w.excluded:

@@ -148,7 +148,7 @@ class GenerateRun:
                     if code is grpc.StatusCode.UNAVAILABLE:
                         await self.core.registry.confirm_failure(pw, msg)
                     logger.warning("request %s: %s (%s); retrying once", self.client_id, msg, code.name)
-                    tried.add(pw.address)
+                    tried.add(pw.key)
                     self.metrics.retries += 1
                     continue
                 raise RequestError(code, msg) from None
@@ -203,7 +203,7 @@ class GenerateRun:
     def _choose_prefill(self, tried: set[str]) -> Worker:
         reg = self.core.registry
         healthy = reg.healthy("prefill")
-        pool = [w for w in healthy if w.address not in tried] or healthy
+        pool = [w for w in healthy if w.key not in tried] or healthy
         if not pool:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
         page = self.core.page_size()

@@ -68,6 +68,11 @@ class FakeWorker:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def key(self) -> str:
+        """The router's key for this worker."""
+        return f"{self.role}/{self.address}"
+
     async def start(self, port: int = 0) -> str:
         self.server = rpc.make_server(self.secret)
         self._add(self.server)

@@ -97,14 +97,14 @@ def test_prefill_failure_is_retried_once_on_another_worker():
             assert c.token_ids == expected_tokens([5, 6, 7], 4)
             assert c.metrics.retries == 1 and c.metrics.prefill_worker == "p1"
             assert len(bad.calls) + len(good.calls) == 2
-            assert not fc.registry.workers[bad.address].healthy  # out of rotation at once
+            assert not fc.registry.workers[bad.key].healthy  # out of rotation at once
             d = fc.decodes[0]
             await fc.wait_for(lambda: d.pages_free == d.pages_total, what="first reservation freed")
             assert len(d.aborts) >= 1  # the first attempt's reservation was aborted
             # only one retry: when every prefill fails the client sees the error
             good.b.fail_code = grpc.StatusCode.INTERNAL
             bad.status_fail = False
-            await fc.wait_for(lambda: fc.registry.workers[bad.address].healthy, what="back in rotation")
+            await fc.wait_for(lambda: fc.registry.workers[bad.key].healthy, what="back in rotation")
             calls = len(bad.calls) + len(good.calls)
             e = await rpc_error(fc.client.generate(token_ids=[5, 6, 7], max_tokens=4))
             assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
@@ -245,11 +245,11 @@ def test_unhealthy_prefill_leaves_rotation_and_comes_back():
         async with FakeCluster(2, 1, routing="round_robin") as fc:
             a, b = fc.prefills
             a.status_fail = True
-            await fc.wait_for(lambda: not fc.registry.workers[a.address].healthy, what="a out")
+            await fc.wait_for(lambda: not fc.registry.workers[a.key].healthy, what="a out")
             for _ in range(4):
                 assert (await fc.client.generate(token_ids=[5], max_tokens=2)).metrics.prefill_worker == "p1"
             a.status_fail = False
-            await fc.wait_for(lambda: fc.registry.workers[a.address].healthy, what="a back")
+            await fc.wait_for(lambda: fc.registry.workers[a.key].healthy, what="a back")
             seen = {(await fc.client.generate(token_ids=[5], max_tokens=2)).metrics.prefill_worker for _ in range(4)}
             assert seen == {"p0", "p1"}
             st = await fc.client.cluster_status()
@@ -263,7 +263,7 @@ def test_cache_aware_routes_a_shared_prefix_to_the_worker_holding_it():
             shared = list(range(2, 34))  # 8 pages of 4
             first = await fc.client.generate(token_ids=shared + [40, 41], max_tokens=2)
             holder = first.metrics.prefill_worker
-            addr = next(p.address for p in fc.prefills if p.worker_id == holder)
+            addr = next(p.key for p in fc.prefills if p.worker_id == holder)
             await fc.wait_for(lambda: fc.registry.index.num_blocks(addr) == 8, what="cache events")
             for tail in ([50, 51, 52], [60], [70, 71, 72, 73, 74]):
                 c = await fc.client.generate(token_ids=shared + tail, max_tokens=2)
@@ -279,12 +279,12 @@ def test_cache_events_resync_after_a_worker_restart():
         async with FakeCluster(1, 1) as fc:
             p = fc.prefills[0]
             await fc.client.generate(token_ids=list(range(2, 18)), max_tokens=2)
-            await fc.wait_for(lambda: fc.registry.index.num_blocks(p.address) == 4, what="events")
+            await fc.wait_for(lambda: fc.registry.index.num_blocks(p.key) == 4, what="events")
             await p.stop(0)
-            await fc.wait_for(lambda: fc.registry.index.num_blocks(p.address) == 0, what="blocks dropped")
+            await fc.wait_for(lambda: fc.registry.index.num_blocks(p.key) == 0, what="blocks dropped")
             p.blocks = set(list(p.blocks)[:2])
             await p.start(p.port)
-            await fc.wait_for(lambda: fc.registry.index.num_blocks(p.address) == 2, timeout_s=8, what="resync")
+            await fc.wait_for(lambda: fc.registry.index.num_blocks(p.key) == 2, timeout_s=8, what="resync")
     run(go())
 
 
@@ -301,7 +301,7 @@ def test_local_prefill_on_a_decode_worker_that_supports_it():
             assert c.token_ids == expected_tokens(long, 4) and len(p.calls) == 1
             await fc.wait_for(lambda: d.pages_free == d.pages_total, what="pages freed")
             d.b.extra_info = {"local_prefill": "0"}  # a worker that says it cannot
-            await fc.wait_for(lambda: not fc.registry.workers[d.address].candidate().supports_local_prefill,
+            await fc.wait_for(lambda: not fc.registry.workers[d.key].candidate().supports_local_prefill,
                               what="status poll")
             await fc.client.generate(token_ids=[5, 6, 7], max_tokens=4)
             assert len(d.local_prefills) == 1 and len(p.calls) == 2
