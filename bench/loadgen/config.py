@@ -61,14 +61,6 @@ class Slo:
             kw[keys[key.strip()]] = float(val) if key.strip() == "success" else parse_seconds(val)
         return cls(**kw)
 
-    def describe(self) -> str:
-        parts = [f"ttft<={self.ttft_s:g}s"]
-        if self.tpot_s is not None:
-            parts.append(f"tpot<={self.tpot_s * 1e3:g}ms")
-        if self.e2e_s is not None:
-            parts.append(f"e2e<={self.e2e_s:g}s")
-        return ", ".join(parts)
-
 
 def parse_seconds(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s)?\s*", text)

@@ -68,9 +68,10 @@ def format_table(result: Result) -> str:
         mark = " *" if knee is not None and knee["index"] == i else ""
         rows.append([s["label"] + mark] + [cell(s) for _, cell in cols])
     slo = cfg["slo"]
+    prefixes = f" ({cfg['num_prefixes']} prefixes)" if cfg["cache_hit"] else ""
     title = (f"pdserve bench: {cfg['workload']} -> {cfg['target']}  input {cfg['input_len']} / output "
-             f"{cfg['output_len']} tokens, cache hit {cfg['cache_hit']:g}, {cfg['num_prefixes']} prefixes, "
-             f"{cfg['nodes']} node(s), window {_window(cfg, steps)}, warm-up {cfg['warmup_s']:g}s")
+             f"{cfg['output_len']} tokens, cache hit {cfg['cache_hit']:g}{prefixes}, {cfg['nodes']} node(s), "
+             f"window {_window(cfg, steps)}, warm-up {cfg['warmup_s']:g}s, SLO {_slo(cfg['slo'])}")
     lines = [title, *_grid(["Step"] + [h for h, _ in cols], rows)]
     cond = f"TTFT p95 <= {slo['ttft_s']:g}s and success >= {slo['min_success'] * 100:g}%"
     if knee is not None:
@@ -87,6 +88,15 @@ def format_table(result: Result) -> str:
     for w in result.get("warnings", []) + [w for s in steps for w in s.get("warnings", [])]:
         lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+def _slo(slo: dict) -> str:
+    parts = [f"ttft<={slo['ttft_s']:g}s"]
+    if slo.get("tpot_s") is not None:
+        parts.append(f"tpot<={slo['tpot_s'] * 1e3:g}ms")
+    if slo.get("e2e_s") is not None:
+        parts.append(f"e2e<={slo['e2e_s']:g}s")
+    return ",".join(parts)
 
 
 def _window(cfg: dict, steps: list[dict]) -> str:
@@ -163,19 +173,22 @@ def format_compare(this: Result, other: Result, this_name: str = "this", other_n
     """Both runs side by side, step by step (matched by label), with this/other ratios."""
     lines = [f"compare: {this_name} ({this['config']['workload']}) vs {other_name} ({other['config']['workload']})"]
     others = {s["label"]: s for s in other["steps"]}
+    pairs = [(s, others[s["label"]]) for s in this["steps"] if s["label"] in others]
+    if not pairs:  # different sweeps: pair the steps in order
+        pairs = list(zip(this["steps"], other["steps"]))
+        if pairs:
+            lines.append("no step label in common: steps paired in sweep order")
     rows = []
-    for s in this["steps"]:
-        o = others.get(s["label"])
-        if o is None:
-            continue
-        for name, get, higher in _COMPARED:
+    for s, o in pairs:
+        label = s["label"] if s["label"] == o["label"] else f"{s['label']} ~ {o['label']}"
+        for k, (name, get, higher) in enumerate(_COMPARED):
             a, b = get(s), get(o)
             ratio = f"{a / b:.2f}x" if a is not None and b else "-"
             if a is not None and b is not None and a != b:
                 ratio += " better" if (a > b) == higher else " worse"
-            rows.append([s["label"], name, _f(a, ".3f"), _f(b, ".3f"), ratio])
+            rows.append([label if k == 0 else "", name, _f(a, ".3f"), _f(b, ".3f"), ratio])
     if not rows:
-        lines.append("no step label in common: nothing to compare")
+        lines.append("no steps to compare")
     else:
         lines += _grid(["Step", "Metric", this_name, other_name, f"{this_name}/{other_name}"], rows)
     knees = [r.get("knee") for r in (this, other)]

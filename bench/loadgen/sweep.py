@@ -14,6 +14,7 @@ import asyncio
 import datetime
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -56,7 +57,12 @@ def _steps(cfg: BenchConfig) -> list[LoadStep]:
     return [LoadStep("concurrency", c) for c in cfg.concurrency]
 
 
-def _check_lengths(cfg: BenchConfig, server: dict[str, Any]) -> None:
+def _check_server(cfg: BenchConfig, server: dict[str, Any]) -> None:
+    """Refuse a run every request of which the server would reject anyway."""
+    if cfg.text_prompts and server.get("workers") and all(w["info"].get("has_tokenizer") == "0"
+                                                           for w in server["workers"]):
+        raise ValueError(f"--text-prompts: the server's model ({server.get('model')}) has no tokenizer; "
+                         "send token prompts (the default)")
     limit = server.get("max_context")
     if not limit or cfg.workload == "trace":
         return
@@ -96,7 +102,7 @@ async def run_sweep_async(cfg: BenchConfig, progress: bool = True) -> Result:
         if not cfg.text_prompts and not vocab:
             raise ValueError(f"no vocab_size: the server's status gave none ({server.get('error', 'no worker info')})"
                              "; pass --vocab-size")
-        _check_lengths(cfg, server)
+        _check_server(cfg, server)
         workload = make_workload(cfg, vocab)
         duration = cfg.duration_s
         if duration is None:  # trace: the window closes 1 ms after the last entry
@@ -168,13 +174,14 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> tuple[Result, str]:
 
 
 def run_demo_sweep(target: str, out_dir: str, vocab_size: int, **overrides) -> str:
-    """A short prefill-bound sweep sized for a 2-core machine (about 1-2 minutes): 1024-token prompts with a
+    """A short prefill-bound sweep sized for a 2-core machine (about 1 minute; at most ~2 when the
+    server is overloaded and stragglers run into the 30 s drain): 1024-token prompts with a
     60% shared prefix (2 prefixes), 32 output tokens, 0.25 and 0.5 requests/s, 5 s warm-up + 20 s windows.
     Prints and returns the table; bench.json and bench.png go to ``out_dir``. ``overrides`` replace
     BenchConfig fields (tests shorten the windows)."""
     kw = dict(target=target, workload="prefill-bound", input_len=1024, output_len=32, cache_hit=0.6,
-              num_prefixes=2, rps=(0.25, 0.5), warmup_s=5.0, duration_s=20.0, drain_timeout_s=60.0,
+              num_prefixes=2, rps=(0.25, 0.5), warmup_s=5.0, duration_s=20.0, drain_timeout_s=30.0,
               request_timeout_s=120.0, out=out_dir, vocab_size=vocab_size, slo=Slo(ttft_s=5.0))
-    _, text = run_bench(BenchConfig(**{**kw, **overrides}))
+    _, text = run_bench(BenchConfig(**{**kw, **overrides}), progress=sys.stderr.isatty())
     print(text, flush=True)
     return text

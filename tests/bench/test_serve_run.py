@@ -1,0 +1,87 @@
+"""A short real run against ``pdserve serve`` (router + 1 prefill + 1 decode worker processes) on a tiny
+random model from ``pdserve init-model``: ``run_demo_sweep`` (what ``make demo`` calls, windows shortened)
+and a ``pdserve bench`` subprocess that discovers the vocabulary from Admin.GetClusterStatus."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HAS_SERVE = os.path.exists(os.path.join(REPO, "cluster", "cli_serve.py"))
+
+pytestmark = [pytest.mark.timeout(900),
+              pytest.mark.skipif(not HAS_SERVE, reason="cluster/cli_serve.py (pdserve serve) is not in this "
+                                                       "checkout yet; the fake-server runs cover the bench")]
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cluster.cli", *args]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench_serve")
+    subprocess.run(cli("init-model", "--out", str(d / "model")), cwd=REPO, check=True, capture_output=True,
+                   timeout=300)
+    log_path = d / "serve.out"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cli("serve", "--model", str(d / "model"), "--port", "0", "--run-dir", str(d / "run")),
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            out = log_path.read_text(errors="replace")
+            m = re.search(r"pdserve: listening on (\S+)", out)
+            if m:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"pdserve serve did not come up (rc {proc.poll()}):\n{out[-4000:]}")
+            time.sleep(0.2)
+        yield m.group(1), d
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def test_demo_sweep_against_pdserve_serve(served):
+    from bench.loadgen import run_demo_sweep
+    address, d = served
+    # Shorter windows than the demo's, so higher rates: seed 0 puts 6 and 8 arrivals in the two windows.
+    table = run_demo_sweep(address, str(d / "demo"), vocab_size=512, rps=(0.5, 1.0), warmup_s=2.0,
+                           duration_s=10.0, drain_timeout_s=180.0)
+    result = json.loads((d / "demo" / "bench.json").read_text())
+    assert (d / "demo" / "bench.png").stat().st_size > 1000
+    assert [s["label"] for s in result["steps"]] == ["rps 0.5", "rps 1"]
+    assert result["config"]["input_len"] == 1024 and result["config"]["output_len"] == 32
+    assert "Sustained RPS | Aggregate tok/s/node" in table
+    for s in result["steps"]:
+        assert s["num_measured"] >= 5 and s["success_rate"] == 1.0, (s["failures"], s["failure_examples"])
+        assert s["length_mismatches"] == 0  # ignore_eos + max_tokens: exactly 32 tokens each
+        assert s["ttft"]["p50"] > 0 and s["kv_bytes_per_req"] > 0
+    # The prefill worker's prefix cache hits the shared 60% (page-aligned) once the two prefixes are resident.
+    hits = [s["cache_hit"] for s in result["steps"]]
+    assert max(hits) > 0.3 and all(h <= 0.6 for h in hits)
+
+
+def test_cli_bench_discovers_vocab_from_the_cluster(served):
+    address, d = served
+    out = d / "cli"
+    run = subprocess.run(cli("bench", "--target", address, "--workload", "random", "--input-range", "64,256",
+                             "--output-len", "8", "--concurrency", "2", "--warmup", "1", "--duration", "5",
+                             "--out", str(out), "--quiet"), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads((out / "bench.json").read_text())
+    assert result["resolved"]["vocab_size"] == 512 and result["config"]["vocab_size"] is None
+    assert {w["role"] for w in result["server"]["workers"]} == {"prefill", "decode"}
+    s = result["steps"][0]
+    assert s["label"] == "conc 2" and s["num_ok"] >= 1 and s["success_rate"] == 1.0
+    assert "conc 2" in run.stdout
