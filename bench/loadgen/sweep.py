@@ -11,6 +11,7 @@ repeat), so every prompt of the sweep is unique while the prefix groups stay the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import os
@@ -80,7 +81,7 @@ class _Progress:
         from tqdm import tqdm
         self.total_s = total_s
         self.bar = tqdm(total=round(total_s, 1), desc=f"{label:>10}", unit="s", disable=not enabled,
-                        bar_format="{desc} |{bar}| {n:.0f}/{total:.0f}s {postfix}", leave=True)
+                        bar_format="{desc} |{bar}| {n:.0f}/{total:.0f}s{postfix}", leave=True)
 
     def __call__(self, elapsed_s: float, sent: int, done: int, failed: int) -> None:
         self.bar.n = round(min(elapsed_s, self.total_s), 1)
@@ -136,7 +137,6 @@ async def run_sweep_async(cfg: BenchConfig, progress: bool = True) -> Result:
 
 def _asdict(obj) -> Any:
     """dataclasses.asdict for slotted frozen dataclasses with nested ones (and no deep copies of records)."""
-    import dataclasses
     if dataclasses.is_dataclass(obj):
         return {f.name: _asdict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):

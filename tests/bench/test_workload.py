@@ -5,6 +5,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.loadgen.config import BenchConfig
 from bench.loadgen.workload import WORDS, load_trace, make_workload
@@ -129,3 +131,25 @@ def test_trace_bad_line_named(tmp_path):
     path.write_text('{"timestamp": 0, "input_len": 4, "output_len": 1}\n{"timestamp": 1, "input_len": 4}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         load_trace(str(path))
+
+
+@settings(max_examples=40, deadline=None)
+@given(input_len=st.integers(2, 3000), cache_hit=st.floats(0.0, 0.95), num_prefixes=st.integers(1, 4),
+       seed=st.integers(0, 2**32 - 1), vocab=st.integers(3, 100_000))
+def test_any_shape_is_exact(input_len, cache_hit, num_prefixes, seed, vocab):
+    wl = make_workload(make_cfg(input_len=input_len, cache_hit=cache_hit, num_prefixes=num_prefixes, seed=seed),
+                       vocab)
+    reqs = [wl.request(i) for i in range(6)]
+    prefix_len = min(round(cache_hit * input_len), input_len - 1)
+    ids = [np.asarray(r.prompt_ids) for r in reqs]
+    for r, a in zip(reqs, ids):
+        assert len(a) == input_len and r.prefix_len == (prefix_len if r.prefix_group is not None else 0)
+        assert a.min() >= 2 and a.max() < vocab
+    if vocab - 2 >= 6:  # enough ids for distinct first suffix tokens: shared parts are exact
+        for i, j in itertools.combinations(range(6), 2):
+            same = reqs[i].prefix_group is not None and reqs[i].prefix_group == reqs[j].prefix_group
+            want = reqs[i].prefix_len if same else 0
+            if not same and reqs[i].prefix_group is not None and reqs[j].prefix_group is not None \
+                    and (reqs[i].prefix_group - reqs[j].prefix_group) % (vocab - 2) == 0:
+                continue  # two groups with one first token (more groups than ids)
+            assert lcp(ids[i], ids[j]) == want
