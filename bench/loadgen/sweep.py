@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
-import logging
 import os
 import sys
 import time
@@ -29,7 +28,6 @@ from bench.loadgen.workload import TraceWorkload, make_workload
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
-logger = logging.getLogger(__name__)
 SCHEMA = 1
 """Version of the bench.json layout."""
 
