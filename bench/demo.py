@@ -1,47 +1,44 @@
-"""``make demo``: answer a real request on the default model and print a small benchmark table.
-
-Grows with the cluster: today it runs in-process (``pdserve run``'s engine); the local cluster and
-the prefill-bound sweep replace the in-process numbers once the router exists.
+"""``make demo``: the main job. Starts a local cluster (router + 1 prefill + 1 decode worker) on the default
+model, answers one real request through the public gRPC API, runs a short prefill-bound sweep sized for
+this machine and prints the benchmark table (JSON and PNG go to the output directory it prints).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
-
-import torch
 
 
 def main(args: argparse.Namespace) -> int:
-    from engine.defaults import default_model_dir
-    from engine.runtime import Engine, load_model
-    from engine.sampling import SamplingParams
-    from engine.tokenizer import Tokenizer
+    from bench.loadgen.sweep import run_demo_sweep
+    from cluster.local import LocalCluster, LocalClusterConfig
+    from engine.defaults import PDSERVE_HOME, default_model_dir
+    from router.client import GenerationClient
 
     model_dir = args.model or default_model_dir()
-    model, cfg = load_model(model_dir, "float32", "cpu")
-    tok = Tokenizer.from_model_dir(model_dir)
-    eng = Engine(model, cfg, kv_dtype="float32", num_pages=2048)
-    prompt = tok.encode("def fibonacci(n):") if tok else [0, 5, 17, 42, 7]
-    t0 = time.perf_counter()
-    res = eng.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
-    print(f"model: {model_dir}")
-    print(f"request: prompt {prompt} -> {res.token_ids} ({time.perf_counter() - t0:.2f}s)")
-    if tok:
-        print("text:", repr(tok.decode(res.token_ids)))
-    rows = []
-    g = torch.Generator().manual_seed(0)
-    for n in (512, 2048):
-        ids = torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist()
-        t0 = time.perf_counter()
-        r = eng.generate([ids], SamplingParams(max_tokens=33, ignore_eos=True))[0]
-        total = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        eng.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
-        ttft = time.perf_counter() - t1
-        decode_tps = (len(r.token_ids) - 1) / max(total - ttft, 1e-9)
-        rows.append((n, ttft, n / ttft, decode_tps))
-    print(f"\n{'prompt tokens':>14} | {'TTFT s':>7} | {'prefill tok/s':>13} | {'decode tok/s':>12}")
-    print("-" * 56)
-    for n, ttft, ptps, dtps in rows:
-        print(f"{n:>14} | {ttft:>7.3f} | {ptps:>13.0f} | {dtps:>12.1f}")
+    out_dir = os.path.join(PDSERVE_HOME, "demo", time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = LocalClusterConfig(model=model_dir, port=0, run_dir=os.path.join(out_dir, "logs"))
+    print(f"starting a local cluster on {model_dir} (logs: {cfg.run_dir}) ...", flush=True)
+    with LocalCluster(cfg) as cluster:
+        target = cluster.router_address
+        print(f"router listening on {target}", flush=True)
+        with GenerationClient(target) as client:
+            status = client.cluster_status()
+            info = status.workers[0].info
+            has_tok = info.get("has_tokenizer") == "1"
+            t0 = time.perf_counter()
+            if has_tok:
+                prompt = "def fibonacci(n):\n"
+                res = client.generate(prompt, max_tokens=48, temperature=0.0)
+                print(f"\nprompt: {prompt!r}\ncompletion ({time.perf_counter() - t0:.2f}s, "
+                      f"TTFT {res.ttft_s * 1000:.0f} ms, finish {res.finish_reason}):\n{res.text}\n", flush=True)
+            else:
+                res = client.generate(token_ids=[0, 5, 17, 42, 7], max_tokens=24, ignore_eos=True)
+                print(f"\ntoken ids [0, 5, 17, 42, 7] -> {res.token_ids} (TTFT {res.ttft_s * 1000:.0f} ms)\n",
+                      flush=True)
+            vocab = int(info.get("vocab_size", "512"))
+        print("prefill-bound sweep (1024-token prompts, 60% shared prefix, 32 output tokens):", flush=True)
+        run_demo_sweep(target, out_dir, vocab)
+    print(f"\nresults: {out_dir}/bench.json, plot: {out_dir}/bench.png")
     return 0
