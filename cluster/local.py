@@ -13,6 +13,7 @@ exit if the launcher dies without cleaning up (``PR_SET_PDEATHSIG``), so no work
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import secrets
 import signal
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from protos import rpc
 
 READY_PREFIX = "PDSERVE_READY"
+logger = logging.getLogger(__name__)
 
 
 class ClusterStartError(RuntimeError):
@@ -65,8 +67,8 @@ class LocalClusterConfig:
     """Where logs go (None: a new temporary directory)."""
     startup_timeout_s: float = 300.0
     """How long every child may take to become ready."""
-    stop_grace_s: float = 10.0
-    """How long children get after SIGTERM before SIGKILL."""
+    stop_grace_s: float = 20.0
+    """How long children get after SIGTERM before SIGKILL (workers take 4-10 s to stop today)."""
     extra_worker_args: tuple[str, ...] = ()
     """Appended to every worker's command line."""
 
@@ -217,6 +219,8 @@ class LocalCluster:
         _wait_all(self.children, self.cfg.stop_grace_s)
         for ch in self.children:
             if ch.proc.poll() is None:
+                logger.warning("%s (pid %d) did not exit within %.0fs of SIGTERM: killing it", ch.name, ch.pid,
+                               self.cfg.stop_grace_s)
                 ch.proc.kill()
                 ch.proc.wait(5)
             ch.close()
