@@ -27,6 +27,8 @@ from router.prefix_index import PrefixIndex
 from router.validate import ModelInfo
 
 logger = logging.getLogger(__name__)
+DRAINING = "draining: removed from the cluster"
+"""``Worker.excluded`` of a worker on its way out (live discovery removed it)."""
 WORKER_CHANNEL_OPTIONS = rpc.CHANNEL_OPTIONS + [
     # reconnect within ~a second of a restarted worker coming back (gRPC's default backoff grows to 120 s)
     ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
@@ -81,6 +83,7 @@ class Registry:
     _first_poll: dict[str, asyncio.Event] = field(default_factory=dict)
     _info_src: generation_pb2.WorkerStatus | None = None
     _info: ModelInfo | None = None
+    _member_tasks: dict[str, list[asyncio.Task]] = field(default_factory=dict)
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -122,6 +125,60 @@ class Registry:
         t = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+
+    # -- membership (live discovery) ---------------------------------------------------------------
+    def add_worker(self, role: str, address: str) -> Worker:
+        """Start polling a worker that joined after start (it enters the rotation on its first good poll).
+        Adding a worker that is being removed takes it back."""
+        key = f"{role}/{address}"
+        w = self.workers.get(key)
+        if w is not None:
+            if w.excluded == DRAINING:
+                w.excluded = ""
+                logger.info("%s worker %s is back: no longer draining", role, address)
+            return w
+        stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+        ch = grpc.aio.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS)
+        w = Worker(role, address, ch, stub_cls(ch))
+        self.workers[key] = w
+        self._first_poll[key] = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self._poll_loop(w), name=f"poll {address}")]
+        if role == "prefill":
+            tasks.append(loop.create_task(self._events_loop(w), name=f"cache events {address}"))
+        for t in tasks:
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+        self._member_tasks[key] = tasks
+        logger.info("%s worker %s added", role, address)
+        return w
+
+    def remove_worker(self, key: str, drain_timeout_s: float) -> None:
+        """Take a worker out of the rotation now; forget it once the calls this router has at it ended
+        (or ``drain_timeout_s`` passed), and not before ``rpc_timeout_s`` (a request may hold its key)."""
+        w = self.workers.get(key)
+        if w is None or w.excluded == DRAINING:
+            return
+        w.excluded = DRAINING
+        logger.info("%s worker %s (%s) is draining (%d calls in flight)", w.role, w.name, w.address, w.inflight)
+        if self.on_change is not None:
+            self.on_change()
+        self._spawn(self._forget_when_drained(w, drain_timeout_s), f"drain {w.address}")
+
+    async def _forget_when_drained(self, w: Worker, drain_timeout_s: float) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < min(self.cfg.rpc_timeout_s, drain_timeout_s) or \
+                (w.inflight > 0 and time.monotonic() - t0 < drain_timeout_s):
+            await asyncio.sleep(0.1)
+            if w.excluded != DRAINING:  # added back meanwhile
+                return
+        for t in self._member_tasks.pop(w.key, []):
+            t.cancel()
+        self.workers.pop(w.key, None)
+        self._first_poll.pop(w.key, None)
+        self.index.drop(w.key)
+        await w.channel.close(grace=None)
+        logger.info("%s worker %s removed", w.role, w.address)
 
     # -- queries -----------------------------------------------------------------------------------
     def healthy(self, role: str) -> list[Worker]:
