@@ -1,1 +1,40 @@
-"""pdserve kvtransfer."""
+"""pdserve kvtransfer: the KV data plane between a prefill worker and a decode worker.
+
+A transfer, end to end (decode side states: ``TransferState``; prefill side: ``SendState``)::
+
+    decode  receiver.reserve(req_id, n)        RESERVED   pages allocated, generation counters noted;
+                                                          NO_CAPACITY raises here, nothing allocated
+            ticket.to_dict() -> router -> prefill worker
+    prefill sender.send_layer(ticket, l, ...)  QUEUED     source pages pinned, frame queued (non-blocking)
+            [connect, mutual HMAC, layout check]          once per receiver; wrong secret / layout -> error
+            LAYER frame (TCP) or shm copy      STREAMING  each layer as soon as it is computed
+    decode  frame accepted                     RECEIVING  request, pages, generations, size, order, CRC
+                                                          checked; bytes land in the reserved pages
+    prefill sender.finish(ticket)              FINISHING  FINISH frame
+    decode  every layer x token verified       COMPLETE   DONE frame back to the sender
+            await receiver.wait_complete()     CLAIMED    pages now owned by the decode request
+    prefill DONE received                      DONE       source pages unpinned
+
+    Any failure (expiry, stall, timeout, checksum, stale page, peer death, cancel on either
+    side) -> FAILED on both sides with the same ``FailReason``; the decode pages are freed
+    (after DRAINING if a shm writer may still touch them) and the prefill pages unpinned.
+
+Modules: ``config`` (frozen configs, the env var), ``protocol`` (frames, limits, versions),
+``auth`` (HMAC), ``ticket`` (tickets, reservations), ``payload`` (rows <-> bytes), ``framing``
+(socket I/O), ``rx_conn``/``receiver`` (decode side), ``tx_peer``/``sender`` (prefill side),
+``shm`` (shared-memory pool), ``loop`` (event loop thread).
+"""
+from kvtransfer.config import ChecksumKind, KVReceiverConfig, KVSenderConfig, TransportKind, WireDType
+from kvtransfer.errors import FailReason, TransferError
+from kvtransfer.loop import LoopThread
+from kvtransfer.protocol import PDSERVE_KV_PROTOCOL_VERSION
+from kvtransfer.receiver import KVReceiver, ReceiverStats
+from kvtransfer.sender import KVSender, LayerHook, LayerSend
+from kvtransfer.shm import ShmKVPool
+from kvtransfer.ticket import TransferResult, TransferState, TransferTicket
+from kvtransfer.tx_peer import SendResult, SendState
+
+__all__ = ["ChecksumKind", "FailReason", "KVReceiver", "KVReceiverConfig", "KVSender", "KVSenderConfig", "LayerHook",
+           "LayerSend", "LoopThread", "PDSERVE_KV_PROTOCOL_VERSION", "ReceiverStats", "SendResult", "SendState",
+           "ShmKVPool", "TransferError", "TransferResult", "TransferState", "TransferTicket", "TransportKind",
+           "WireDType"]

@@ -1,0 +1,236 @@
+"""Frame I/O on sockets: a zero-copy receiving protocol (decode side) and plain helpers (prefill side).
+
+``FrameReader`` is an ``asyncio.BufferedProtocol``: the event loop calls ``recv_into`` on
+whatever buffer ``get_buffer`` returns. Prefix and header land in a small scratch buffer;
+while a payload is due it returns the next destination view (page tensor memory or
+staging), so the kernel copies the payload straight into place. A destination can be
+switched to a discard buffer at any moment (``PayloadSink.discard``) when its request is
+aborted mid-frame: after that no byte of the frame reaches the pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Callable, Protocol
+
+from kvtransfer.errors import FailReason, ProtocolError
+from kvtransfer.protocol import PREFIX, FrameType, Header, decode_header, decode_prefix, encode_frame
+
+log = logging.getLogger(__name__)
+
+SCRATCH_BYTES = 128 * 1024
+"""Holds one prefix plus the largest header (``MAX_HEADER_BYTES``) with room to spare."""
+_DISCARD = memoryview(bytearray(1 << 20))
+
+
+def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+
+
+class PayloadSink:
+    """Destinations for one frame's payload, filled in order; ``on_done`` runs once when full."""
+
+    def __init__(self, views: list[memoryview], on_done: Callable[[], None]) -> None:
+        self._views = [v for v in views if v.nbytes]
+        self._idx = 0
+        self._pos = 0
+        self.remaining = sum(v.nbytes for v in self._views)
+        self.on_done = on_done
+        self.discarded = False
+
+    @classmethod
+    def trash(cls, num_bytes: int) -> "PayloadSink":
+        sink = cls([], lambda: None)
+        sink.remaining = num_bytes
+        sink.discarded = True
+        return sink
+
+    @property
+    def done(self) -> bool:
+        return self.remaining == 0
+
+    def current(self) -> memoryview:
+        if self.discarded:
+            return _DISCARD[:min(self.remaining, _DISCARD.nbytes)]
+        return self._views[self._idx][self._pos:]
+
+    def advance(self, n: int) -> None:
+        self.remaining -= n
+        if self.discarded:
+            return
+        self._pos += n
+        while self._idx < len(self._views) and self._pos == self._views[self._idx].nbytes:
+            self._idx += 1
+            self._pos = 0
+
+    def feed(self, data: memoryview) -> None:
+        """Copy read-ahead bytes (that arrived with the header) into the destinations."""
+        while data.nbytes:
+            dst = self.current()
+            n = min(dst.nbytes, data.nbytes)
+            if not self.discarded:
+                dst[:n] = data[:n]
+            self.advance(n)
+            data = data[n:]
+
+    def discard(self) -> None:
+        """Send the rest of this payload to the bit bucket (its request was aborted)."""
+        self.discarded = True
+        self._views = []
+
+
+class FrameHandler(Protocol):
+    """What a ``FrameReader`` drives (implemented by the receiver's connection)."""
+
+    max_header: int
+    max_payload: int
+
+    def on_frame(self, header: Header, payload_len: int) -> PayloadSink | None: ...
+
+    def on_bad_header(self, err: ProtocolError, payload_len: int) -> bool:
+        """A header failed validation; return True to skip its payload and go on, False to close."""
+
+    def on_fatal(self, err: ProtocolError) -> None: ...
+
+    def on_connected(self, transport: asyncio.Transport) -> None: ...
+
+    def on_lost(self, exc: Exception | None) -> None: ...
+
+
+class FrameReader(asyncio.BufferedProtocol):
+    def __init__(self, handler: FrameHandler) -> None:
+        self.handler = handler
+        self._buf = bytearray(SCRATCH_BYTES)
+        self._mv = memoryview(self._buf)
+        self._len = 0
+        self._prefix = None
+        self._sink: PayloadSink | None = None
+        self._paused = False
+        self._closed = False
+        self.transport: asyncio.Transport | None = None
+
+    # --- asyncio callbacks -----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.handler.on_connected(self.transport)  # type: ignore[arg-type]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self.handler.on_lost(exc)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._sink is not None:
+            return self._sink.current()
+        return self._mv[self._len:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._closed:
+            return
+        if self._sink is not None:
+            self._sink.advance(nbytes)
+            if self._sink.done:
+                sink, self._sink = self._sink, None
+                sink.on_done()
+                if not self._paused:
+                    self._parse()
+            return
+        self._len += nbytes
+        self._parse()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    # --- flow control used by the handler --------------------------------------------------------
+    def pause(self) -> None:
+        """Stop reading (a payload is being verified); frames already buffered wait too."""
+        self._paused = True
+        if self.transport is not None and not self._closed:
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if not self._paused or self._closed:
+            return
+        self._paused = False
+        self.transport.resume_reading()  # type: ignore[union-attr]
+        self._parse()
+
+    def close(self) -> None:
+        if not self._closed and self.transport is not None:
+            self._closed = True
+            self.transport.close()
+
+    def discard_current(self) -> None:
+        if self._sink is not None:
+            self._sink.discard()
+
+    # --- parsing ---------------------------------------------------------------------------------
+    def _parse(self) -> None:
+        pos = 0
+        try:
+            while not self._paused and not self._closed and self._sink is None:
+                if self._prefix is None:
+                    if self._len - pos < PREFIX.size:
+                        break
+                    self._prefix = decode_prefix(self._mv[pos:pos + PREFIX.size], self.handler.max_header,
+                                                 self.handler.max_payload)
+                    pos += PREFIX.size
+                header_len, payload_len = self._prefix
+                if self._len - pos < header_len:
+                    break
+                raw = self._mv[pos:pos + header_len]
+                pos += header_len
+                self._prefix = None
+                try:
+                    header = decode_header(raw, payload_len)
+                except ProtocolError as err:
+                    if not self.handler.on_bad_header(err, payload_len):
+                        raise
+                    sink = PayloadSink.trash(payload_len) if payload_len else None
+                else:
+                    sink = self.handler.on_frame(header, payload_len)
+                if payload_len:
+                    if sink is None or sink.remaining != payload_len:
+                        raise ProtocolError(FailReason.BAD_FRAME, "internal: payload sink does not match payload")
+                    take = min(self._len - pos, payload_len)
+                    sink.feed(self._mv[pos:pos + take])
+                    pos += take
+                    if sink.done:
+                        sink.on_done()
+                    else:
+                        self._sink = sink
+        except ProtocolError as err:
+            self.handler.on_fatal(err)
+            self.close()
+            return
+        if pos:
+            rest = self._len - pos
+            self._buf[:rest] = self._buf[pos:self._len]
+            self._len = rest
+
+
+# --- the sending side: plain sockets on an event loop ---------------------------------------------
+
+async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = await loop.sock_recv_into(sock, view[got:])
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+async def read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, max_header: int) -> Header:
+    """Read one control frame (no payload allowed) from ``sock``."""
+    prefix = decode_prefix(await recv_exactly(loop, sock, PREFIX.size), max_header, 0)
+    return decode_header(await recv_exactly(loop, sock, prefix.header_len), 0)
+
+
+async def send_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, ftype: FrameType, fields: dict) -> None:
+    await loop.sock_sendall(sock, encode_frame(ftype, fields))

@@ -1,0 +1,411 @@
+"""One sender's connection on the decode side: handshake, then frame validation and placement.
+
+Connection states (``ConnState``)::
+
+    HELLO --HELLO ok--> AUTH --proof + layout ok--> READY --lost/closed--> CLOSED
+      \\________________ bad frame, wrong secret, incompatible, timeout ____/  (ERROR frame, close)
+
+Before READY a peer may send only small payload-free frames (``PREAUTH_MAX_HEADER_BYTES``).
+In READY every request frame is checked in this order, and the first failed check decides
+what happens:
+
+1. the request and ticket exist (else the frame alone is rejected: ABORT back to the
+   sender, no reservation touched -- this is the "frame for a freed page" path);
+2. the reservation is bound to this connection (the first frame binds it);
+3. layer, token range (in order per layer), page ids and generation counters match the
+   reservation, the payload size matches the layout, a checksum is present when required;
+   on the first frame and again at FINISH the allocator itself must agree that every page
+   is still ours at the reserved generation -- else the *reservation* fails and is freed;
+4. after the payload arrived, its CRC (on a CRC thread for large payloads, overlapping
+   the next frame; FINISH waits for all of them) -- else the reservation fails (CORRUPT).
+
+A payload is written only into pages of the reservation it names, and only while that
+reservation is RECEIVING: if it fails mid-payload the rest is discarded, and staged
+payloads are scattered into the pages only after their checksum passed.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from engine.kvcache.pool import PageError
+from kvtransfer import auth
+from kvtransfer.config import ChecksumKind, TransportKind, WireDType
+from kvtransfer.errors import FailReason, ProtocolError, TransferError
+from kvtransfer.framing import FrameReader, PayloadSink, tune_socket
+from kvtransfer.payload import LayerCodec
+from kvtransfer.protocol import (MAX_HEADER_BYTES, PDSERVE_KV_PROTOCOL_VERSION, PREAUTH_MAX_HEADER_BYTES,
+                                 FrameType, Header, check_compatible, checksum, encode_frame)
+from kvtransfer.shm import ShmKVPool, pid_alive
+from kvtransfer.ticket import Reservation, TransferState
+
+if TYPE_CHECKING:
+    from kvtransfer.receiver import KVReceiver
+
+log = logging.getLogger(__name__)
+
+OFFLOAD_CRC_BYTES = 256 * 1024
+"""Payloads at least this large are checksummed on a CRC thread while the next frame arrives."""
+
+
+class ConnState(enum.Enum):
+    HELLO = "hello"
+    AUTH = "auth"
+    READY = "ready"
+    CLOSED = "closed"
+
+
+class RxConnection:
+    def __init__(self, rx: "KVReceiver") -> None:
+        self.rx = rx
+        self.cfg = rx.config
+        self.state = ConnState.HELLO
+        self.reader = FrameReader(self)
+        self.max_header = PREAUTH_MAX_HEADER_BYTES
+        self.max_payload = 0
+        self.peer = "?"
+        self.sender_nonce = b""
+        self.receiver_nonce = auth.new_nonce()
+        self.codec: LayerCodec | None = None
+        self.shm_codec = LayerCodec(rx.pool.layout, WireDType.NATIVE)
+        self.shm_ok = False
+        self.peer_pid = -1
+        self.peer_start = -1
+        self.current: Reservation | None = None
+        """The reservation whose payload is arriving right now."""
+        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._staging_busy = False
+        """A checksum thread still reads ``_staging``: the next staged payload needs a new buffer."""
+        self._verifying = 0
+        self._deferred_finish: dict[str, Any] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.state is ConnState.CLOSED
+
+    # --- FrameHandler ------------------------------------------------------------------------
+    def on_connected(self, transport: asyncio.Transport) -> None:
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            tune_socket(sock, self.cfg.socket_buffer_bytes)
+        if len(self.rx.connections) >= self.cfg.max_connections:
+            log.warning("kvtransfer: refusing connection from %s: %d connections open", self.peer,
+                        len(self.rx.connections))
+            self.state = ConnState.CLOSED
+            transport.close()
+            return
+        self.rx.connections.add(self)
+        self._timer = asyncio.get_running_loop().call_later(self.cfg.handshake_timeout_s, self._handshake_timeout)
+
+    def on_lost(self, exc: Exception | None) -> None:
+        was_open = self.state is not ConnState.CLOSED
+        self.state = ConnState.CLOSED
+        if self._timer is not None:
+            self._timer.cancel()
+        if was_open or self in self.rx.connections:
+            self.rx.connections.discard(self)
+            self.rx.connection_lost(self, exc)
+
+    def on_bad_header(self, err: ProtocolError, payload_len: int) -> bool:
+        if self.state is not ConnState.READY:
+            return False
+        self.rx.num_rejected_frames += 1
+        log.warning("kvtransfer: rejected frame from %s: %s", self.peer, err)
+        return True
+
+    def on_fatal(self, err: ProtocolError) -> None:
+        self.rx.num_rejected_frames += 1
+        log.warning("kvtransfer: closing connection from %s: %s", self.peer, err)
+        self.send(FrameType.ERROR, {"reason": err.reason.value, "detail": err.detail})
+
+    def on_frame(self, header: Header, payload_len: int) -> PayloadSink | None:
+        if self.state is ConnState.HELLO:
+            self._on_hello(header)
+            return None
+        if self.state is ConnState.AUTH:
+            self._on_auth(header)
+            return None
+        return self._dispatch(header.type, header.fields, payload_len)
+
+    def _dispatch(self, ftype: FrameType, f: dict[str, Any], payload_len: int) -> PayloadSink | None:
+        handler = self._handlers.get(ftype)
+        if handler is None:
+            self.rx.num_rejected_frames += 1
+            log.warning("kvtransfer: unexpected %s frame from %s", ftype.name, self.peer)
+            return PayloadSink.trash(payload_len) if payload_len else None
+        try:
+            return handler(self, f, payload_len)
+        except ProtocolError as err:  # the frame names no reservation of ours: reject only the frame
+            self.rx.num_rejected_frames += 1
+            log.info("kvtransfer: rejected %s for %s from %s: %s", ftype.name, f.get("rid"), self.peer, err)
+            if ftype is not FrameType.ABORT:
+                self.send(FrameType.ABORT, {"rid": f["rid"], "tid": f["tid"], "reason": err.reason.value,
+                                            "detail": err.detail})
+            return PayloadSink.trash(payload_len) if payload_len else None
+
+    # --- output ------------------------------------------------------------------------------
+    def send(self, ftype: FrameType, fields: dict[str, Any]) -> None:
+        t = self.reader.transport
+        if t is not None and not t.is_closing():
+            t.write(encode_frame(ftype, fields))
+
+    def send_abort(self, res: Reservation, err: TransferError) -> None:
+        self.send(FrameType.ABORT, {"rid": res.req_id, "tid": res.ticket.ticket_id, "reason": err.reason.value,
+                                    "detail": err.detail[:1000]})
+
+    def close(self, reason: FailReason | None = None, detail: str = "") -> None:
+        if reason is not None:
+            log.warning("kvtransfer: closing connection from %s: %s: %s", self.peer, reason.value, detail)
+            self.send(FrameType.ERROR, {"reason": reason.value, "detail": detail[:1000]})
+        self.reader.close()
+
+    def _handshake_timeout(self) -> None:
+        if self.state in (ConnState.HELLO, ConnState.AUTH):
+            self.close(FailReason.TIMEOUT, f"no handshake within {self.cfg.handshake_timeout_s}s")
+
+    # --- handshake ---------------------------------------------------------------------------
+    def _on_hello(self, h: Header) -> None:
+        if h.type is not FrameType.HELLO:
+            return self.close(FailReason.BAD_FRAME, f"expected HELLO, got {h.type.name}")
+        if h.fields["v"] != PDSERVE_KV_PROTOCOL_VERSION:
+            return self.close(FailReason.INCOMPATIBLE, f"protocol version {h.fields['v']} != receiver's "
+                              f"{PDSERVE_KV_PROTOCOL_VERSION}")
+        self.sender_nonce = h.fields["n"]
+        proof = auth.make_proof(self.cfg.cluster_secret, auth.Role.RECEIVER, self.sender_nonce, self.receiver_nonce)
+        self.send(FrameType.CHALLENGE, {"n": self.receiver_nonce, "p": proof})
+        self.state = ConnState.AUTH
+
+    def _on_auth(self, h: Header) -> None:
+        if h.type is not FrameType.AUTH:
+            return self.close(FailReason.BAD_FRAME, f"expected AUTH, got {h.type.name}")
+        if not auth.check_proof(self.cfg.cluster_secret, auth.Role.SENDER, self.sender_nonce, self.receiver_nonce,
+                                h.fields["p"]):
+            return self.close(FailReason.AUTH_FAILED, "the sender's proof does not match this receiver's cluster "
+                              "secret")
+        info = h.fields["info"]
+        try:
+            check_compatible(self.rx.local_info, info)
+            wire = WireDType(info.get("wire"))
+            pid, start = info.get("pid"), info.get("pid_start")
+            if type(pid) is not int or type(start) is not int:
+                raise ValueError("pid")
+        except TransferError as e:
+            return self.close(FailReason.INCOMPATIBLE, e.detail)
+        except ValueError as e:
+            return self.close(FailReason.BAD_FRAME, f"bad AUTH info field: {e}")
+        self.codec = LayerCodec(self.rx.pool.layout, wire)
+        self.peer_pid, self.peer_start = pid, start
+        # shm only when we can later tell whether the writer process is still alive (same host + pid ns)
+        pool = self.rx.pool
+        self.shm_ok = isinstance(pool, ShmKVPool) and self.cfg.offer_shm and pid_alive(pid, start)
+        shm = ({"name": pool.segment_name, "nonce": pool.nonce, "num_pages": pool.num_pages}
+               if self.shm_ok else None)
+        self.state = ConnState.READY
+        self.max_header, self.max_payload = MAX_HEADER_BYTES, self.cfg.max_frame_bytes
+        if self._timer is not None:
+            self._timer.cancel()
+        self.send(FrameType.READY, {"info": {**self.rx.local_info, "shm": shm}})
+        log.info("kvtransfer: %s authenticated (wire %s, shm %s)", self.peer, wire.value, self.shm_ok)
+
+    # --- request frames ----------------------------------------------------------------------
+    def _owned(self, f: dict[str, Any]) -> Reservation:
+        res = self.rx.manager.lookup(f["rid"], f["tid"])
+        if res.conn is not None and res.conn is not self:
+            raise ProtocolError(FailReason.BAD_FRAME, "request is bound to another connection")
+        return res
+
+    def _check_span(self, res: Reservation, f: dict[str, Any]) -> None:
+        t = res.ticket
+        layer, ts, te = f["l"], f["ts"], f["te"]
+        if layer >= t.layout.num_layers:
+            raise ProtocolError(FailReason.BAD_FRAME, f"layer {layer} >= num_layers {t.layout.num_layers}")
+        if not 0 <= ts < te <= t.num_tokens:
+            raise ProtocolError(FailReason.BAD_FRAME, f"tokens [{ts}, {te}) outside [0, {t.num_tokens})")
+        if ts != res.queued_upto[layer]:
+            raise ProtocolError(FailReason.BAD_FRAME, f"layer {layer}: expected token {res.queued_upto[layer]}, "
+                                f"got {ts} (frames of a layer must arrive in order)")
+        span = t.page_span(ts, te)
+        if f["pg"] != res.page_bytes[4 * span.start:4 * span.stop] or \
+                f["gn"] != res.gen_bytes[4 * span.start:4 * span.stop]:
+            raise ProtocolError(FailReason.STALE_PAGE, f"pages/generations for tokens [{ts}, {te}) do not match "
+                                "the reservation")
+        if res.conn is None:  # first frame: the pool itself must still agree (again before COMPLETE)
+            self._check_pool(res)
+
+    def _check_pool(self, res: Reservation) -> None:
+        """The allocator still has every page at the reserved generation (guards against a page of
+        ours being freed behind our back; frames are checked against the reservation's copy)."""
+        try:
+            self.rx.pool.allocator.check(list(res.ticket.page_ids), list(res.ticket.generations))
+        except PageError as e:
+            raise ProtocolError(FailReason.STALE_PAGE, str(e)) from None
+
+    def _start(self, res: Reservation) -> None:
+        res.conn = self
+        res.last_progress = time.monotonic()
+        if res.state is TransferState.RESERVED:
+            res.state = TransferState.RECEIVING
+
+    def _fail_res(self, res: Reservation, err: ProtocolError, payload_len: int = 0) -> PayloadSink | None:
+        self.rx.num_rejected_frames += 1
+        if res.conn is None:
+            res.conn = self  # so the ABORT goes back to whoever sent the bad frame
+        self.rx.fail(res, TransferError(err.reason, err.detail, res.req_id))
+        return PayloadSink.trash(payload_len) if payload_len else None
+
+    def _on_layer(self, f: dict[str, Any], payload_len: int) -> PayloadSink | None:
+        res = self._owned(f)
+        try:
+            if res.shm_writer is not None:
+                raise ProtocolError(FailReason.BAD_FRAME, "TCP layer frame for a request leased over shm")
+            self._check_span(res, f)
+            need = self.codec.nbytes(f["te"] - f["ts"])  # type: ignore[union-attr]
+            if payload_len != need:
+                raise ProtocolError(FailReason.BAD_FRAME, f"payload {payload_len} bytes, layout needs {need}")
+            if f["crc"] is None and self.cfg.require_checksum:
+                raise ProtocolError(FailReason.BAD_FRAME, "payload without checksum (require_checksum=True)")
+        except ProtocolError as err:
+            return self._fail_res(res, err, payload_len)
+        self._start(res)
+        res.queued_upto[f["l"]] = f["te"]
+        views, finalize = self.codec.sink_views(self.rx.pool, f["l"], res.page_arr,  # type: ignore[union-attr]
+                                                f["ts"], f["te"], self._stage)
+        self.current = res
+        return PayloadSink(views, lambda: self._verify(res, f, views, finalize, payload_len))
+
+    def _on_shm_open(self, f: dict[str, Any], payload_len: int) -> None:
+        res = self._owned(f)
+        try:
+            if not self.shm_ok:
+                raise ProtocolError(FailReason.BAD_FRAME, "shared memory was not offered on this connection")
+            if res.state is not TransferState.RESERVED:
+                raise ProtocolError(FailReason.BAD_FRAME, f"shm lease requested in state {res.state.value}")
+            if f["pg"] != res.page_bytes or f["gn"] != res.gen_bytes:
+                raise ProtocolError(FailReason.STALE_PAGE, "shm lease pages/generations do not match the reservation")
+            self._check_pool(res)
+        except ProtocolError as err:
+            return self._fail_res(res, err)
+        self._start(res)
+        res.shm_writer = self
+        res.transport = TransportKind.SHM
+        self.send(FrameType.SHM_OPENED, {"rid": res.req_id, "tid": res.ticket.ticket_id})
+
+    def _on_shm_layer(self, f: dict[str, Any], payload_len: int) -> None:
+        res = self._owned(f)
+        try:
+            if res.shm_writer is not self:
+                raise ProtocolError(FailReason.BAD_FRAME, "shm layer frame without a shm lease")
+            self._check_span(res, f)
+        except ProtocolError as err:
+            return self._fail_res(res, err)
+        res.queued_upto[f["l"]] = f["te"]
+        views = [] if f["crc"] is None else self.shm_codec.pool_views(self.rx.pool, f["l"], res.page_arr, f["ts"],
+                                                                      f["te"])
+        self._verify(res, f, views, None, self.shm_codec.nbytes(f["te"] - f["ts"]))
+
+    def _verify(self, res: Reservation, f: dict[str, Any], views: list[memoryview],
+                finalize: Callable[[], None] | None, nbytes: int) -> None:
+        """The payload is in place: check its CRC, then account it.
+
+        Large payloads are checksummed on the receiver's CRC threads while this connection keeps
+        receiving the next frame (zlib releases the GIL): verification overlaps the transfer.
+        A FINISH waits until every pending check has passed.
+        """
+        self.current = None
+        if res.state is not TransferState.RECEIVING:
+            return  # failed while the bytes arrived: they went to the discard buffer
+        if f["crc"] is None:
+            return self._accept(res, f, finalize, nbytes, True)
+        if nbytes < OFFLOAD_CRC_BYTES:
+            return self._accept(res, f, finalize, nbytes, checksum(ChecksumKind.CRC32, views) == f["crc"])
+        self._verifying += 1
+        staged = self._staging if finalize is not None else None
+        if staged is not None:
+            self._staging_busy = True  # the next staged frame gets a fresh buffer
+        fut = asyncio.get_running_loop().run_in_executor(self.rx.crc_pool, checksum, ChecksumKind.CRC32, views)
+        fut.add_done_callback(lambda fu: self._verified(
+            res, f, finalize, nbytes, not fu.cancelled() and fu.exception() is None and fu.result() == f["crc"],
+            staged))
+
+    def _verified(self, res: Reservation, f: dict[str, Any], finalize: Callable[[], None] | None, nbytes: int,
+                  ok: bool, staged: torch.Tensor | None) -> None:
+        self._verifying -= 1
+        if staged is not None and staged is self._staging:
+            self._staging_busy = False
+        self._accept(res, f, finalize, nbytes, ok)
+        if self._verifying == 0 and self._deferred_finish is not None:
+            deferred, self._deferred_finish = self._deferred_finish, None
+            if not self.closed:
+                self._dispatch(FrameType.FINISH, deferred, 0)
+                self.reader.resume()
+
+    def _accept(self, res: Reservation, f: dict[str, Any], finalize: Callable[[], None] | None, nbytes: int,
+                ok: bool) -> None:
+        if res.state is not TransferState.RECEIVING:
+            return
+        if not ok:
+            self.rx.num_rejected_frames += 1
+            self.rx.fail(res, TransferError(FailReason.CORRUPT, f"layer {f['l']} tokens [{f['ts']}, {f['te']}): "
+                                            "payload checksum mismatch", res.req_id))
+            return
+        if finalize is not None:
+            finalize()  # staging -> pages; safe: the reservation is still RECEIVING and we are on its loop
+        self.rx.layer_received(res, f["l"], f["te"], nbytes)
+
+    def _on_finish(self, f: dict[str, Any], payload_len: int) -> None:
+        if self._verifying:  # checksums still running: decide once they are all in
+            self._deferred_finish = f
+            self.reader.pause()
+            return
+        res = self._owned(f)
+        try:
+            self._check_pool(res)
+        except ProtocolError as err:
+            return self._fail_res(res, err)
+        if res.state is not TransferState.RECEIVING or f["nt"] != res.ticket.num_tokens or not res.all_received:
+            missing = [f"layer {i}: {n}/{res.ticket.num_tokens}" for i, n in enumerate(res.received_upto)
+                       if n != res.ticket.num_tokens]
+            return self._fail_res(res, ProtocolError(FailReason.INCOMPLETE, "FINISH before all tokens arrived: "
+                                                     + ", ".join(missing[:8])))
+        self.rx.complete(res)
+        self.send(FrameType.DONE, {"rid": res.req_id, "tid": res.ticket.ticket_id, "nb": res.num_bytes})
+
+    def _on_abort(self, f: dict[str, Any], payload_len: int) -> None:
+        """The sender gave up; it has stopped writing (for shm, its ABORT releases the lease)."""
+        res = self.rx.manager.find_draining(f["tid"])
+        if res is not None and res.shm_writer is self:
+            self.rx.manager.drained(res)
+            return
+        res = self._owned(f)
+        if res.shm_writer is self:
+            res.shm_writer = None
+        reason = FailReason.from_wire(f["reason"])
+        self.rx.fail(res, TransferError(reason, f"sender aborted: {f['detail']}", res.req_id), notify=False)
+
+    def _on_abort_ack(self, f: dict[str, Any], payload_len: int) -> None:
+        res = self.rx.manager.find_draining(f["tid"])
+        if res is not None and res.shm_writer is self:
+            self.rx.manager.drained(res)
+
+    def _stage(self, nbytes: int) -> torch.Tensor:
+        if self._staging_busy or self._staging.numel() < nbytes:
+            self._staging_busy = False
+            self._staging = torch.empty(nbytes, dtype=torch.uint8)
+        return self._staging[:nbytes]
+
+    _handlers: dict[FrameType, Callable[..., PayloadSink | None]] = {
+        FrameType.LAYER: _on_layer,
+        FrameType.SHM_OPEN: _on_shm_open,
+        FrameType.SHM_LAYER: _on_shm_layer,
+        FrameType.FINISH: _on_finish,
+        FrameType.ABORT: _on_abort,
+        FrameType.ABORT_ACK: _on_abort_ack,
+    }

@@ -1,0 +1,290 @@
+"""Prefill side of the data plane: push each layer's KV to the decode worker as soon as it exists.
+
+The prefill loop is synchronous; ``KVSender`` runs its connections on its own event loop
+thread (``LoopThread``, uvloop when installed) plus one blocking send thread per receiver,
+so ``send_layer`` only validates, pins the source pages and enqueues (blocking only when
+``max_pending_frames`` are already queued: backpressure). The loop thread gathers and
+checksums frame k+1 while the send thread writes frame k; shm copies run on the loop
+thread. Hooking it into a forward pass::
+
+    sender = KVSender(pool, KVSenderConfig())
+    ticket = TransferTicket.from_dict(ticket_dict)       # issued by the decode worker
+    hook = sender.hook([LayerSend(ticket, src_pages=req.page_ids, token_start=c0, token_end=c1)])
+    model.forward(..., after_layer=hook)                 # hook(layer) right after layer's KV is written
+    hook(num_hidden_layers)                              # the MTP layer is just another layer index
+    fut = sender.finish(ticket)                          # after the last chunk; Future[SendResult]
+    fut.result(timeout)                                  # or poll sender.state(ticket)
+
+Source pages are pinned (``incref``) from the first ``send_layer`` until the transfer ends,
+so the prefill worker may free its own reference at any time; they are unpinned exactly
+once whether the transfer completes, fails or is cancelled.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from engine.kvcache.pool import KVPool, PageError
+from kvtransfer.config import KVSenderConfig
+from kvtransfer.errors import FailReason, TransferError
+from kvtransfer.loop import LoopThread
+from kvtransfer.payload import page_array
+from kvtransfer.ticket import TOMBSTONES, TransferTicket
+from kvtransfer.tx_peer import AbortItem, FinishItem, LayerItem, OutgoingTransfer, SendResult, SendState, TxPeer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSend:
+    """One request's share of a forward pass."""
+
+    ticket: TransferTicket
+    src_pages: Sequence[int]
+    """The request's prefill pages from token 0 (page i holds tokens [i * page_size, (i + 1) * page_size))."""
+    token_start: int
+    token_end: int
+    """The tokens this forward pass computed (a prefill chunk)."""
+
+
+class LayerHook:
+    """``hook(layer)`` ships ``layer`` for every request of the batch; one request's failure
+    does not stop the others (it is recorded in ``errors`` and its later layers are skipped)."""
+
+    def __init__(self, sender: "KVSender", sends: Sequence[LayerSend]) -> None:
+        self.sender = sender
+        self.sends = tuple(sends)
+        self.errors: dict[str, TransferError] = {}
+
+    def __call__(self, layer: int) -> None:
+        for s in self.sends:
+            if s.ticket.req_id in self.errors:
+                continue
+            try:
+                self.sender.send_layer(s.ticket, layer, s.src_pages, s.token_start, s.token_end)
+            except TransferError as e:
+                self.errors[s.ticket.req_id] = e
+
+
+class KVSender:
+    def __init__(self, pool: KVPool, config: KVSenderConfig | None = None) -> None:
+        if pool.device.type != "cpu":
+            raise ValueError(f"KVSender supports CPU pools only (got {pool.device}); see kvtransfer/payload.py")
+        self.pool = pool
+        self.config = config or KVSenderConfig()
+        self._lt = LoopThread("kvtransfer-sender")
+        self._lock = threading.Lock()
+        self._sends: dict[str, OutgoingTransfer] = {}
+        self._ended: OrderedDict[str, concurrent.futures.Future] = OrderedDict()
+        """Futures of finished transfers (bounded): late calls get the outcome, not a fresh start."""
+        self._peers: dict[tuple[str, int], TxPeer] = {}
+        self._slots = threading.Semaphore(self.config.max_pending_frames)
+        self._closed = False
+
+    # --- prefill worker API (any thread) -----------------------------------------------------
+    def send_layer(self, ticket: TransferTicket, layer: int, src_pages: Sequence[int], token_start: int,
+                   token_end: int) -> None:
+        """Queue ``layer``'s rows for tokens [token_start, token_end) (already written to ``src_pages``).
+
+        Returns at once unless the queue is full. Raises ``ValueError`` for bad arguments and
+        ``TransferError`` when this transfer already failed (its reason) or cannot start.
+        """
+        self._validate(ticket, layer, src_pages, token_start, token_end)
+        need = -(-token_end // self.pool.page_size)
+        st = self._pin(ticket, src_pages, token_start // self.pool.page_size, need)
+        if not self._slots.acquire(timeout=self.config.enqueue_timeout_s):
+            err = TransferError(FailReason.TIMEOUT, f"send queue full for enqueue_timeout_s="
+                                f"{self.config.enqueue_timeout_s}", ticket.req_id)
+            self._lt.call(self._abort, ticket, err)
+            raise err
+        self._lt.call(self._enqueue, LayerItem(st, layer, page_array(src_pages[:need]), token_start, token_end))
+
+    def finish(self, ticket: TransferTicket) -> concurrent.futures.Future:
+        """All layers of all tokens were queued: ask the receiver to verify and complete.
+
+        Returns a Future resolving to ``SendResult`` or raising ``TransferError``; it resolves
+        within ``finish_timeout_s`` of FINISH being written.
+        """
+        with self._lock:
+            if ticket.ticket_id in self._ended:
+                return self._ended[ticket.ticket_id]
+            st = self._sends.get(ticket.ticket_id)
+            if st is None:
+                raise ValueError(f"finish({ticket.req_id!r}) before any send_layer")
+            if st.finish_queued or st.error is not None:
+                return st.future
+            st.finish_queued = True
+        self._lt.call(self._enqueue, FinishItem(st))
+        return st.future
+
+    def cancel(self, ticket: TransferTicket, detail: str = "cancelled by the prefill worker") -> None:
+        """Stop sending, unpin the source pages and tell the receiver to free its pages."""
+        self._lt.call(self._abort, ticket, TransferError(FailReason.CANCELLED, detail, ticket.req_id))
+
+    def state(self, ticket: TransferTicket) -> SendState | None:
+        with self._lock:
+            st = self._sends.get(ticket.ticket_id)
+            if st is not None:
+                return st.state
+            if ticket.ticket_id in self._ended:
+                return SendState.FAILED if self._ended[ticket.ticket_id].exception() else SendState.DONE
+            return None
+
+    def hook(self, sends: Sequence[LayerSend]) -> LayerHook:
+        return LayerHook(self, sends)
+
+    def close(self, grace_s: float = 5.0) -> None:
+        """Let finishing transfers complete for ``grace_s``, fail the rest (SHUTDOWN), stop the loop."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            futs = [st.future for st in self._sends.values() if st.finish_queued]
+        concurrent.futures.wait(futs, timeout=grace_s)
+        try:
+            self._lt.run(self._shutdown(), timeout_s=grace_s + 5.0)
+        finally:
+            self._lt.stop()
+
+    # --- internals (caller thread) -----------------------------------------------------------
+    def _validate(self, ticket: TransferTicket, layer: int, src_pages: Sequence[int], ts: int, te: int) -> None:
+        if self._closed:
+            raise TransferError(FailReason.SHUTDOWN, "sender closed", ticket.req_id)
+        lay = self.pool.layout
+        if ticket.layout.page_size != lay.page_size or ticket.layout.num_layers != lay.num_layers:
+            raise TransferError(FailReason.INCOMPATIBLE, f"ticket layout (page_size {ticket.layout.page_size}, "
+                                f"{ticket.layout.num_layers} layers) != ours ({lay.page_size}, {lay.num_layers})",
+                                ticket.req_id)
+        if not 0 <= layer < lay.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {lay.num_layers})")
+        if not 0 <= ts < te <= ticket.num_tokens:
+            raise ValueError(f"tokens [{ts}, {te}) outside the ticket's [0, {ticket.num_tokens})")
+        if len(src_pages) * lay.page_size < te:
+            raise ValueError(f"{len(src_pages)} source pages cannot hold {te} tokens")
+
+    def _pin(self, ticket: TransferTicket, src_pages: Sequence[int], first: int, need: int) -> OutgoingTransfer:
+        tid = ticket.ticket_id
+        with self._lock:
+            if tid in self._ended:
+                raise self._ended[tid].exception() or ValueError(f"transfer of {ticket.req_id!r} already completed")
+            st = self._sends.get(tid)
+            if st is None:
+                if time.time() > ticket.expires_at_s:
+                    raise TransferError(FailReason.EXPIRED, "ticket expired before the first layer", ticket.req_id)
+                st = self._sends[tid] = OutgoingTransfer(ticket, concurrent.futures.Future())
+            if st.error is not None:
+                raise st.error
+            if st.finish_queued:
+                raise ValueError(f"send_layer({ticket.req_id!r}) after finish()")
+            new = [p for p in src_pages[first:need] if p not in st.pinned_set]
+            if new:
+                try:
+                    self.pool.allocator.incref(new)
+                except PageError as e:
+                    raise ValueError(f"source pages of {ticket.req_id!r}: {e}") from None
+                st.pinned.extend(new)
+                st.pinned_set.update(new)
+            return st
+
+    # --- internals (loop thread; also called by TxPeer) --------------------------------------
+    def _route(self, st: OutgoingTransfer) -> TxPeer:
+        peer = self._peers.get(st.ticket.address)
+        if peer is None or peer.closed:
+            peer = self._peers[st.ticket.address] = TxPeer(self, st.ticket.address)
+        st.peer = peer
+        peer.sends[st.ticket.ticket_id] = st
+        return peer
+
+    def _enqueue(self, item: LayerItem | FinishItem) -> None:
+        st = item.send
+        if st.failed:
+            if isinstance(item, LayerItem):
+                self.release_slot()
+            return
+        peer = st.peer if st.peer is not None and not st.peer.closed else self._route(st)
+        peer.queue.put_nowait(item)
+
+    def _abort(self, ticket: TransferTicket, err: TransferError) -> None:
+        with self._lock:
+            st = self._sends.get(ticket.ticket_id)
+            if st is None:
+                if ticket.ticket_id in self._ended:
+                    return
+                st = self._sends[ticket.ticket_id] = OutgoingTransfer(ticket, concurrent.futures.Future())
+        if st.peer is None:
+            self._route(st)  # never sent anything: connect just to tell the receiver
+        self.fail(st, err, notify=True)
+
+    def fail(self, st: OutgoingTransfer, err: TransferError, notify: bool = True) -> None:
+        """First failure wins: unpin, resolve the future, and (``notify``) send ABORT to the receiver."""
+        with self._lock:
+            if st.state in (SendState.DONE, SendState.FAILED):
+                return
+            st.state, st.error = SendState.FAILED, err
+            self._unpin(st)
+        if st.finish_timer is not None:
+            st.finish_timer.cancel()
+        if st.lease is not None and not st.lease.done():
+            st.lease.set_exception(err)
+            st.lease.exception()  # retrieved here: the copy loop may no longer be waiting for it
+        st.future.set_exception(err)
+        self._retire(st)
+        peer = st.peer
+        if notify and peer is not None and not peer.closed:
+            if peer.ready:
+                peer.spawn(peer.send_abort(st))
+            else:
+                peer.queue.put_nowait(AbortItem(st))
+        log.info("kvtransfer: send of %s failed: %s", st.ticket.req_id, err)
+
+    def complete(self, st: OutgoingTransfer, num_bytes_received: int) -> None:
+        with self._lock:
+            if st.state in (SendState.DONE, SendState.FAILED):
+                return
+            st.state = SendState.DONE
+            self._unpin(st)
+        if st.finish_timer is not None:
+            st.finish_timer.cancel()
+        st.future.set_result(SendResult(st.ticket.req_id, st.num_bytes, st.transport, st.started_at,
+                                        time.monotonic()))
+        self._retire(st)
+
+    def _unpin(self, st: OutgoingTransfer) -> None:
+        """Under the lock: the source pages go back to the prefill pool exactly once."""
+        if not st.unpinned:
+            st.unpinned = True
+            if st.pinned:
+                self.pool.allocator.decref(st.pinned)
+
+    def _retire(self, st: OutgoingTransfer) -> None:
+        """Forget a finished transfer but remember its (resolved) future for late calls."""
+        with self._lock:
+            self._sends.pop(st.ticket.ticket_id, None)
+            self._ended[st.ticket.ticket_id] = st.future
+            while len(self._ended) > TOMBSTONES:
+                self._ended.popitem(last=False)
+
+    def finish_timed_out(self, st: OutgoingTransfer) -> None:
+        self.fail(st, TransferError(FailReason.TIMEOUT, f"no DONE within finish_timeout_s="
+                                    f"{self.config.finish_timeout_s}", st.ticket.req_id))
+
+    def release_slot(self) -> None:
+        self._slots.release()
+
+    def peer_closed(self, peer: TxPeer) -> None:
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
+
+    async def _shutdown(self) -> None:
+        with self._lock:
+            pending = list(self._sends.values())
+        for st in pending:
+            self.fail(st, TransferError(FailReason.SHUTDOWN, "sender closed", st.ticket.req_id))
+        for peer in list(self._peers.values()):
+            await peer.flush(timeout_s=1.0)  # let the ABORTs just spawned go out first
+            await peer.aclose()

@@ -1,0 +1,207 @@
+"""Shared-memory transport: the decode pool lives in a /dev/shm segment a same-host sender maps.
+
+``ShmKVPool`` is a ``KVPool`` whose buffers (and fp8 scales) are views into one file in
+/dev/shm, mapped ``MAP_SHARED``. A prefill worker on the same host maps the same file
+(``ShmAttachment``) and copies rows straight from its own pages into the decode pages:
+only metadata (lease, per-layer "written" marks, FINISH) goes over the TCP connection.
+
+Segment layout: a 4 KiB header (magic, 16-byte nonce, num_pages, msgpack layout) then
+every tensor in (layer, component, data-then-scale) order, each 64-byte aligned
+(``segment_plan``, computed identically on both sides). The nonce travels in the READY
+frame; the sender refuses a segment whose header does not carry it (a stale file with a
+recycled name, or a different host sharing a hostname).
+
+A remote process that can write our pages must never write a page after it was freed.
+The receiver therefore frees a shm-written reservation only after the sender acknowledges
+the abort, or after the sender process is gone (``pid_alive`` on (pid, start time), which
+also defeats pid reuse); offering shm requires that check to work, i.e. the same host and
+pid namespace.
+
+The creator unlinks the file on ``close()`` (and at interpreter exit); a SIGKILLed decode
+worker leaves it in /dev/shm (names start with ``pdserve-kv-``).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import secrets
+import socket
+import struct
+import threading
+import weakref
+from typing import NamedTuple
+
+import msgpack
+import torch
+
+from engine.kvcache.layout import KVLayout
+from engine.kvcache.pool import KVPool, PageAllocator
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+HEADER_BYTES = 4096
+ALIGN = 64
+MAGIC = b"PDKVSHM1"
+_HEAD = struct.Struct("<8s16sQI")  # magic, nonce, num_pages, layout_len
+NAME_RE = re.compile(r"^pdserve-kv-[0-9a-f]{1,16}-[0-9a-f]{8}$")
+
+
+class TensorSlot(NamedTuple):
+    layer: int
+    name: str
+    is_scale: bool
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def segment_plan(layout: KVLayout, num_pages: int) -> tuple[list[TensorSlot], int]:
+    """Where each buffer lives in the segment; returns (slots, total segment bytes)."""
+    slots, off = [], HEADER_BYTES
+    for layer in range(layout.num_layers):
+        for c in layout.components:
+            entries = [(False, (num_pages, layout.page_size, *c.shape), layout.torch_dtype)]
+            if layout.is_fp8:
+                entries.append((True, (num_pages, layout.page_size, *c.scale_shape), torch.float32))
+            for is_scale, shape, dtype in entries:
+                off = -(-off // ALIGN) * ALIGN
+                slots.append(TensorSlot(layer, c.name, is_scale, off, shape, dtype))
+                n = torch.empty((), dtype=dtype).element_size()
+                for s in shape:
+                    n *= s
+                off += n
+    return slots, -(-off // ALIGN) * ALIGN
+
+
+def _map_tensors(mm: mmap.mmap, layout: KVLayout, num_pages: int):
+    buffers: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.num_layers)]
+    scales: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.num_layers)] if layout.is_fp8 else []
+    plan, _ = segment_plan(layout, num_pages)
+    for s in plan:
+        count = 1
+        for d in s.shape:
+            count *= d
+        # frombuffer keeps ``mm`` alive as long as any view exists; we never close it explicitly
+        t = torch.frombuffer(mm, dtype=s.dtype, count=count, offset=s.offset).view(s.shape)
+        (scales if s.is_scale else buffers)[s.layer][s.name] = t
+    return buffers, scales
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class ShmKVPool(KVPool):
+    """A ``KVPool`` whose storage is a named /dev/shm segment (decode side creates it).
+
+    Same attributes and methods as ``KVPool``; ``KVPool.__init__`` is not called because it
+    would first allocate the whole pool in private memory.
+    """
+
+    def __init__(self, layout: KVLayout, num_pages: int) -> None:
+        self.layout = layout
+        self.device = torch.device("cpu")
+        self.allocator = PageAllocator(num_pages)
+        self.num_pages = num_pages
+        self.segment_name = f"pdserve-kv-{os.getpid():x}-{secrets.token_hex(4)}"
+        self.nonce = secrets.token_bytes(16)
+        _, self.segment_bytes = segment_plan(layout, num_pages)
+        path = os.path.join(SHM_DIR, self.segment_name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, self.segment_bytes)  # tmpfs: zero-filled, backed lazily on first touch
+            mm = mmap.mmap(fd, self.segment_bytes)
+        finally:
+            os.close(fd)
+        self._finalizer = weakref.finalize(self, _unlink, path)
+        layout_bytes = msgpack.packb(layout.to_dict())
+        head = _HEAD.pack(MAGIC, self.nonce, num_pages, len(layout_bytes)) + layout_bytes
+        if len(head) > HEADER_BYTES:
+            raise ValueError(f"layout too large for the {HEADER_BYTES}-byte shm header")
+        mm[:len(head)] = head
+        self.buffers, self.scales = _map_tensors(mm, layout, num_pages)
+        for per_layer in self.scales:
+            for t in per_layer.values():
+                t.fill_(1.0)  # KVPool's convention for unwritten fp8 scales
+
+    def close(self) -> None:
+        """Unlink the segment name (mappings stay valid until their tensors are dropped)."""
+        self._finalizer()
+
+
+class ShmAttachment:
+    """The sender's writable view of a receiver's ``ShmKVPool`` (buffers and scales only)."""
+
+    def __init__(self, name: str, nonce: bytes, layout: KVLayout, num_pages: int) -> None:
+        if not NAME_RE.match(name):
+            raise ValueError(f"refusing shm segment name {name!r}")
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            _, need = segment_plan(layout, num_pages)
+            if size != need:
+                raise ValueError(f"shm segment {name} is {size} bytes, layout needs {need}")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        magic, seg_nonce, seg_pages, n = _HEAD.unpack_from(mm, 0)
+        seg_layout = msgpack.unpackb(mm[_HEAD.size:_HEAD.size + n]) if n <= HEADER_BYTES - _HEAD.size else None
+        if magic != MAGIC or seg_nonce != nonce or seg_pages != num_pages or seg_layout != layout.to_dict():
+            raise ValueError(f"shm segment {name} header does not match the receiver's handshake")
+        self.layout = layout
+        self.device = torch.device("cpu")
+        self.page_size = layout.page_size
+        self.buffers, self.scales = _map_tensors(mm, layout, num_pages)
+
+    def flat(self, layer: int, name: str) -> torch.Tensor:
+        b = self.buffers[layer][name]
+        return b.view(b.shape[0] * b.shape[1], *b.shape[2:])
+
+    def flat_scale(self, layer: int, name: str) -> torch.Tensor:
+        s = self.scales[layer][name]
+        return s.view(s.shape[0] * s.shape[1], *s.shape[2:])
+
+
+# --- same-host identity and liveness ------------------------------------------------------------
+
+_host_id_lock = threading.Lock()
+_host_id: str | None = None
+
+
+def host_id() -> str:
+    """Hostname plus kernel boot id: equal only for processes on the same running machine."""
+    global _host_id
+    with _host_id_lock:
+        if _host_id is None:
+            try:
+                with open("/proc/sys/kernel/random/boot_id") as f:
+                    boot = f.read().strip()
+            except OSError:
+                boot = "unknown-boot"
+            _host_id = f"{socket.gethostname()}|{boot}"
+        return _host_id
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (/proc/<pid>/stat field 22), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if not fields or fields[0] in (b"Z", b"X"):
+        return None  # zombie or dead: it cannot write anything any more
+    return int(fields[19])
+
+
+def pid_alive(pid: int, start_time: int) -> bool:
+    """True while the process that had ``start_time`` still runs (a reused pid reads as dead)."""
+    return process_start_time(pid) == start_time

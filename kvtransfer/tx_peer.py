@@ -1,0 +1,436 @@
+"""The prefill side's connection to one receiver: handshake, transport choice, frame writer and reader.
+
+One ``TxPeer`` per receiver address multiplexes every request going there. Handshake,
+reader and writer run on the sender's loop thread; the writer drains one FIFO queue and
+hands whole frames to one send thread, so the frames of a request go out in the order
+``send_layer`` was called and never interleave. Sending state per request (``SendState``)::
+
+    QUEUED --first frame written--> STREAMING --FINISH written--> FINISHING --DONE--> DONE
+       \\____________________________________________________________________/
+         ABORT from the receiver, cancel, connection lost, timeout --> FAILED (source pages unpinned)
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import enum
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+from kvtransfer import auth
+from kvtransfer.config import ChecksumKind, TransportKind, WireDType
+from kvtransfer.errors import FailReason, ProtocolError, TransferError
+from kvtransfer.framing import read_frame, send_frame, tune_socket
+from kvtransfer.payload import LayerCodec, page_array
+from kvtransfer.protocol import (MAX_HEADER_BYTES, MAX_PAGES_PER_FRAME, PDSERVE_KV_PROTOCOL_VERSION, FrameType,
+                                 check_compatible, checksum, encode_frame, pack_u32, peer_info)
+from kvtransfer.shm import ShmAttachment, host_id, process_start_time
+from kvtransfer.ticket import TransferTicket
+
+if TYPE_CHECKING:
+    from kvtransfer.sender import KVSender
+
+log = logging.getLogger(__name__)
+
+
+MAX_QUEUED_FRAMES = 2
+"""Frames handed to the send thread but not yet written (one on the wire, one ready behind it)."""
+
+
+def _consume(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # a write failed after we gave up on the connection: nothing left to tell
+
+
+class SendState(enum.Enum):
+    QUEUED = "queued"
+    STREAMING = "streaming"
+    FINISHING = "finishing"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class SendResult(NamedTuple):
+    req_id: str
+    num_bytes: int
+    """Payload bytes written to the socket (TCP) or copied into the receiver's pages (shm)."""
+    transport: TransportKind
+    started_at_s: float
+    """time.monotonic() of the first ``send_layer``."""
+    done_at_s: float
+    """time.monotonic() when the receiver's DONE arrived."""
+
+
+@dataclass(eq=False)
+class OutgoingTransfer:
+    """Prefill-side record of one ticket (shared by the caller's thread and the loop, under the sender lock)."""
+
+    ticket: TransferTicket
+    future: concurrent.futures.Future
+    started_at: float = field(default_factory=time.monotonic)
+    state: SendState = SendState.QUEUED
+    pinned: list[int] = field(default_factory=list)
+    pinned_set: set[int] = field(default_factory=set)
+    unpinned: bool = False
+    error: TransferError | None = None
+    finish_queued: bool = False
+    num_bytes: int = 0
+    transport: TransportKind = TransportKind.TCP
+    peer: "TxPeer | None" = None
+    lease: asyncio.Future | None = None
+    finish_timer: asyncio.TimerHandle | None = None
+    page_bytes: bytes = b""
+    gen_bytes: bytes = b""
+    dst_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def __post_init__(self) -> None:
+        self.future.set_running_or_notify_cancel()  # callers cancel with KVSender.cancel, not future.cancel
+        self.page_bytes = pack_u32(self.ticket.page_ids)
+        self.gen_bytes = pack_u32(self.ticket.generations)
+        self.dst_pages = page_array(self.ticket.page_ids)
+
+    @property
+    def failed(self) -> bool:
+        return self.state is SendState.FAILED
+
+
+class LayerItem(NamedTuple):
+    send: OutgoingTransfer
+    layer: int
+    src_pages: np.ndarray
+    """Prefill page ids from token 0 (a private copy: the caller may grow its list meanwhile)."""
+    token_start: int
+    token_end: int
+
+
+class FinishItem(NamedTuple):
+    send: OutgoingTransfer
+
+
+class AbortItem(NamedTuple):
+    send: OutgoingTransfer
+
+
+class TxPeer:
+    def __init__(self, sender: "KVSender", address: tuple[str, int]) -> None:
+        self.sender = sender
+        self.cfg = sender.config
+        self.address = address
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sends: dict[str, OutgoingTransfer] = {}
+        self.sock: socket.socket | None = None
+        self.ready = False
+        self.closed = False
+        self.receiver_id = ""
+        self.transport = TransportKind.TCP
+        self.attachment: ShmAttachment | None = None
+        self.codec = LayerCodec(sender.pool.layout, self.cfg.wire_dtype)
+        self.shm_codec = LayerCodec(sender.pool.layout, WireDType.NATIVE)
+        self.wsock: socket.socket | None = None
+        self._io: concurrent.futures.ThreadPoolExecutor | None = None
+        self._writes: collections.deque[asyncio.Future] = collections.deque()
+        self._reader: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.task = self.loop.create_task(self._run(), name=f"kvtransfer-peer-{address[0]}:{address[1]}")
+
+    # --- connection ---------------------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            await self._connect()
+        except TransferError as err:
+            self.fail(err)
+            return
+        except (OSError, asyncio.TimeoutError, ProtocolError) as e:
+            self.fail(self._conn_error(e, "connecting to"))
+            return
+        self._reader = self.loop.create_task(self._read_forever())
+        try:
+            await self._write_forever()
+        except Exception as e:  # a bug must fail the transfers loudly, not leave them hanging
+            log.exception("kvtransfer: writer for %s:%d crashed", *self.address)
+            self.fail(TransferError(FailReason.INTERNAL, f"sender writer crashed: {type(e).__name__}: {e}"))
+
+    def _conn_error(self, e: BaseException, doing: str) -> TransferError:
+        where = f"{doing} receiver {self.address[0]}:{self.address[1]}"
+        if isinstance(e, asyncio.TimeoutError):
+            return TransferError(FailReason.TIMEOUT, f"{where} timed out")
+        if isinstance(e, ProtocolError):
+            return TransferError(e.reason, f"{where}: {e.detail}")
+        return TransferError(FailReason.PEER_DIED, f"{where}: {type(e).__name__}: {e}")
+
+    async def _connect(self) -> None:
+        cfg, loop = self.cfg, self.loop
+        family = socket.AF_INET6 if ":" in self.address[0] else socket.AF_INET
+        sock = self.sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        tune_socket(sock, cfg.socket_buffer_bytes)  # before connect: the window scale is fixed at SYN
+        await asyncio.wait_for(loop.sock_connect(sock, self.address), cfg.connect_timeout_s)
+        await asyncio.wait_for(self._handshake(), cfg.handshake_timeout_s)
+
+    async def _expect(self, ftype: FrameType) -> dict[str, Any]:
+        h = await read_frame(self.loop, self.sock, MAX_HEADER_BYTES)  # type: ignore[arg-type]
+        if h.type is FrameType.ERROR:
+            raise TransferError(FailReason.from_wire(h.fields["reason"]), f"receiver {self.address[0]}:"
+                                f"{self.address[1]} refused us: {h.fields['detail']}")
+        if h.type is not ftype:
+            raise ProtocolError(FailReason.BAD_FRAME, f"expected {ftype.name}, got {h.type.name}")
+        return h.fields
+
+    async def _handshake(self) -> None:
+        secret, loop, sock = self.cfg.cluster_secret, self.loop, self.sock
+        nonce = auth.new_nonce()
+        await send_frame(loop, sock, FrameType.HELLO, {"v": PDSERVE_KV_PROTOCOL_VERSION, "n": nonce})
+        ch = await self._expect(FrameType.CHALLENGE)
+        if not auth.check_proof(secret, auth.Role.RECEIVER, nonce, ch["n"], ch["p"]):
+            raise TransferError(FailReason.AUTH_FAILED, f"receiver {self.address[0]}:{self.address[1]} could not "
+                                "prove it holds our cluster secret")
+        local = peer_info(self.sender.pool.layout.to_dict(), host_id=host_id(), pid=os.getpid(),
+                          pid_start=process_start_time(os.getpid()) or 0, wire=self.cfg.wire_dtype.value)
+        await send_frame(loop, sock, FrameType.AUTH,
+                         {"p": auth.make_proof(secret, auth.Role.SENDER, nonce, ch["n"]), "info": local})
+        info = (await self._expect(FrameType.READY))["info"]
+        check_compatible(local, info)
+        self.receiver_id = str(info.get("receiver_id"))
+        self._choose_transport(info)
+        self._start_send_thread()
+        self.ready = True
+
+    def _choose_transport(self, info: dict[str, Any]) -> None:
+        want, shm = self.cfg.transport, info.get("shm")
+        if want is TransportKind.TCP:
+            return
+        if type(shm) is not dict:
+            if want is TransportKind.SHM:
+                log.warning("kvtransfer: shm forced but receiver %s:%d offers none (pool not shm-backed or "
+                            "not the same host); using TCP", *self.address)
+            return
+        if want is TransportKind.AUTO and info.get("host_id") != host_id():
+            return
+        try:
+            self.attachment = ShmAttachment(str(shm.get("name")), bytes(shm.get("nonce") or b""),
+                                            self.sender.pool.layout, int(shm.get("num_pages") or 0))
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("kvtransfer: shm setup with receiver %s:%d failed (%s); falling back to TCP",
+                        self.address[0], self.address[1], e)
+            return
+        self.transport = TransportKind.SHM
+
+    def fail(self, err: TransferError) -> None:
+        """The connection is gone: fail everything routed through it and close."""
+        if self.closed:
+            return
+        self.closed = True
+        self.ready = False
+        self.sender.peer_closed(self)
+        for st in list(self.sends.values()):
+            self.sender.fail(st, err.for_request(st.ticket.req_id), notify=False)
+        self.sends.clear()
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, LayerItem):
+                self.sender.release_slot()
+            if item is not None:
+                self.sender.fail(item.send, err.for_request(item.send.ticket.req_id), notify=False)
+        self.queue.put_nowait(None)  # wake the writer so it exits
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader and a send thread blocked on it
+            except OSError:
+                pass
+            reader, sock = self._reader, self.sock
+            if reader is not None and not reader.done() and reader is not asyncio.current_task():
+                reader.add_done_callback(lambda _: sock.close())  # the loop must unregister the fd first
+            else:
+                self.loop.call_soon(sock.close)
+        if self._io is not None:
+            self._io.submit(self.wsock.close)  # type: ignore[union-attr]  # after the write in progress
+            self._io.shutdown(wait=False)
+        for fut in self._writes:
+            fut.add_done_callback(_consume)
+        self._writes.clear()
+        log.info("kvtransfer: connection to %s:%d closed: %s", self.address[0], self.address[1], err)
+
+    # --- writing -----------------------------------------------------------------------------
+    def _start_send_thread(self) -> None:
+        """Bulk writes go through a blocking twin of the socket on one thread: ``sendall`` then loops
+        in C without the GIL (like a raw socket), and the loop thread meanwhile prepares (gathers,
+        checksums) the next frame. One thread, FIFO: frames never interleave."""
+        self.wsock = self.sock.dup()  # type: ignore[union-attr]
+        self.wsock.settimeout(self.cfg.send_timeout_s)  # a stalled receiver surfaces as TimeoutError
+        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtransfer-send")
+
+    def _blocking_send(self, bufs: tuple[bytes | memoryview, ...]) -> None:
+        for b in bufs:
+            self.wsock.sendall(b)  # type: ignore[union-attr]
+
+    async def _send(self, *bufs: bytes | memoryview) -> None:
+        """Queue one whole frame; returns once at most one earlier frame is still unsent (raising the
+        error of any write that failed)."""
+        if self.closed or self._io is None:
+            raise ConnectionError("connection closed")
+        self._writes.append(self.loop.run_in_executor(self._io, self._blocking_send, bufs))
+        while len(self._writes) > MAX_QUEUED_FRAMES or (self._writes and self._writes[0].done()):
+            await self._writes.popleft()
+
+    async def _write_forever(self) -> None:
+        while True:
+            item = await self.queue.get()
+            if item is None:
+                return
+            st = item.send
+            try:
+                if isinstance(item, AbortItem):
+                    await self.send_abort(st)
+                elif st.failed:
+                    pass
+                elif st.ticket.receiver_id != self.receiver_id:
+                    self.sender.fail(st, TransferError(FailReason.UNKNOWN_REQUEST, "ticket was issued by another "
+                                                       "receiver instance (restarted?)", st.ticket.req_id), False)
+                elif isinstance(item, LayerItem):
+                    await self._write_layer(item)
+                else:
+                    await self._write_finish(st)
+            except (OSError, asyncio.TimeoutError) as e:
+                self.fail(self._conn_error(e, "writing to"))
+                return
+            finally:
+                if isinstance(item, LayerItem):
+                    self.sender.release_slot()
+
+    def _chunks(self, codec: LayerCodec, ts: int, te: int) -> list[tuple[int, int]]:
+        page = self.sender.pool.page_size
+        step = max(1, min(self.cfg.max_frame_bytes // codec.bytes_per_token, (MAX_PAGES_PER_FRAME - 1) * page))
+        return [(a, min(te, a + step)) for a in range(ts, te, step)]
+
+    def _span_fields(self, st: OutgoingTransfer, layer: int, a: int, b: int, crc: int | None) -> dict[str, Any]:
+        span = st.ticket.page_span(a, b)
+        return {"rid": st.ticket.req_id, "tid": st.ticket.ticket_id, "l": layer, "ts": a, "te": b,
+                "pg": st.page_bytes[4 * span.start:4 * span.stop], "gn": st.gen_bytes[4 * span.start:4 * span.stop],
+                "crc": crc}
+
+    async def _write_layer(self, item: LayerItem) -> None:
+        st = item.send
+        if self.transport is TransportKind.SHM:
+            return await self._copy_layer_shm(item)
+        pool = self.sender.pool
+        for a, b in self._chunks(self.codec, item.token_start, item.token_end):
+            if st.failed:
+                return
+            views = self.codec.source_views(pool, item.layer, item.src_pages, a, b)
+            crc = checksum(self.cfg.checksum, views)
+            nbytes = self.codec.nbytes(b - a)
+            header = encode_frame(FrameType.LAYER, self._span_fields(st, item.layer, a, b, crc), nbytes)
+            st.state = SendState.STREAMING
+            await self._send(header, *views)
+            st.num_bytes += nbytes
+
+    async def _copy_layer_shm(self, item: LayerItem) -> None:
+        st = item.send
+        if st.lease is None:
+            st.transport = TransportKind.SHM
+            st.lease = self.loop.create_future()
+            await self._send(encode_frame(FrameType.SHM_OPEN, {"rid": st.ticket.req_id, "tid": st.ticket.ticket_id,
+                                                               "pg": st.page_bytes, "gn": st.gen_bytes}))
+            try:
+                await asyncio.wait_for(asyncio.shield(st.lease), self.cfg.handshake_timeout_s)
+            except asyncio.TimeoutError:
+                self.sender.fail(st, TransferError(FailReason.TIMEOUT, "shm lease not granted within "
+                                                   f"{self.cfg.handshake_timeout_s}s", st.ticket.req_id))
+                return
+            except (TransferError, asyncio.CancelledError):
+                return  # the receiver refused; st already failed by the reader
+        for a, b in self._chunks(self.shm_codec, item.token_start, item.token_end):
+            if st.failed:  # checked before every copy: after an ABORT we never touch the pages again
+                return
+            want = self.cfg.shm_checksum is not ChecksumKind.NONE
+            views = self.shm_codec.copy_layer(self.sender.pool, self.attachment, item.layer,  # type: ignore[arg-type]
+                                              item.src_pages, st.dst_pages, a, b, want_views=want)
+            crc = checksum(self.cfg.shm_checksum, views)
+            st.state = SendState.STREAMING
+            st.num_bytes += self.shm_codec.nbytes(b - a)
+            await self._send(encode_frame(FrameType.SHM_LAYER, self._span_fields(st, item.layer, a, b, crc)))
+
+    async def _write_finish(self, st: OutgoingTransfer) -> None:
+        await self._send(encode_frame(FrameType.FINISH, {"rid": st.ticket.req_id, "tid": st.ticket.ticket_id,
+                                                         "nt": st.ticket.num_tokens}))
+        if not st.failed:
+            st.state = SendState.FINISHING
+            st.finish_timer = self.loop.call_later(self.cfg.finish_timeout_s, self.sender.finish_timed_out, st)
+
+    async def send_abort(self, st: OutgoingTransfer) -> None:
+        err = st.error or TransferError(FailReason.CANCELLED)
+        if self.ready and not self.closed:
+            await self._send(encode_frame(FrameType.ABORT, {"rid": st.ticket.req_id, "tid": st.ticket.ticket_id,
+                                                            "reason": err.reason.value, "detail": err.detail[:1000]}))
+        self.sends.pop(st.ticket.ticket_id, None)
+
+    def spawn(self, coro: Any) -> None:
+        """Run a small write (ABORT, ABORT_ACK) as a tracked task; a failure closes the connection."""
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.fail(self._conn_error(task.exception(), "writing to"))  # type: ignore[arg-type]
+
+    async def flush(self, timeout_s: float) -> None:
+        pending = [*self._tasks, *self._writes]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
+
+    async def aclose(self) -> None:
+        """Close the connection and wait for our tasks (sender shutdown)."""
+        self.fail(TransferError(FailReason.SHUTDOWN, "sender closed"))
+        me = asyncio.current_task()
+        tasks = [t for t in (self.task, self._reader, *self._tasks) if t is not None and t is not me]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- reading -----------------------------------------------------------------------------
+    async def _read_forever(self) -> None:
+        try:
+            while True:
+                h = await read_frame(self.loop, self.sock, MAX_HEADER_BYTES)  # type: ignore[arg-type]
+                self._on_frame(h.type, h.fields)
+        except asyncio.CancelledError:
+            raise
+        except (OSError, ConnectionError, ProtocolError) as e:
+            self.fail(self._conn_error(e, "reading from"))
+        except TransferError as e:
+            self.fail(e)
+
+    def _on_frame(self, ftype: FrameType, f: dict[str, Any]) -> None:
+        if ftype is FrameType.ERROR:
+            raise TransferError(FailReason.from_wire(f["reason"]), f"receiver closed the connection: {f['detail']}")
+        st = self.sends.get(f.get("tid", ""))
+        if st is None:
+            return  # a late reply for a transfer we already gave up
+        if ftype is FrameType.DONE:
+            self.sender.complete(st, f["nb"])
+            self.sends.pop(st.ticket.ticket_id, None)
+        elif ftype is FrameType.SHM_OPENED:
+            if st.lease is not None and not st.lease.done():
+                st.lease.set_result(None)
+        elif ftype is FrameType.ABORT:
+            err = TransferError(FailReason.from_wire(f["reason"]), f"receiver aborted: {f['detail']}",
+                                st.ticket.req_id)
+            leased = st.lease is not None
+            self.sender.fail(st, err, notify=False)
+            if leased:  # we are between copies (this runs on the loop thread): promise no more writes
+                self.spawn(self._send(encode_frame(FrameType.ABORT_ACK, {"rid": st.ticket.req_id,
+                                                                       "tid": st.ticket.ticket_id})))
+            self.sends.pop(st.ticket.ticket_id, None)
+        else:
+            raise ProtocolError(FailReason.BAD_FRAME, f"unexpected {ftype.name} from receiver")

@@ -1,0 +1,285 @@
+"""Every failure ends in the right ``FailReason`` on both sides, with the pools back where they started."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import zlib
+
+import pytest
+import torch
+
+import kvt_workers
+from kvt_helpers import SECRET, RawPeer, fragment, make_layout, make_pool, receiver, token_rows, write_layer
+from kvtransfer import FailReason, KVSender, KVSenderConfig, SendState, TransferError, TransferState, TransferTicket
+from kvtransfer.config import WireDType
+from kvtransfer.payload import LayerCodec
+from kvtransfer.protocol import FrameType, pack_u32
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def expect_failure(h, req_id: str, reason: FailReason, timeout_s: float = 30.0) -> TransferError:
+    with pytest.raises(TransferError) as exc:
+        h.wait(req_id, timeout_s)
+    assert exc.value.reason is reason, exc.value
+    return exc.value
+
+
+def prefill_failed(report: dict, reason: FailReason) -> None:
+    assert report["status"] == "error" and report["reason"] == reason.value, report
+    assert report["end_used"] == report["start_used"], "prefill pages leaked"
+
+
+# --- peer death and stalls ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_sender_killed_mid_transfer(spawn_prefill, shm):
+    pool = make_pool(make_layout(num_layers=4), 64, shm=shm)
+    start = pool.allocator.num_used
+    worker = spawn_prefill()
+    with receiver(pool) as h:
+        ticket = h.rx.reserve("doomed", 40)
+        worker.submit(ticket=ticket.to_dict(), transport="auto", hang_after=2)
+        assert worker.result()["status"] == "hanging"
+        h.wait_until(lambda: h.rx.poll("doomed") is TransferState.RECEIVING)
+        worker.kill()
+        expect_failure(h, "doomed", FailReason.PEER_DIED)
+        # shm: the pages are freed only once the writer process is provably gone (reaper checks its pid)
+        h.wait_until(lambda: pool.allocator.num_used == start)
+        assert h.rx.stats().num_draining == 0
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_receiver_killed_or_stalled_mid_transfer(how):
+    lay = make_layout(num_layers=4)
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=kvt_workers.receiver_worker, args=(child, lay.to_dict(), 40, False), daemon=True)
+    proc.start()
+    try:
+        assert conn.poll(60)
+        ticket = TransferTicket.from_dict(conn.recv())
+        src = make_pool(lay, 32)
+        start = src.allocator.num_used
+        pages = src.allocator.alloc(10, "req")
+        sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, finish_timeout_s=1.0, send_timeout_s=1.0))
+        write_layer(src, 0, pages, 0, 40, seed=0)
+        sender.send_layer(ticket, 0, pages, 0, 40)
+        deadline = time.monotonic() + 10
+        while sender.state(ticket) is not SendState.STREAMING and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        if how == "kill":
+            proc.join(10)
+        for layer in range(1, lay.num_layers):
+            write_layer(src, layer, pages, 0, 40, seed=0)
+            try:
+                sender.send_layer(ticket, layer, pages, 0, 40)
+            except TransferError as e:  # the loss may already be known
+                assert e.reason is FailReason.PEER_DIED
+        with pytest.raises(TransferError) as exc:
+            sender.finish(ticket).result(15)
+        assert exc.value.reason is (FailReason.PEER_DIED if how == "kill" else FailReason.TIMEOUT), exc.value
+        src.allocator.decref(pages)
+        assert src.allocator.num_used == start, "pinned prefill pages leaked"
+        sender.close(grace_s=0.5)
+    finally:
+        proc.kill()
+        proc.join(10)
+
+
+def test_stalled_sender_is_given_up(prefill):
+    pool = make_pool(make_layout(), 64)
+    start = pool.allocator.num_used
+    with receiver(pool, stall_timeout_s=0.5) as h:
+        ticket = h.rx.reserve("slow", 30)
+        prefill.submit(ticket=ticket.to_dict(), transport="tcp", stall_after=1)
+        expect_failure(h, "slow", FailReason.STALLED)
+        prefill_failed(prefill.result(), FailReason.STALLED)
+        assert pool.allocator.num_used == start
+
+
+def test_unused_ticket_expires_and_wait_times_out(prefill):
+    pool = make_pool(make_layout(), 64)
+    start = pool.allocator.num_used
+    with receiver(pool, ticket_ttl_s=0.3) as h:
+        h.rx.reserve("never", 10)
+        expect_failure(h, "never", FailReason.EXPIRED)
+        assert pool.allocator.num_used == start
+        h.rx.reserve("impatient", 10)
+        expect_failure(h, "impatient", FailReason.TIMEOUT, timeout_s=0.05)
+        assert pool.allocator.num_used == start
+
+
+# --- bad frames ---------------------------------------------------------------------------------
+
+def _layer_frame(ticket, layer: int, ts: int, te: int, payload: bytes, crc: int | None, gens=None) -> dict:
+    span = ticket.page_span(ts, te)
+    return {"rid": ticket.req_id, "tid": ticket.ticket_id, "l": layer, "ts": ts, "te": te,
+            "pg": pack_u32(ticket.page_ids[span]), "gn": pack_u32((gens or ticket.generations)[span]), "crc": crc}
+
+
+def test_corrupt_payload_fails_only_its_request(prefill):
+    pool = make_pool(make_layout(), 64)
+    start = pool.allocator.num_used
+    with receiver(pool) as h:
+        bad = h.rx.reserve("bad", 20)
+        good = h.rx.reserve("good", 20)
+        peer = RawPeer(h.rx.address)
+        peer.handshake(pool.layout)
+        payload = os.urandom(LayerCodec(pool.layout, WireDType.NATIVE).nbytes(20))
+        peer.frame(FrameType.LAYER, _layer_frame(bad, 0, 0, 20, payload, zlib.crc32(payload) ^ 1), payload)
+        abort = peer.expect(FrameType.ABORT)
+        assert abort["rid"] == "bad" and abort["reason"] == FailReason.CORRUPT.value
+        expect_failure(h, "bad", FailReason.CORRUPT)
+        assert all((pool.buffers[0][c.name][list(good.page_ids)] == 0).all() for c in pool.layout.components)
+        report = prefill.run(ticket=good.to_dict(), transport="tcp")
+        res = h.wait("good")
+        assert all(torch.equal(a, b) for a, b in zip(token_rows(pool, list(res.page_ids), 20).values(),
+                                                     report["rows"].values()))
+        pool.allocator.decref(list(res.page_ids))
+        peer.close()
+    assert pool.allocator.num_used == start
+
+
+def test_large_payloads_are_verified_off_the_loop_before_finish():
+    """Payloads >= 256 KiB are checksummed on CRC threads while the next frame arrives; FINISH waits
+    for every check: a good stream completes, one bad layer among good ones fails the request."""
+    lay = make_layout(latent=4096)  # 8 KiB per token per layer: 40 tokens = 330 KB frames
+    pool = make_pool(lay, 32)
+    codec = LayerCodec(lay, WireDType.NATIVE)
+    with receiver(pool) as h:
+        for bad_layer in (None, 1):
+            ticket = h.rx.reserve(f"big-{bad_layer}", 40)
+            peer = RawPeer(h.rx.address)
+            peer.handshake(lay)
+            payloads = [os.urandom(codec.nbytes(40)) for _ in range(lay.num_layers)]
+            for layer, payload in enumerate(payloads):
+                crc = zlib.crc32(payload) ^ (layer == bad_layer)
+                peer.frame(FrameType.LAYER, _layer_frame(ticket, layer, 0, 40, payload, crc), payload)
+            peer.frame(FrameType.FINISH, {"rid": ticket.req_id, "tid": ticket.ticket_id, "nt": 40})
+            if bad_layer is None:
+                assert peer.expect(FrameType.DONE)["nb"] == sum(map(len, payloads))
+                res = h.wait(ticket.req_id)
+                rows = token_rows(pool, list(res.page_ids), 40)
+                got = b"".join(rows[(0, c.name, False)].numpy().tobytes() for c in lay.components)
+                assert got == payloads[0]
+                pool.allocator.decref(list(res.page_ids))
+            else:
+                assert peer.expect(FrameType.ABORT)["reason"] == FailReason.CORRUPT.value
+                expect_failure(h, ticket.req_id, FailReason.CORRUPT)
+            peer.close()
+    assert pool.allocator.num_used == 0
+
+
+def test_frame_for_a_freed_and_reused_page_is_refused(prefill):
+    pool = make_pool(make_layout(), 16)
+    start = pool.allocator.num_used
+    with receiver(pool) as h:
+        old = h.rx.reserve("old", 20)
+        h.rx.cancel("old")
+        h.wait_until(lambda: pool.allocator.num_used == start)
+        new = h.rx.reserve("new", 20)  # same pages, bumped generations
+        assert set(new.page_ids) == set(old.page_ids) and new.generations != old.generations
+        prefill_failed(prefill.run(ticket=old.to_dict(), transport="tcp"), FailReason.CANCELLED)
+        # a forged frame naming the new ticket with the old generation counters: refused before any write
+        peer = RawPeer(h.rx.address)
+        peer.handshake(pool.layout)
+        payload = b"\x01" * LayerCodec(pool.layout, WireDType.NATIVE).nbytes(20)
+        peer.frame(FrameType.LAYER, _layer_frame(new, 0, 0, 20, payload, zlib.crc32(payload), old.generations),
+                   payload)
+        assert peer.expect(FrameType.ABORT)["reason"] == FailReason.STALE_PAGE.value
+        expect_failure(h, "new", FailReason.STALE_PAGE)
+        assert all((pool.buffers[0][c.name] == 0).all() for c in pool.layout.components), "a page was written"
+        peer.close()
+        again = h.rx.reserve("new", 20)
+        report = prefill.run(ticket=again.to_dict(), transport="tcp")
+        assert report["status"] == "done"
+        pool.allocator.decref(list(h.wait("new").page_ids))
+    assert pool.allocator.num_used == start
+
+
+# --- handshake ----------------------------------------------------------------------------------
+
+def test_wrong_secret_is_refused_by_both_sides(prefill):
+    pool = make_pool(make_layout(), 64)
+    start = pool.allocator.num_used
+    with receiver(pool, ticket_ttl_s=1.0) as h:
+        ticket = h.rx.reserve("r", 20)
+        prefill_failed(prefill.run(ticket=ticket.to_dict(), secret=b"not-the-cluster-secret!!"), FailReason.AUTH_FAILED)
+        # a peer that skips checking our proof and answers with a wrong one is refused by the receiver
+        peer = RawPeer(h.rx.address)
+        with pytest.raises(AssertionError, match="ERROR"):
+            peer.handshake(pool.layout, secret=b"also-not-the-cluster-secret")
+        assert peer.closed_by_peer()
+        expect_failure(h, "r", FailReason.EXPIRED)
+    assert pool.allocator.num_used == start
+
+
+@pytest.mark.parametrize("change", [dict(latent=64), dict(kv_dtype="float32"), dict(num_layers=4)])
+def test_incompatible_layout_is_refused(prefill, change):
+    pool = make_pool(make_layout(), 64)
+    start = pool.allocator.num_used
+    theirs = make_layout(**change)
+    with receiver(pool, ticket_ttl_s=1.0) as h:
+        ticket = h.rx.reserve("r", 20)
+        report = prefill.run(ticket=ticket.to_dict(), layout=theirs.to_dict())
+        prefill_failed(report, FailReason.INCOMPATIBLE)
+        assert any(k in report["detail"] for k in ("components", "kv_dtype", "layers")), report["detail"]
+        expect_failure(h, "r", FailReason.EXPIRED)
+    assert pool.allocator.num_used == start
+
+
+def test_protocol_version_mismatch_is_refused():
+    pool = make_pool(make_layout(), 8)
+    with receiver(pool) as h:
+        peer = RawPeer(h.rx.address)
+        peer.frame(FrameType.HELLO, {"v": 999, "n": b"\0" * 32})
+        err = peer.expect(FrameType.ERROR)
+        assert err["reason"] == FailReason.INCOMPATIBLE.value and "999" in err["detail"]
+
+
+# --- cancellation and admission -----------------------------------------------------------------
+
+def test_decode_side_cancel_reaches_the_sender(prefill):
+    pool = make_pool(make_layout(num_layers=4), 64)
+    start = pool.allocator.num_used
+    with receiver(pool) as h:
+        ticket = h.rx.reserve("c", 30)
+        prefill.submit(ticket=ticket.to_dict(), transport="tcp", layer_delay_s=0.15)
+        h.wait_until(lambda: h.rx.poll("c") is TransferState.RECEIVING)
+        h.rx.cancel("c")
+        prefill_failed(prefill.result(), FailReason.CANCELLED)
+        expect_failure(h, "c", FailReason.CANCELLED)
+    assert pool.allocator.num_used == start
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_prefill_side_cancel_reaches_the_receiver(prefill, transport):
+    pool = make_pool(make_layout(), 64, shm=transport == "auto")
+    start = pool.allocator.num_used
+    with receiver(pool) as h:
+        ticket = h.rx.reserve("c", 30)
+        prefill_failed(prefill.run(ticket=ticket.to_dict(), transport=transport, cancel_after=1), FailReason.CANCELLED)
+        expect_failure(h, "c", FailReason.CANCELLED)
+        h.wait_until(lambda: pool.allocator.num_used == start)
+
+
+def test_admission_control_refuses_at_once():
+    pool = make_pool(make_layout(), 8)
+    fragment(pool)
+    start = pool.allocator.num_used
+    with receiver(pool, max_reserved_pages=6) as h:
+        with pytest.raises(TransferError) as exc:
+            h.rx.reserve("huge", 8 * 4 + 1)
+        assert exc.value.reason is FailReason.NO_CAPACITY
+        h.rx.reserve("a", 20)  # 5 pages
+        with pytest.raises(TransferError) as exc:
+            h.rx.reserve("b", 8)  # 2 more pages would pass the cap of 6
+        assert exc.value.reason is FailReason.NO_CAPACITY and "max_reserved_pages" in str(exc.value)
+        with pytest.raises(ValueError):
+            h.rx.reserve("a", 4)
+        h.rx.cancel("a")
+        h.wait_until(lambda: pool.allocator.num_used == start)

@@ -1,0 +1,215 @@
+"""Unit tests of the pieces: config, frames, auth, tickets, reservations, payload mapping, shm pool."""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from engine.kvcache.pool import KVPool
+from kvt_helpers import SECRET, make_layout, make_pool
+from kvtransfer import (FailReason, KVReceiverConfig, KVSenderConfig, ShmKVPool, TransferError, TransferState,
+                        TransferTicket)
+from kvtransfer import auth
+from kvtransfer.config import SECRET_ENV, WireDType
+from kvtransfer.errors import ProtocolError
+from kvtransfer.payload import LayerCodec, gather_rows, paired_runs, scatter_rows, slot_runs
+from kvtransfer.protocol import (MAX_HEADER_BYTES, FrameType, check_compatible, decode_header, decode_prefix,
+                                 encode_frame, peer_info)
+from kvtransfer.shm import ShmAttachment, pid_alive, process_start_time
+from kvtransfer.ticket import ReservationManager
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# --- config -------------------------------------------------------------------------------------
+
+def test_non_loopback_bind_needs_a_secret(monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(ValueError, match="without a cluster secret"):
+        KVReceiverConfig(host="0.0.0.0")
+    KVReceiverConfig(host="127.0.0.1")
+    KVReceiverConfig(host="::1")
+    KVReceiverConfig(host="0.0.0.0", cluster_secret=SECRET)
+    monkeypatch.setenv(SECRET_ENV, "from-the-environment-123")
+    assert KVReceiverConfig(host="0.0.0.0").cluster_secret == b"from-the-environment-123"
+    assert KVSenderConfig().cluster_secret == b"from-the-environment-123"
+    with pytest.raises(ValueError, match="at least"):
+        KVSenderConfig(cluster_secret=b"short")
+
+
+# --- frames -------------------------------------------------------------------------------------
+
+def test_frame_roundtrip_and_schema():
+    raw = encode_frame(FrameType.FINISH, {"rid": "r", "tid": "t", "nt": 5})
+    prefix = decode_prefix(raw[:16], MAX_HEADER_BYTES, 0)
+    h = decode_header(raw[16:16 + prefix.header_len], 0)
+    assert h.type is FrameType.FINISH and h.fields == {"rid": "r", "tid": "t", "nt": 5}
+    bad = [({"rid": "r", "tid": "t"}, "fields"), ({"rid": "r", "tid": "t", "nt": -1}, "bounds"),
+           ({"rid": "r", "tid": "t", "nt": "5"}, "bounds"), ({"rid": "", "tid": "t", "nt": 1}, "bounds"),
+           ({"rid": "r", "tid": "t", "nt": 1, "x": 1}, "fields")]
+    for fields, what in bad:
+        raw = encode_frame(FrameType.FINISH, fields)
+        with pytest.raises(ProtocolError, match=what):
+            decode_header(raw[16:], 0)
+    with pytest.raises(ProtocolError, match="carry no payload"):
+        decode_header(encode_frame(FrameType.FINISH, {"rid": "r", "tid": "t", "nt": 5})[16:], 10)
+    with pytest.raises(ProtocolError, match="magic"):
+        decode_prefix(b"XXXX" + raw[4:16], MAX_HEADER_BYTES, 0)
+    with pytest.raises(ProtocolError, match="payload_len"):
+        decode_prefix(encode_frame(FrameType.LAYER, {}, 1 << 40)[:16], MAX_HEADER_BYTES, 1 << 20)
+
+
+def test_handshake_compatibility_lists_every_difference():
+    a = peer_info(make_layout().to_dict())
+    check_compatible(a, peer_info(make_layout().to_dict()))
+    b = peer_info(make_layout("float32", page_size=8).to_dict())
+    b["pdserve"] = "9.9.9"
+    with pytest.raises(TransferError) as exc:
+        check_compatible(a, b)
+    assert exc.value.reason is FailReason.INCOMPATIBLE
+    for word in ("pdserve", "page_size", "kv_dtype"):
+        assert word in exc.value.detail
+
+
+def test_hmac_proofs_are_bound_to_role_nonces_and_secret():
+    s, r = auth.new_nonce(), auth.new_nonce()
+    p = auth.make_proof(SECRET, auth.Role.SENDER, s, r)
+    assert auth.check_proof(SECRET, auth.Role.SENDER, s, r, p)
+    assert not auth.check_proof(SECRET, auth.Role.RECEIVER, s, r, p)  # no reflection
+    assert not auth.check_proof(SECRET, auth.Role.SENDER, r, s, p)
+    assert not auth.check_proof(b"another-secret-of-some-length", auth.Role.SENDER, s, r, p)
+    assert not auth.check_proof(None, auth.Role.SENDER, s, r, p)
+
+
+# --- tickets and reservations -------------------------------------------------------------------
+
+def make_manager(num_pages: int = 16, **kw) -> tuple[KVPool, ReservationManager]:
+    pool = make_pool(make_layout(), num_pages)
+    return pool, ReservationManager(pool, host="127.0.0.1", port=1, receiver_id="rx", ticket_ttl_s=kw.pop("ttl", 60),
+                                    **kw)
+
+
+def test_ticket_roundtrip_and_validation():
+    _, m = make_manager()
+    t = m.reserve("req", 10)
+    assert TransferTicket.from_dict(t.to_dict()) == t
+    assert t.page_span(3, 9) == slice(0, 3)
+    assert list(t.page_ids) == sorted(t.page_ids)
+    with pytest.raises(ValueError):
+        TransferTicket.from_dict({**t.to_dict(), "page_ids": [1]})
+    with pytest.raises(ValueError):
+        TransferTicket.from_dict({"req_id": "x"})
+
+
+def test_reservations_free_exactly_once_and_hand_over_on_claim():
+    pool, m = make_manager()
+    t = m.reserve("a", 10)
+    res = m.get("a")
+    assert pool.allocator.owners() == {"kvtransfer:a": 3} and m.num_reserved_pages == 3
+    err = TransferError(FailReason.CANCELLED)
+    assert m.fail(res, err) and not m.fail(res, err)
+    assert pool.allocator.num_used == 0 and m.num_reserved_pages == 0 and res.state is TransferState.FAILED
+    assert m.recent_failure("a") is err
+    with pytest.raises(ProtocolError) as exc:
+        m.lookup("a", t.ticket_id)
+    assert exc.value.reason is FailReason.CANCELLED
+    t2 = m.reserve("a", 10)
+    res2 = m.get("a")
+    with pytest.raises(ProtocolError) as exc:
+        m.lookup("a", "forged")
+    assert exc.value.reason is FailReason.STALE_PAGE
+    res2.received_upto = [10] * 3
+    m.complete(res2)
+    result = m.claim(res2)
+    assert result.page_ids == t2.page_ids and pool.allocator.owners() == {"a": 3} and m.num_reserved_pages == 0
+    assert not m.fail(res2, err), "a claimed reservation belongs to the decode request"
+
+
+def test_reaper_decisions():
+    pool, m = make_manager(ttl=0.01)
+    m.reserve("idle", 4)
+    m.reserve("slow", 4)
+    m.get("slow").state = TransferState.RECEIVING
+    time.sleep(0.02)
+    due = {res.req_id: err.reason for res, err in m.due(time.monotonic(), stall_timeout_s=0.001,
+                                                         claim_timeout_s=60)}
+    assert due == {"idle": FailReason.EXPIRED, "slow": FailReason.STALLED}
+
+
+def test_shm_writer_keeps_pages_until_drained():
+    pool, m = make_manager()
+    m.reserve("s", 8)
+    res = m.get("s")
+    res.shm_writer = object()
+    m.fail(res, TransferError(FailReason.PEER_DIED))
+    assert res.state is TransferState.DRAINING and pool.allocator.num_used == 2
+    m.drained(res)
+    assert res.state is TransferState.FAILED and pool.allocator.num_used == 0
+
+
+# --- payload mapping ----------------------------------------------------------------------------
+
+def test_runs_follow_page_adjacency():
+    pages = [5, 6, 7, 2, 3]
+    assert slot_runs(pages, 4, 2, 19) == [(22, 10), (8, 7)]
+    assert paired_runs(pages, [1, 2, 3, 4, 9], 4, 2, 19) == [(22, 6, 10), (8, 16, 4), (12, 36, 3)]
+    assert slot_runs(pages, 4, 5, 6) == [(25, 1)]
+
+
+@pytest.mark.parametrize("ts,te", [(0, 40), (3, 40), (0, 37), (5, 7), (4, 8), (13, 29)])
+def test_gather_scatter_roundtrip(ts, te):
+    rows = torch.randint(0, 255, (64, 12), dtype=torch.uint8)
+    pages = random.Random(ts * 100 + te).sample(range(16), 10)
+    slots = torch.tensor([pages[t // 4] * 4 + t % 4 for t in range(ts, te)])
+    got = torch.cat(gather_rows(rows, pages, 4, ts, te))
+    assert torch.equal(got, rows[slots])
+    new = torch.randint(0, 255, (te - ts, 12), dtype=torch.uint8)
+    before = rows.clone()
+    scatter_rows(rows, new, pages, 4, ts, te)
+    assert torch.equal(rows[slots], new)
+    mask = torch.ones(64, dtype=torch.bool)
+    mask[slots] = False
+    assert torch.equal(rows[mask], before[mask]), "scatter touched other slots"
+
+
+def test_codec_sizes():
+    lay = make_layout("bfloat16", latent=32)
+    assert LayerCodec(lay, WireDType.NATIVE).bytes_per_token == lay.bytes_per_token_per_layer()
+    assert LayerCodec(lay, WireDType.FP8_E4M3).bytes_per_token == (32 + 8 + 16) + 3 * 4
+    fp8 = make_layout("fp8_e4m3")
+    assert LayerCodec(fp8, WireDType.FP8_E4M3).bytes_per_token == fp8.bytes_per_token_per_layer()
+
+
+# --- shared memory pool -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+def test_shm_pool_matches_kvpool_and_is_shared(kv_dtype):
+    lay = make_layout(kv_dtype)
+    ref, pool = KVPool(lay, 8), ShmKVPool(lay, 8)
+    try:
+        assert set(vars(ref)) <= set(vars(pool)), "KVPool grew attributes ShmKVPool does not set"
+        for layer in range(lay.num_layers):
+            for name, t in ref.buffers[layer].items():
+                assert pool.buffers[layer][name].shape == t.shape and pool.buffers[layer][name].dtype == t.dtype
+                if lay.is_fp8:
+                    assert torch.equal(pool.scales[layer][name], ref.scales[layer][name])
+        peer = ShmAttachment(pool.segment_name, pool.nonce, lay, 8)
+        peer.flat(1, "rope")[5].view(torch.uint8).fill_(7)
+        assert (pool.flat(1, "rope")[5].view(torch.uint8) == 7).all()
+        with pytest.raises(ValueError, match="header"):
+            ShmAttachment(pool.segment_name, b"\0" * 16, lay, 8)
+        with pytest.raises(ValueError, match="refusing"):
+            ShmAttachment("../etc/passwd", pool.nonce, lay, 8)
+    finally:
+        pool.close()
+    assert not os.path.exists(f"/dev/shm/{pool.segment_name}")
+
+
+def test_pid_liveness_defeats_pid_reuse():
+    start = process_start_time(os.getpid())
+    assert start is not None and pid_alive(os.getpid(), start)
+    assert not pid_alive(os.getpid(), start + 1)
+    assert not pid_alive(2**22 + 12345, 0)
