@@ -77,7 +77,8 @@ def _prompt_ids(req: generation_pb2.GenerateRequest, encode: Callable[[str], lis
         if not req.text:
             raise _bad("empty prompt: text is empty")
         if encode is None:
-            raise _bad("text prompts need a tokenizer (tokenizer.json in the model directory); send token_ids")
+            raise _bad("text prompts need the model's tokenizer.json on the router (python -m router --model DIR); "
+                       "send token_ids instead")
         ids = encode(req.text)
         if not ids:
             raise _bad("empty prompt: the text encodes to no tokens")
