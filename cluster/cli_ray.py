@@ -1,0 +1,118 @@
+"""``pdserve launch / status / stop / scale``: a deployment on a running Ray cluster (``cluster/ray_launcher.py``).
+
+    ray start --head                                   # one node; `ray start --address HEAD:6379` on the others
+    pdserve launch --address auto --prefill 2 --decode 1 --model /shared/model
+    pdserve status --address auto
+    pdserve scale --address auto --prefill 3
+    pdserve stop --address auto
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub) -> None:
+    from cluster.ray_launcher import RayLaunchConfig
+    from router.config import add_config_args
+
+    la = sub.add_parser("launch", help="start a router and workers as Ray actors on a running Ray cluster")
+    add_config_args(la, cls=RayLaunchConfig, skip=("model_hash",))
+    la.add_argument("--json", action="store_true", help="print the deployment as one JSON object")
+    la.set_defaults(fn=cmd_launch)
+
+    st = sub.add_parser("status", help="show the pdserve actors on a Ray cluster: addresses, nodes, restarts")
+    _common(st)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=cmd_status)
+
+    sp = sub.add_parser("stop", help="stop every pdserve actor and remove its placement groups")
+    _common(sp)
+    sp.add_argument("--grace-s", type=float, default=10.0, help="seconds each server gets after SIGTERM")
+    sp.set_defaults(fn=cmd_stop)
+
+    sc = sub.add_parser("scale", help="change the number of prefill / decode workers of a launched deployment")
+    _common(sc)
+    sc.add_argument("--prefill", type=int, default=None, help="prefill workers wanted (default: unchanged)")
+    sc.add_argument("--decode", type=int, default=None, help="decode workers wanted (default: unchanged)")
+    sc.add_argument("--drain-timeout-s", type=float, default=600.0,
+                    help="how long a removed worker may finish its requests before it is stopped")
+    sc.add_argument("--json", action="store_true")
+    sc.set_defaults(fn=cmd_scale)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default="auto", help="Ray cluster: auto, ray://HOST:PORT or HOST:PORT")
+    p.add_argument("--namespace", default="pdserve", help="Ray namespace of the deployment")
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from cluster.ray_launcher import LaunchError, PlacementError, RayLaunchConfig, launch
+    from router.config import config_from_args
+    cfg = config_from_args(args, cls=RayLaunchConfig)
+    print(f"pdserve: launching {cfg.prefill} prefill + {cfg.decode} decode workers on Ray ({cfg.address}, namespace "
+          f"{cfg.namespace})", file=sys.stderr, flush=True)
+    try:
+        st = launch(cfg)
+    except (LaunchError, PlacementError, ConnectionError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
+    _print(st, args.json)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from cluster.ray_launcher import status
+    try:
+        st = status(args.address, args.namespace)
+    except ConnectionError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
+    _print(st, args.json)
+    return 0 if st.router is not None or st.workers else 3
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from cluster.ray_launcher import stop
+    try:
+        names = stop(args.address, args.namespace, args.grace_s)
+    except ConnectionError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
+    print(f"pdserve: stopped {', '.join(names) if names else 'nothing (no pdserve actors)'}; placement groups "
+          f"removed")
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from cluster.ray_launcher import LaunchError, PlacementError
+    from cluster.ray_scale import scale
+    try:
+        st = scale(args.address, args.namespace, args.prefill, args.decode, args.drain_timeout_s)
+    except (LaunchError, PlacementError, ConnectionError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
+    _print(st, args.json)
+    return 0
+
+
+def _print(st, as_json: bool) -> None:
+    if as_json:
+        import json
+        print(json.dumps({"namespace": st.namespace, "router": st.router, "workers": st.workers,
+                          "errors": st.errors, "notes": st.notes,
+                          "groups": {n: {"state": g.get("state"), "strategy": g.get("strategy"),
+                                         "nodes": sorted(set((g.get("bundles_to_node_id") or {}).values()))}
+                                     for n, g in st.groups.items()}}))
+        return
+    if st.router is not None:
+        print(f"router      {st.router['address']:<22} node {st.router['node_id'][:8]}  (namespace {st.namespace})")
+    for w in sorted(st.workers, key=lambda w: (w["role"], w["name"])):
+        flags = [f for f, on in (("restarted", w["restarted"]), ("draining", w["draining"])) if on]
+        print(f"{w['name']:<11} {w['address']:<22} node {w['node_id'][:8]}  pid {w['pid']:<7} {' '.join(flags)}")
+    for name, err in sorted(st.errors.items()):
+        print(f"{name:<11} {err}")
+    for note in st.notes:
+        print(f"note: {note}")
+    if st.router is None and not st.workers and not st.errors:
+        print(f"no pdserve actors in namespace {st.namespace}")

@@ -1,0 +1,89 @@
+"""``pdserve scale``: change the worker counts of a launched deployment (``cluster/ray_launcher.py``).
+
+New workers are planned, placed and started exactly like launch's (same spec, kept by the router actor),
+counting the workers already on each node. Removed workers (highest index first) are drained: they leave
+the router's worker list at once, and are stopped (with their placement groups) once the router has no
+calls at them, or after ``drain_timeout_s``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from cluster.ray_launcher import (ROLES, DeploymentStatus, LaunchError, actor_names, connect, start_workers, status,
+                                  stop_actors, wait_started, worker_index)
+
+logger = logging.getLogger(__name__)
+
+
+def scale(address: str, namespace: str = "pdserve", prefill: int | None = None, decode: int | None = None,
+          drain_timeout_s: float = 600.0) -> DeploymentStatus:
+    """Bring the worker counts to ``prefill`` / ``decode`` (None: unchanged). New workers are placed and
+    started like launch's; removed ones (highest index first) are drained, then stopped."""
+    import ray
+    from cluster.ray_actors import ROUTER_NAME
+    connect(address, namespace)
+    for what, n in (("prefill", prefill), ("decode", decode)):
+        if n is not None and n < 1:
+            raise ValueError(f"need at least one {what} worker, got {n}")
+    try:
+        router = ray.get_actor(ROUTER_NAME, namespace=namespace)
+    except ValueError:
+        raise LaunchError(f"no pdserve deployment in namespace {namespace!r}: `pdserve launch` first") from None
+    spec = ray.get(router.spec.remote(), timeout=30)
+    have = {r: sorted(i for i in (worker_index(n) for n in actor_names(namespace)) if i and i[0] == r)
+            for r in ROLES}
+    add, remove = [], []
+    for role, want in (("prefill", prefill), ("decode", decode)):
+        idx = [i for _, i in have[role]]
+        if want is None:
+            continue
+        remove += [f"{role}-{i}" for i in idx[want:]]
+        free_idx = (i for i in range(len(idx) + want) if i not in idx)
+        add += [f"{role}-{next(free_idx)}" for _ in range(max(0, want - len(idx)))]
+    if add:
+        st = status(address, namespace)
+        nodes: dict[str, int] = {}
+        for w in st.workers:
+            nodes[w["node_id"]] = nodes.get(w["node_id"], 0) + 1
+        refs = start_workers(spec, add, nodes)
+        try:
+            wait_started(refs, spec["startup_timeout_s"])
+        except LaunchError:
+            _remove_workers(namespace, add, grace_s=2.0)
+            raise
+    if remove:
+        _drain(router, namespace, remove, drain_timeout_s)
+        _remove_workers(namespace, remove, grace_s=10.0)
+    return status(address, namespace)
+
+
+def _drain(router, namespace: str, names: list[str], timeout_s: float) -> None:
+    """Out of the router's list, then wait until the router has no calls at them (or ``timeout_s``)."""
+    import ray
+    handles = [ray.get_actor(n, namespace=namespace) for n in names]
+    infos = ray.get([h.info.remote() for h in handles], timeout=30)
+    ray.get([h.drain.remote() for h in handles], timeout=30)
+    addrs = {i["address"] for i in infos}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        listed = ray.get(router.worker_list.remote(), timeout=30)
+        seen = ray.get(router.workers_seen.remote(), timeout=30)
+        if not addrs & set(listed["prefill"] + listed["decode"]) and \
+                not any(w["address"] in addrs and w["inflight"] > 0 for w in seen):
+            return
+        time.sleep(0.2)
+    logger.warning("workers %s still had calls after %.0fs of draining: stopping them anyway", names, timeout_s)
+
+
+def _remove_workers(namespace: str, names: list[str], grace_s: float) -> None:
+    import ray
+    from cluster.ray_placement import remove_groups
+    handles = {}
+    for n in names:
+        try:
+            handles[n] = ray.get_actor(n, namespace=namespace)
+        except ValueError:
+            pass
+    stop_actors(handles, grace_s)
+    remove_groups(namespace, names)
