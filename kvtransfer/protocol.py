@@ -23,6 +23,7 @@ Handshake (S = sender on prefill, R = receiver on decode)::
 from __future__ import annotations
 
 import enum
+import hashlib
 import struct
 import tomllib
 import zlib
@@ -77,7 +78,8 @@ class FrameType(enum.IntEnum):
     LAYER = 10
     """TCP: one layer's rows for tokens [ts, te) of one request, payload attached."""
     SHM_OPEN = 11
-    """shm: the sender asks for a write lease on a request's pages before copying into them."""
+    """shm: the sender asks for a write lease on a request's pages before copying into them
+    (naming all of them and their generations by digest: ``pages_digest``)."""
     SHM_OPENED = 12
     SHM_LAYER = 13
     """shm: one layer's rows for [ts, te) were copied into the receiver's pages."""
@@ -135,7 +137,7 @@ SCHEMAS: dict[FrameType, dict[str, Check]] = {
     FrameType.READY: {"info": _map},
     FrameType.ERROR: dict(_REASON),
     FrameType.LAYER: {**_REQ, **_SPAN},
-    FrameType.SHM_OPEN: {**_REQ, "pg": _u32s, "gn": _u32s},
+    FrameType.SHM_OPEN: {**_REQ, "dg": _bin(32, exact=True)},
     FrameType.SHM_OPENED: dict(_REQ),
     FrameType.SHM_LAYER: {**_REQ, **_SPAN},
     FrameType.FINISH: {**_REQ, "nt": _TOKEN},
@@ -209,6 +211,11 @@ def pack_u32(values: Iterable[int]) -> bytes:
 
 def unpack_u32(data: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(data) // 4}I", data))
+
+
+def pages_digest(page_bytes: bytes, gen_bytes: bytes) -> bytes:
+    """SHA-256 of a whole reservation's packed page ids and generations (SHM_OPEN: any length fits)."""
+    return hashlib.sha256(page_bytes + gen_bytes).digest()
 
 
 def checksum(kind: ChecksumKind, views: Iterable[memoryview]) -> int | None:

@@ -40,7 +40,7 @@ from kvtransfer.errors import FailReason, ProtocolError, TransferError
 from kvtransfer.framing import FrameReader, PayloadSink, tune_socket
 from kvtransfer.payload import LayerCodec
 from kvtransfer.protocol import (MAX_HEADER_BYTES, PDSERVE_KV_PROTOCOL_VERSION, PREAUTH_MAX_HEADER_BYTES,
-                                 FrameType, Header, check_compatible, checksum, encode_frame)
+                                 FrameType, Header, check_compatible, checksum, encode_frame, pages_digest)
 from kvtransfer.shm import ShmKVPool, pid_alive
 from kvtransfer.ticket import Reservation, TransferState
 
@@ -288,7 +288,7 @@ class RxConnection:
                 raise ProtocolError(FailReason.BAD_FRAME, "shared memory was not offered on this connection")
             if res.state is not TransferState.RESERVED:
                 raise ProtocolError(FailReason.BAD_FRAME, f"shm lease requested in state {res.state.value}")
-            if f["pg"] != res.page_bytes or f["gn"] != res.gen_bytes:
+            if f["dg"] != pages_digest(res.page_bytes, res.gen_bytes):
                 raise ProtocolError(FailReason.STALE_PAGE, "shm lease pages/generations do not match the reservation")
             self._check_pool(res)
         except ProtocolError as err:

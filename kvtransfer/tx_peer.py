@@ -29,7 +29,7 @@ from kvtransfer.errors import FailReason, ProtocolError, TransferError
 from kvtransfer.framing import read_frame, send_frame, tune_socket
 from kvtransfer.payload import LayerCodec, page_array
 from kvtransfer.protocol import (MAX_HEADER_BYTES, MAX_PAGES_PER_FRAME, PDSERVE_KV_PROTOCOL_VERSION, FrameType,
-                                 check_compatible, checksum, encode_frame, pack_u32, peer_info)
+                                 check_compatible, checksum, encode_frame, pack_u32, pages_digest, peer_info)
 from kvtransfer.shm import ShmAttachment, host_id, process_start_time
 from kvtransfer.ticket import TransferTicket
 
@@ -339,7 +339,7 @@ class TxPeer:
             st.transport = TransportKind.SHM
             st.lease = self.loop.create_future()
             await self._send(encode_frame(FrameType.SHM_OPEN, {"rid": st.ticket.req_id, "tid": st.ticket.ticket_id,
-                                                               "pg": st.page_bytes, "gn": st.gen_bytes}))
+                                                               "dg": pages_digest(st.page_bytes, st.gen_bytes)}))
             try:
                 await asyncio.wait_for(asyncio.shield(st.lease), self.cfg.handshake_timeout_s)
             except asyncio.TimeoutError:

@@ -156,3 +156,14 @@ def test_a_batch_multiplexes_one_connection():
     for p in pages.values():
         src.allocator.decref(p)
     assert src.allocator.num_used == start_src and dst.allocator.num_used == start_dst
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_long_request_spans_more_pages_than_one_frame_names(prefill, shm):
+    """page_size 1 and 9000 tokens: every layer is split into frames of at most 4096 pages."""
+    pool = make_pool(make_layout(page_size=1), 9200, shm=shm)
+    fragment(pool, seed=3)
+    report, result, rows, _ = transfer(prefill, pool, 9000, transport="auto", num_pages=9100,
+                                       chunks=[(0, 5000), (5000, 9000)])
+    assert result.transport is (TransportKind.SHM if shm else TransportKind.TCP)
+    assert_same_rows(rows, report["rows"])
