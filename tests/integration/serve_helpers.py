@@ -107,3 +107,18 @@ def rpc_code(fn) -> tuple[grpc.StatusCode, str]:
     except grpc.RpcError as e:
         return e.code(), e.details()
     raise AssertionError("the call succeeded")
+
+
+def children_of(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry))
+    return out

@@ -1,6 +1,10 @@
 """End to end over real gRPC: ``pdserve serve`` (router + 2 prefill + 1 decode worker processes) serving a tiny
 random GLM-5 (DSA) checkpoint in fp32, driven through the public API only.
 
+Speculation is left at its default: the checkpoint has no MTP layer and the decode worker must notice.
+Prompts under 16 tokens are prefilled on the decode worker (conditional disaggregation), longer ones
+on the prefill workers. KV pools hold 200 pages of 16 tokens, less than the 4096-token context.
+
 One cluster for the whole module (startup dominates); the tests that break it (a prefill worker killed,
 SIGTERM to the serve process) run last, in file order.
 """
@@ -24,15 +28,16 @@ from serve_helpers import REPO, ServeProcess, model_with_tokenizer, pid_alive, r
 
 API_KEY = "e2e-key-0123"
 MAX_CONTEXT = 4096
+NUM_PAGES = 200
 
 
 @pytest.fixture(scope="module")
 def served(tiny_dirs, tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
     model = model_with_tokenizer(tiny_dirs["dsa"], str(d / "model"), vocab_size=128)
-    sp = ServeProcess(["--model", model, "--prefill", "2", "--decode", "1", "--port", "0", "--no-speculative",
-                       "--dtype", "float32", "--api-key", API_KEY, "--num-pages", "512", "--run-dir",
-                       str(d / "run")], str(d / "serve.out"))
+    sp = ServeProcess(["--model", model, "--prefill", "2", "--decode", "1", "--port", "0", "--dtype", "float32",
+                       "--api-key", API_KEY, "--num-pages", str(NUM_PAGES), "--local-prefill-below", "16",
+                       "--run-dir", str(d / "run")], str(d / "serve.out"))
     try:
         sp.wait_listening()
         yield sp, model
@@ -70,11 +75,12 @@ def pages_all_free(client) -> bool:
 
 def test_greedy_tokens_equal_transformers_generate(client, hf_model):
     rng = random.Random(0)
-    for n in (5, 77):  # 77 > index_topk (16): DSA's sparse attention is exercised (transformers is slow here)
+    # 5 tokens: prefilled on the decode worker; 77 (> index_topk 16, DSA sparsity exercised): disaggregated
+    for n, where in ((5, "decode-0"), (77, "prefill-")):
         prompt = [rng.randrange(2, 128) for _ in range(n)]
         out = client.generate(token_ids=prompt, max_tokens=20, ignore_eos=True)
         assert out.token_ids == hf_greedy(hf_model, prompt, 20), n
-        assert out.finish_reason == "length"
+        assert out.finish_reason == "length" and out.metrics.prefill_worker.startswith(where)
 
 
 def test_streaming_order_usage_and_metrics(client):
@@ -203,8 +209,16 @@ def test_health_and_reflection_answer_without_a_key(served):
 def test_cluster_status_lists_every_worker(client):
     st = client.cluster_status()
     assert sorted(w.worker_id for w in st.workers) == ["decode-0", "prefill-0", "prefill-1"]
-    assert all(w.healthy and w.pages_total > 0 and w.model_hash for w in st.workers)
+    assert all(w.healthy and w.pages_total == NUM_PAGES and w.model_hash for w in st.workers)
     assert st.model.endswith("model")
+    dec = next(w for w in st.workers if w.role == "decode")
+    assert dec.info["speculative"] == "off"  # asked for, but the checkpoint has no MTP layer
+
+
+def test_prompt_beyond_the_decode_pool_is_resource_exhausted(client):
+    code, msg = rpc_code(lambda: client.generate(token_ids=[5] * (NUM_PAGES * 16 + 50), max_tokens=4))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "decode-0" in msg, msg
+    wait_until(lambda: pages_all_free(client), what="nothing held")
 
 
 def test_generate_cli_streams_the_same_tokens(served, client):
@@ -217,6 +231,22 @@ def test_generate_cli_streams_the_same_tokens(served, client):
     assert [int(x) for x in out.stdout.split()] == ref and "[length: 8 tokens" in out.stderr
     bad = subprocess.run(cmd[:-5] + ["--token-ids", "5,999"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+
+
+def test_concurrent_streams_match_sequential_answers(served, client):
+    """Requests in flight together (batched on the workers, interleaved in the router) answer as when alone."""
+    import asyncio
+    from router.client import AsyncGenerationClient
+    prompts = [[(7 * i + j) % 120 + 2 for j in range(10 + 9 * i)] for i in range(6)]
+    alone = [client.generate(token_ids=p, max_tokens=10, ignore_eos=True).token_ids for p in prompts]
+
+    async def together():
+        async with AsyncGenerationClient(served[0].address, API_KEY, timeout_s=120) as c:
+            return await asyncio.gather(*(c.generate(token_ids=p, max_tokens=10, ignore_eos=True) for p in prompts))
+    outs = asyncio.run(together())
+    assert [o.token_ids for o in outs] == alone
+    assert {"prefill-0", "prefill-1"} <= {o.metrics.prefill_worker for o in outs}  # cold prompts spread
+    wait_until(lambda: pages_all_free(client), what="pages back")
 
 
 def test_prefill_worker_killed_before_the_first_token_is_retried(served, client):
