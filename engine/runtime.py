@@ -59,7 +59,9 @@ def load_model(model_dir: str, dtype: str = "float32", device: str = "auto",
         raise ValueError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
     model = build_model(cfg, DTYPES[dtype], resolve_device(device), moe_impl)
     t0 = time.perf_counter()
-    load_weights(model, model_dir, cfg)
+    from engine.quant import prepare_model_for_checkpoint  # quantized checkpoints: MX experts + rules
+    extra_rules = prepare_model_for_checkpoint(model, cfg, model_dir)
+    load_weights(model, model_dir, cfg, extra_rules)
     logger.info("loaded %s (%s, %d layers + %d MTP) in %.2fs", model_dir, cfg.model_type,
                 cfg.num_hidden_layers, cfg.num_mtp_layers, time.perf_counter() - t0)
     return model, cfg

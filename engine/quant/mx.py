@@ -67,6 +67,9 @@ __all__ = [
     "unpack_fp4",
     "pack_fp6",
     "unpack_fp6",
+    "MXSpec",
+    "packed_dim",
+    "qdq_mx",
 ]
 
 E8M0_BIAS = 127
@@ -448,3 +451,44 @@ def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Te
     values = values.reshape(*mx.scales.shape, mx.block_size)
     scale = e8m0_to_float(mx.scales).to(work)
     return (values * scale.unsqueeze(-1)).reshape(mx.shape).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Storage helpers for modules and checkpoints
+
+
+@dataclass(frozen=True, slots=True)
+class MXSpec:
+    """How one tensor is quantized: element format, block size and scale rule."""
+
+    fmt: MXFormat
+    """Element format (mxfp4, mxfp6_e2m3, mxfp6_e3m2, mxfp8)."""
+    block_size: int = 32
+    """Elements per E8M0 scale along the last dim (32 in OCP MX v1.0)."""
+    scale_mode: ScaleMode = "even"
+    """Shared-exponent rule used when quantizing ("even": Quark's default; "floor": the spec's)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.scale_mode not in SCALE_MODES:
+            raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
+
+    def codes_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Storage shape of `codes` for an unquantized tensor of `shape`."""
+        return (*shape[:-1], packed_dim(self.fmt, shape[-1]))
+
+    def scales_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (*shape[:-1], shape[-1] // self.block_size)
+
+
+def packed_dim(fmt: MXFormat | str, k: int) -> int:
+    """Bytes of packed codes for a last dim of `k` elements (k/2 fp4, 3k/4 fp6, k fp8)."""
+    bits = get_mx_format(fmt).bits
+    return k * bits // 8
+
+
+def qdq_mx(x: torch.Tensor, spec: MXSpec) -> torch.Tensor:
+    """Quantize then dequantize `x` along its last dim (dynamic MX activation quantization)."""
+    mx = quantize_mx(x, spec.fmt, spec.scale_mode, spec.block_size)
+    return dequantize_mx(mx, x.dtype)

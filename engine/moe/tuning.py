@@ -1,0 +1,269 @@
+"""Tuned MoE implementation tables: which routed-expert strategy to run for a token count.
+
+Like vLLM's ``configs/E={E},N={N},device_name={name}.json``: one JSON file per (shape, device),
+``{"<num_tokens>": "<impl name>"}``, the nearest token-count key wins. Files ship in
+``engine/moe/tuned/`` (package data) and are written by ``pdserve tune-moe``.
+
+A shape with no table on this device logs ONE loud WARNING naming the shape and the fallback
+(the reference deployment's fp4 MoE silently ran a default until someone tuned it), then uses
+``fallback_impl``: the gather path up to ``FALLBACK_GATHER_MAX_PAIRS`` (token, expert) pairs,
+else the sorted path.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, NamedTuple, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TUNED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
+TABLE_DIRS: list[str] = [TUNED_DIR]
+"""Where run-time lookups search, in order (the shipped tables)."""
+FALLBACK_GATHER_MAX_PAIRS = 16
+"""Untuned fallback: up to this many (token, expert) pairs run ``mx_gather``, more run ``mx_sorted``."""
+DROP_FACTOR = 20.0
+"""tune_shape stops timing a strategy at larger token counts once it is this many times the best."""
+DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass(frozen=True, slots=True)
+class MoEShape:
+    """The problem one routed-expert layer solves (the table key, with the device)."""
+
+    hidden: int
+    """Model dim H (input and output of an expert)."""
+    inter: int
+    """Expert intermediate size I (``moe_intermediate_size``; vLLM's N)."""
+    num_experts: int
+    """Routed experts E."""
+    topk: int
+    """Experts per token."""
+    dtype: str = "mxfp4"
+    """Weight format: an MX format name."""
+
+    def __post_init__(self) -> None:
+        if min(self.hidden, self.inter, self.num_experts, self.topk) < 1 or self.topk > self.num_experts:
+            raise ValueError(f"bad MoE shape {self}")
+
+    def key(self, device_name: str) -> str:
+        return (f"E={self.num_experts},N={self.inter},H={self.hidden},topk={self.topk},"
+                f"dtype={self.dtype},device_name={device_name}")
+
+    def file_name(self, device_name: str) -> str:
+        return self.key(device_name) + ".json"
+
+    def describe(self) -> str:
+        return f"model_dim {self.hidden}, moe_inter {self.inter}, E {self.num_experts}, top-{self.topk}, {self.dtype}"
+
+    def mx_weight_bytes(self) -> int:
+        from engine.quant.mx import get_mx_format
+        bits = get_mx_format(self.dtype).bits
+        numel = 3 * self.num_experts * self.hidden * self.inter
+        return numel * bits // 8 + numel // 32
+
+    def dense_weight_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        return 3 * self.num_experts * self.hidden * self.inter * torch.empty((), dtype=dtype).element_size()
+
+
+NAMED_SHAPES: dict[str, MoEShape] = {
+    "glm5": MoEShape(6144, 2048, 256, 8),
+    "glm5-s4": MoEShape(1536, 512, 64, 8),
+    "tiny": MoEShape(128, 64, 8, 2),
+    "peer": MoEShape(256, 128, 16, 4),
+}
+"""``glm5``: GLM-5's routed experts; ``glm5-s4``: the same with dims and experts / 4 (fits a small
+CPU box); ``tiny``: the default model (TINY_GLM5, until the trained default ships); ``peer``: the
+bench peer model (hidden 256, moe_inter 128, 16 experts top-4)."""
+DEFAULT_SHAPES = ("glm5", "glm5-s4", "tiny", "peer")
+
+
+def parse_shape(text: str, dtype: str = "mxfp4") -> MoEShape:
+    """A named shape (``glm5``, ``tiny``, ...) or ``H,N,E,topk`` (model_dim, moe_inter, experts, top-k)."""
+    if text in NAMED_SHAPES:
+        s = NAMED_SHAPES[text]
+        return MoEShape(s.hidden, s.inter, s.num_experts, s.topk, dtype)
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"shape {text!r}: expected one of {sorted(NAMED_SHAPES)} or H,N,E,topk")
+    h, n, e, k = (int(p) for p in parts)
+    return MoEShape(h, n, e, k, dtype)
+
+
+def device_name(device: torch.device | str = "cpu") -> str:
+    """The table's device key: the GPU's name, or ``cpu_<CPU model>``, spaces as underscores."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+    else:
+        name = "cpu_" + _cpu_model()
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name.strip()).strip("_")
+
+
+@functools.cache
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine() or "unknown"
+
+
+# ---------------------------------------------------------------------------------------------
+# Lookup at run time
+
+
+@functools.lru_cache(maxsize=256)
+def _read_table(path: str) -> dict[int, str] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        raw = json.load(f)
+    return {int(k): str(v) for k, v in raw.items()}
+
+
+def load_table(shape: MoEShape, device: str, dirs: Sequence[str] | None = None) -> dict[int, str] | None:
+    """The tuned ``{num_tokens: impl}`` table for ``shape`` on ``device`` (a device_name), or None."""
+    for d in TABLE_DIRS if dirs is None else dirs:
+        table = _read_table(os.path.join(d, shape.file_name(device)))
+        if table:
+            return table
+    return None
+
+
+def nearest_impl(table: dict[int, str], num_tokens: int) -> str:
+    """The impl of the nearest token-count key (ties: the smaller key), as vLLM picks its config."""
+    best = min(table, key=lambda k: (abs(k - num_tokens), k))
+    return table[best]
+
+
+def fallback_impl(num_pairs: int) -> str:
+    return "mx_gather" if num_pairs <= FALLBACK_GATHER_MAX_PAIRS else "mx_sorted"
+
+
+_warned: set[str] = set()
+
+
+def warn_untuned_once(shape: MoEShape, device: str) -> bool:
+    """Log the untuned-shape WARNING the first time ``(shape, device)`` is seen; True if it logged."""
+    key = shape.key(device)
+    if key in _warned:
+        return False
+    _warned.add(key)
+    logger.warning(
+        "no tuned MoE table for %s (%s) on device %s in %s: using the untuned fallback (mx_gather up to "
+        "%d token-expert pairs, else mx_sorted); performance may be sub-optimal. Tune it with "
+        "`pdserve tune-moe --shapes %d,%d,%d,%d --dtype %s`",
+        shape.key(device), shape.describe(), device, ", ".join(TABLE_DIRS), FALLBACK_GATHER_MAX_PAIRS,
+        shape.hidden, shape.inter, shape.num_experts, shape.topk, shape.dtype)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuning
+
+
+class ShapeTuneResult(NamedTuple):
+    shape: MoEShape
+    device: str
+    timings_s: dict[int, dict[str, float]]
+    """num_tokens -> impl -> best-of-reps seconds per forward."""
+    skipped: list[str]
+    """Why token counts or impls were left out (time limit, memory)."""
+
+    @property
+    def best(self) -> dict[int, str]:
+        return {t: min(row, key=row.get) for t, row in self.timings_s.items() if row}
+
+
+def best_time_s(fn: Callable[[], object], min_reps: int = 3, target_s: float = 0.3, max_reps: int = 20) -> float:
+    """Fastest wall time of ``fn`` after one warm-up, repeated until ``target_s`` or ``max_reps``.
+
+    The minimum, not the median: on a shared CPU other processes only ever add time.
+    """
+    fn()
+    times: list[float] = []
+    while len(times) < min_reps or (sum(times) < target_s and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def random_routing(num_tokens: int, num_experts: int, topk: int, device: torch.device | str = "cpu",
+                   seed: int = 0):
+    """Uniform random top-k routing (each token's experts distinct) with softmax weights."""
+    from engine.moe.router import Routing
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.rand(num_tokens, num_experts, generator=gen).topk(topk, dim=-1)[1]
+    weights = torch.rand(num_tokens, topk, generator=gen).softmax(-1)
+    return Routing(ids.to(device), weights.to(device))
+
+
+def tune_shape(shape: MoEShape, token_counts: Iterable[int] = DEFAULT_TOKEN_COUNTS, impls: Sequence[str] | None = None,
+               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, max_run_s: float = 5.0,
+               progress: Callable[[str], None] | None = None) -> ShapeTuneResult:
+    """Time every MX strategy at every token count; stop growing the token count once a run
+    exceeds ``max_run_s`` (the larger counts fall back to the nearest key that was measured)."""
+    from engine.moe.mx_experts import MX_MOE_IMPLS, MXRoutedExperts, DequantCache
+    from engine.quant.mx import MXSpec, get_mx_format
+    dev = torch.device(device)
+    dname = device_name(dev)
+    skipped: list[str] = []
+    module = MXRoutedExperts.random(shape, MXSpec(get_mx_format(shape.dtype)), device=dev,
+                                    cache=DequantCache(DequantCache.default_budget(dev)))
+    names = [n for n in (impls or MX_MOE_IMPLS) if n in MX_MOE_IMPLS]
+    timings: dict[int, dict[str, float]] = {}
+    dropped: set[str] = set()
+    x_all = torch.randn(max(token_counts), shape.hidden, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
+    for t in sorted(set(token_counts)):
+        routing = random_routing(t, shape.num_experts, shape.topk, dev, seed=t)
+        x = x_all[:t]
+        row: dict[str, float] = {}
+        for name in names:
+            if name in dropped:
+                continue
+            if not module.can_run(name, dtype, t):
+                skipped.append(f"T={t} {name}: its dense weights do not fit the memory budget")
+                continue
+            fn = functools.partial(MX_MOE_IMPLS[name], module, x, routing)
+            t0 = time.perf_counter()
+            fn()
+            first = time.perf_counter() - t0
+            row[name] = first if first > max_run_s else best_time_s(fn, min_reps=1 if first > 0.5 else 3)
+            if progress:
+                progress(f"{shape.key(dname)} T={t} {name}: {row[name] * 1e3:.2f} ms")
+        timings[t] = row
+        module.clear_cache()
+        for name, v in row.items():  # hopeless at this size: do not time it at larger ones
+            if row and v > DROP_FACTOR * min(row.values()) and v > 0.05 and name not in dropped:
+                dropped.add(name)
+                skipped.append(f"T>{t} {name}: {v / min(row.values()):.0f}x the best at T={t}, not timed further")
+        if row and min(row.values()) > max_run_s:
+            rest = [c for c in token_counts if c > t]
+            if rest:
+                skipped.append(f"T>{t}: fastest run took {min(row.values()):.1f}s > max_run_s={max_run_s}")
+            break
+    return ShapeTuneResult(shape, dname, timings, skipped)
+
+
+def write_table(result: ShapeTuneResult, out_dir: str = TUNED_DIR) -> str:
+    """Write ``{num_tokens: best impl}`` as the shape's table file; returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, result.shape.file_name(result.device))
+    with open(path, "w") as f:
+        json.dump({str(t): impl for t, impl in sorted(result.best.items())}, f, indent=2)
+        f.write("\n")
+    _read_table.cache_clear()
+    return path

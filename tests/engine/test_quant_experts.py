@@ -1,0 +1,154 @@
+"""MXRoutedExperts: every strategy against the dense reference; tuned-table lookup, the one-time
+untuned WARNING, last_impl; pdserve tune-moe writing a table."""
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from engine.moe import tuning
+from engine.moe.experts import moe_sorted
+from engine.moe.mx_experts import MX_MOE_IMPLS, DequantCache, MXRoutedExperts
+from engine.moe.tuning import MoEShape, random_routing
+from engine.quant.mx import MX_FORMATS, MXSpec, qdq_mx
+
+E, H, I, K = 8, 64, 64, 2
+
+
+def make_experts(fmt="mxfp4", act=None, seed=0, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen) * 0.1, torch.randn(E, H, I, generator=gen) * 0.1
+    spec = MXSpec(MX_FORMATS[fmt])
+    m = MXRoutedExperts.from_dense(w13, w2, K, spec, act_spec=MXSpec(MX_FORMATS[act]) if act else None,
+                                   cache=DequantCache(1 << 30), **kw)
+    return m, w13, w2
+
+
+def reference(m, x, routing, w13, w2):
+    """Dense math on the module's own dequantized weights; activations quantized as the module does."""
+    if m.act_spec is None:
+        return moe_sorted(x, m.dequant("w13", None, x.dtype), m.dequant("w2", None, x.dtype), routing)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        xq = qdq_mx(x[t:t + 1], m.act_spec)
+        for k in range(K):
+            e = int(routing.ids[t, k])
+            h = xq @ m.dequant("w13", e, x.dtype).T
+            a = qdq_mx(torch.nn.functional.silu(h[:, :I]) * h[:, I:], m.act_spec)
+            out[t] += routing.weights[t, k].to(x.dtype) * (a @ m.dequant("w2", e, x.dtype).T)[0]
+    return out
+
+
+@pytest.mark.parametrize("fmt,act", [("mxfp4", None), ("mxfp6_e2m3", None), ("mxfp6_e3m2", None), ("mxfp8", None),
+                                     ("mxfp4", "mxfp4")])
+def test_all_strategies_match_the_dense_reference(fmt, act):
+    m, w13, w2 = make_experts(fmt, act)
+    for T in (1, 3, 24):
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+        routing = random_routing(T, E, K, seed=T)
+        ref = reference(m, x, routing, w13, w2)
+        for name, fn in MX_MOE_IMPLS.items():
+            torch.testing.assert_close(fn(m, x, routing), ref, rtol=1e-4, atol=1e-5, msg=f"{name} T={T}")
+        # and within MX tolerance of the unquantized bf16-style weights
+        full = moe_sorted(x, w13, w2, routing)
+        rel = ((ref - full).norm() / full.norm()).item()
+        assert rel < {"mxfp4": 0.45 if act else 0.3, "mxfp6_e3m2": 0.15}.get(fmt, 0.1), (fmt, act, rel)
+
+
+def test_bf16_compute_matches_fp32_within_bf16_rounding():
+    m, _, _ = make_experts("mxfp4")
+    x = torch.randn(24, H)
+    routing = random_routing(24, E, K, seed=1)
+    ref = MX_MOE_IMPLS["mx_sorted"](m, x, routing)
+    for name, fn in MX_MOE_IMPLS.items():
+        got = fn(m, x.bfloat16(), routing).float()
+        assert ((got - ref).norm() / ref.norm()).item() < 2e-2, name
+
+
+def test_weights_are_packed_buffers_and_much_smaller_than_bf16():
+    m, _, _ = make_experts("mxfp4")
+    names = dict(m.named_buffers())
+    assert set(names) == {"w13_codes", "w13_scales", "w2_codes", "w2_scales"} and not list(m.parameters())
+    assert all(b.dtype == torch.uint8 for b in names.values())
+    assert names["w13_codes"].shape == (E, 2 * I, H // 2) and names["w2_scales"].shape == (E, H, I // 32)
+    assert m.weight_bytes() / m.dense_bytes(torch.bfloat16) == pytest.approx(4.25 / 16)
+
+
+def test_cache_is_bounded_and_cached_strategies_need_room():
+    m, _, _ = make_experts("mxfp4")
+    m.cache = DequantCache(m.dense_bytes(torch.float32) - 1)
+    assert not m.can_run("cached_sorted", torch.float32) and m.can_run("cached_sorted", torch.bfloat16)
+    shared = DequantCache(m.dense_bytes(torch.float32))
+    a, _, _ = make_experts("mxfp4", seed=1)
+    b, _, _ = make_experts("mxfp4", seed=2)
+    a.cache = b.cache = shared
+    x, r = torch.randn(2, H), random_routing(2, E, K)
+    MX_MOE_IMPLS["cached_gather"](a, x, r)
+    MX_MOE_IMPLS["cached_gather"](b, x, r)  # evicts a's layer
+    assert shared.used_bytes <= shared.budget_bytes and len(shared._entries) == 1
+
+
+def test_tuned_table_nearest_key_and_last_impl(tmp_path, monkeypatch, caplog):
+    m, _, _ = make_experts("mxfp4")
+    dev = tuning.device_name("cpu")
+    (tmp_path / m.shape.file_name(dev)).write_text(json.dumps({"1": "mx_dense", "16": "mx_grouped",
+                                                               "256": "cached_sorted"}))
+    monkeypatch.setattr(tuning, "TABLE_DIRS", [str(tmp_path)])
+    tuning._read_table.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="engine.moe.tuning"):
+        for T, want in ((1, "mx_dense"), (6, "mx_dense"), (12, "mx_grouped"), (100, "mx_grouped"), (5000, "cached_sorted")):
+            x = torch.randn(T, H)
+            m(x, random_routing(T, E, K, seed=T))
+            assert m.last_impl == want, (T, m.last_impl)
+    assert not caplog.records
+    m.cache = None  # a cached_* pick without room falls back to the untuned rule
+    m(torch.randn(300, H), random_routing(300, E, K))
+    assert m.last_impl == "mx_sorted"
+
+
+def test_untuned_shape_warns_once_and_falls_back(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(tuning, "TABLE_DIRS", [str(tmp_path)])
+    monkeypatch.setattr(tuning, "_warned", set())
+    layers = [make_experts("mxfp6_e2m3", seed=s)[0] for s in range(3)]
+    with caplog.at_level(logging.WARNING, logger="engine.moe.tuning"):
+        for T in (1, 8, 64):
+            for layer in layers:
+                layer(torch.randn(T, H), random_routing(T, E, K))
+                assert layer.last_impl == ("mx_gather" if T * K <= tuning.FALLBACK_GATHER_MAX_PAIRS else "mx_sorted")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    msg = warnings[0].getMessage()
+    assert "E=8,N=64,H=64,topk=2,dtype=mxfp6_e2m3" in msg and "mx_gather" in msg and "tune-moe" in msg
+
+
+def test_forced_impl_and_bad_impl():
+    m, _, _ = make_experts("mxfp4", impl="mx_grouped")
+    m(torch.randn(2, H), random_routing(2, E, K))
+    assert m.last_impl == "mx_grouped"
+    with pytest.raises(ValueError, match="unknown MX MoE impl"):
+        make_experts("mxfp4", impl="nope")
+
+
+def test_tune_moe_cli_writes_a_table(tmp_path):
+    from cluster.cli import main
+    rc = main(["tune-moe", "--shapes", "64,64,8,2", "tiny", "--tokens", "1,8", "--impls", "mx_gather,mx_sorted,cached_dense",
+               "--out", str(tmp_path), "--max-run-s", "2"])
+    assert rc == 0
+    dev = tuning.device_name("cpu")
+    for shape in (MoEShape(64, 64, 8, 2), tuning.NAMED_SHAPES["tiny"]):
+        table = json.loads((tmp_path / shape.file_name(dev)).read_text())
+        assert set(table) == {"1", "8"} and set(table.values()) <= {"mx_gather", "mx_sorted", "cached_dense"}
+
+
+def test_shipped_tables_name_registered_impls():
+    files = [f for f in os.listdir(tuning.TUNED_DIR) if f.endswith(".json")]
+    assert files, "no tuned tables shipped"
+    for f in files:
+        assert f.startswith("E=") and ",device_name=" in f
+        with open(os.path.join(tuning.TUNED_DIR, f)) as fh:
+            table = json.load(fh)
+        assert table and all(k.isdigit() and v in MX_MOE_IMPLS for k, v in table.items()), f
+    shipped = {f.split(",device_name=")[0] for f in files}
+    for name in ("tiny", "peer"):
+        assert tuning.NAMED_SHAPES[name].key("x").split(",device_name=")[0] in shipped, name
