@@ -167,7 +167,8 @@ def load_weights(model: torch.nn.Module, model_dir: str, cfg: ModelConfig,
         if tuple(view.shape) != tuple(tensor.shape):
             raise CheckpointError(f"shape mismatch for checkpoint tensor {name!r}: expected "
                                   f"{tuple(view.shape)} for {target.param!r}{_fmt(target.index)}, got "
-                                  f"{tuple(tensor.shape)} (rule {target.rule})")
+                                  f"{tuple(tensor.shape)} (rule {target.rule}); is the quantization config / "
+                                  "exclude list right?")
         if not _compatible(tensor.dtype, dst.dtype):
             raise CheckpointError(f"dtype mismatch for checkpoint tensor {name!r}: {tensor.dtype} cannot load "
                                   f"into {target.param!r} of dtype {dst.dtype} (rule {target.rule}); "
