@@ -55,6 +55,8 @@ def register(sub) -> None:
 
 
 def _raise_shutdown(signum, frame):
+    for s in (signal.SIGTERM, signal.SIGINT):  # the cleanup that follows must not be interrupted in turn
+        signal.signal(s, signal.SIG_IGN)
     raise _Shutdown(signal.Signals(signum).name)
 
 
@@ -67,11 +69,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         local_prefill_below=args.local_prefill_below, threads_per_worker=args.threads_per_worker,
         run_dir=args.run_dir, startup_timeout_s=args.startup_timeout)
     old = {s: signal.signal(s, _raise_shutdown) for s in (signal.SIGTERM, signal.SIGINT)}
-    cluster = LocalCluster(cfg)
-    print(f"pdserve: run directory {cluster.run_dir} (logs); starting {cfg.num_prefill} prefill + "
-          f"{cfg.num_decode} decode workers for {cluster.model}", flush=True)
-    rc = 0
+    rc, cluster = 0, None
     try:
+        cluster = LocalCluster(cfg)
+        print(f"pdserve: run directory {cluster.run_dir} (logs); starting {cfg.num_prefill} prefill + "
+              f"{cfg.num_decode} decode workers for {cluster.model}", flush=True)
         cluster.start()
         print(f"pdserve: listening on {cluster.router_address}", flush=True)
         for ch in cluster.children:
@@ -81,11 +83,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"pdserve: error: {e}", file=sys.stderr, flush=True)
         rc = 1
     except _Shutdown as e:
-        print(f"pdserve: {e}: shutting down", flush=True)
+        print(f"pdserve: {e}: shutting down (workers get {cfg.stop_grace_s:.0f}s)", flush=True)
     finally:
-        for s in old:  # a second signal must not interrupt the cleanup
+        for s in old:
             signal.signal(s, signal.SIG_IGN)
-        cluster.stop()
+        if cluster is not None:
+            cluster.stop()
         print("pdserve: stopped", flush=True)
     return rc
 

@@ -78,6 +78,7 @@ class LocalClusterConfig:
                              f"{self.num_decode}")
         if self.startup_timeout_s <= 0 or self.stop_grace_s <= 0:
             raise ValueError("startup_timeout_s and stop_grace_s must be > 0")
+        rpc.check_bind(self.host, self.api_key, "the router (give --api-key)")
 
 
 class Child:

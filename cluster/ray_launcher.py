@@ -178,8 +178,8 @@ def launch(cfg: RayLaunchConfig) -> DeploymentStatus:
                                                                            soft=False),
         ).remote(_router_args(spec), spec["secret"], _log_dir(spec), cfg.startup_timeout_s, spec)
         refs[ROUTER_NAME] = router.info.remote()
-        wait_started(refs, cfg.startup_timeout_s)
-        _wait_serving(router, names, cfg.startup_timeout_s)
+        infos = wait_started(refs, cfg.startup_timeout_s)
+        wait_in_rotation(router, [infos[n]["address"] for n in names], cfg.startup_timeout_s)
     except BaseException:
         stop(cfg.address, cfg.namespace, grace_s=5.0)
         raise
@@ -248,13 +248,12 @@ def start_workers(spec: dict, names: list[str], existing_nodes: dict[str, int]) 
     """Plan, place and create the worker actors ``names``; returns name -> ref of its first info()."""
     _quiet_ray_warning()
     from cluster.ray_actors import WorkerActor
-    from cluster.ray_placement import actor_resources, cluster_resources, create_groups, plan_placement
+    from cluster.ray_placement import actor_resources, create_groups, plan_when_free
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     cfg = RayLaunchConfig(**{f.name: spec[f.name] for f in dataclasses.fields(RayLaunchConfig)})
     demands = [d for role in ROLES for d in demands_for([n for n in names if n.startswith(role + "-")],
                                                         cfg.bundle, cfg.tp(role))]
-    free, total = cluster_resources()
-    plan = plan_placement(demands, free, cfg.placement, existing_nodes, total)
+    plan = plan_when_free(demands, cfg.placement, existing_nodes)
     groups = create_groups(demands, plan, cfg.namespace, cfg.placement_timeout_s)
     refs = {}
     for d in demands:
@@ -269,20 +268,21 @@ def start_workers(spec: dict, names: list[str], existing_nodes: dict[str, int]) 
     return refs
 
 
-def wait_started(refs: dict, timeout_s: float) -> None:
-    """Every actor's first info(); raises LaunchError naming each actor that failed (with its log tail)."""
+def wait_started(refs: dict, timeout_s: float) -> dict[str, dict]:
+    """Every actor's first info(), by name; raises LaunchError naming each actor that failed (with its log tail)."""
     import ray
     by_ref = {r: n for n, r in refs.items()}
     ready, late = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=timeout_s)
-    errors = []
+    infos, errors = {}, []
     for r in ready:
         try:
-            ray.get(r)
+            infos[by_ref[r]] = ray.get(r)
         except ray.exceptions.RayError as e:
             errors.append(f"{by_ref[r]}: {_short(e)}")
     errors += [f"{by_ref[r]}: not ready within {timeout_s:g}s" for r in late]
     if errors:
         raise LaunchError("actors failed to start:\n" + "\n".join(errors))
+    return infos
 
 
 def _short(e: BaseException, num_chars: int = 3000) -> str:
@@ -290,17 +290,22 @@ def _short(e: BaseException, num_chars: int = 3000) -> str:
     return s if len(s) <= num_chars else "..." + s[-num_chars:]
 
 
-def _wait_serving(router, names: list[str], timeout_s: float) -> None:
-    """Until the router lists ``names``' addresses and reports SERVING."""
+def wait_in_rotation(router, addresses: list[str], timeout_s: float) -> None:
+    """Until the router has every one of ``addresses`` in rotation (its own health polls say so)."""
     import ray
     deadline = time.monotonic() + timeout_s
+    seen: list[dict] = []
     while True:
-        listed = ray.get(router.worker_list.remote(), timeout=30)
-        n = len(listed["prefill"]) + len(listed["decode"])
-        if n >= len(names) and ray.get(router.serving.remote(), timeout=30):
+        try:
+            seen = ray.get(router.workers_seen.remote(), timeout=30)
+        except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as e:
+            logger.debug("router status not available yet: %s", e)
+        healthy = {w["address"] for w in seen if w["healthy"]}
+        if healthy >= set(addresses):
             return
         if time.monotonic() > deadline:
-            raise LaunchError(f"router not serving within {timeout_s:g}s; it follows {listed}")
+            raise LaunchError(f"the router did not take {sorted(set(addresses) - healthy)} into rotation within "
+                              f"{timeout_s:g}s; it sees {seen}")
         time.sleep(0.2)
 
 

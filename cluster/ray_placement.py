@@ -51,7 +51,7 @@ def fits(need: Mapping[str, float], free: Mapping[str, float]) -> bool:
 def fmt(res: Mapping[str, float]) -> str:
     def num(k, v):
         return f"{v / 2**30:.1f}GiB" if k.endswith("memory") else f"{v:g}"
-    shown = {k: v for k, v in res.items() if k not in _IGNORED and not k.startswith("node:")}
+    shown = {k: v for k, v in res.items() if k not in _IGNORED and not k.startswith(("node:", "bundle_group_"))}
     return "{" + ", ".join(f"{k}: {num(k, v)}" for k, v in sorted(shown.items())) + "}"
 
 
@@ -98,7 +98,8 @@ def _why_not(d: WorkerDemand, demands: list[WorkerDemand], free: Mapping[str, Ma
     missing = {k: want[k] - have[k] for k in want if want[k] > have[k] + 1e-9}
     head = (f"cannot place {len(demands)} worker(s) ({', '.join(x.name for x in demands)}), each "
             f"{d.num_ranks} x {fmt(dict(d.bundle))} on one node")
-    per_node = "; ".join(f"{n[:8]} {fmt(r)}" for n, r in sorted(free.items())) or "no alive nodes"
+    per_node = "; ".join(f"{n[:8]} {fmt({k: r.get(k, 0.0) for k in want})}" for n, r in sorted(free.items())) \
+        or "no alive nodes"
     if missing:
         lack = ", ".join(f"{k} {v:g} (need {want[k]:g}, free {have[k]:g}, cluster total {capacity[k]:g})"
                          for k, v in sorted(missing.items()))
@@ -140,6 +141,28 @@ def cluster_resources() -> tuple[dict[str, dict[str, float]], dict[str, dict[str
     for n in total:
         free.setdefault(n, {})
     return free, total
+
+
+def plan_when_free(demands: list[WorkerDemand], strategy: str, existing: Mapping[str, int],
+                   settle_s: float = 5.0) -> dict[str, str]:
+    """``plan_placement`` on the cluster's current free resources. A request the cluster could never hold
+    fails at once; one that fits the nodes' totals is retried for ``settle_s`` (Ray's view of free
+    resources lags a group or actor that was just removed) before its error is raised."""
+    import time
+    free, total = cluster_resources()
+    try:
+        plan_placement(demands, total, strategy, existing, total)
+    except PlacementError:  # impossible even on an idle cluster: fail now, with the free numbers
+        return plan_placement(demands, free, strategy, existing, total)
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            return plan_placement(demands, free, strategy, existing, total)
+        except PlacementError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.25)
+        free, total = cluster_resources()
 
 
 def create_groups(demands: list[WorkerDemand], plan: Mapping[str, str], namespace: str, timeout_s: float) -> dict:

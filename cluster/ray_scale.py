@@ -11,7 +11,7 @@ import logging
 import time
 
 from cluster.ray_launcher import (ROLES, DeploymentStatus, LaunchError, actor_names, connect, start_workers, status,
-                                  stop_actors, wait_started, worker_index)
+                                  stop_actors, wait_in_rotation, wait_started, worker_index)
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ def scale(address: str, namespace: str = "pdserve", prefill: int | None = None, 
             nodes[w["node_id"]] = nodes.get(w["node_id"], 0) + 1
         refs = start_workers(spec, add, nodes)
         try:
-            wait_started(refs, spec["startup_timeout_s"])
+            infos = wait_started(refs, spec["startup_timeout_s"])
+            wait_in_rotation(router, [i["address"] for i in infos.values()], spec["startup_timeout_s"])
         except LaunchError:
             _remove_workers(namespace, add, grace_s=2.0)
             raise
@@ -59,18 +60,25 @@ def scale(address: str, namespace: str = "pdserve", prefill: int | None = None, 
 
 
 def _drain(router, namespace: str, names: list[str], timeout_s: float) -> None:
-    """Out of the router's list, then wait until the router has no calls at them (or ``timeout_s``)."""
+    """Off the router's worker list; wait until the router has taken them out of rotation and has no calls at
+    them (or ``timeout_s``). A worker that does not answer (restarting) is not waited for."""
     import ray
     handles = [ray.get_actor(n, namespace=namespace) for n in names]
-    infos = ray.get([h.info.remote() for h in handles], timeout=30)
-    ray.get([h.drain.remote() for h in handles], timeout=30)
-    addrs = {i["address"] for i in infos}
+    refs = [h.info.remote() for h in handles]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
+    addrs = set()
+    for r in ready:
+        try:
+            addrs.add(ray.get(r)["address"])
+        except ray.exceptions.RayError:
+            pass
+    ray.wait([h.drain.remote() for h in handles], num_returns=len(handles), timeout=10)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         listed = ray.get(router.worker_list.remote(), timeout=30)
-        seen = ray.get(router.workers_seen.remote(), timeout=30)
+        seen = {w["address"]: w for w in ray.get(router.workers_seen.remote(), timeout=30)}
         if not addrs & set(listed["prefill"] + listed["decode"]) and \
-                not any(w["address"] in addrs and w["inflight"] > 0 for w in seen):
+                all(a not in seen or (seen[a]["excluded"] and seen[a]["inflight"] == 0) for a in addrs):
             return
         time.sleep(0.2)
     logger.warning("workers %s still had calls after %.0fs of draining: stopping them anyway", names, timeout_s)
