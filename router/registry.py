@@ -83,6 +83,7 @@ class Registry:
     _first_poll: dict[str, asyncio.Event] = field(default_factory=dict)
     _info_src: generation_pb2.WorkerStatus | None = None
     _info: ModelInfo | None = None
+    _info_warned: set[str] = field(default_factory=set)
     _member_tasks: dict[str, list[asyncio.Task]] = field(default_factory=dict)
 
     @property
@@ -194,7 +195,9 @@ class Registry:
                 try:
                     info = ModelInfo.from_info(w.status.info, w.status.model_hash)
                 except ValueError as e:
-                    logger.warning("worker %s: %s", w.address, e)
+                    if w.key not in self._info_warned:
+                        self._info_warned.add(w.key)
+                        logger.warning("worker %s: %s", w.address, e)
                     continue
                 self._info_src, self._info = w.status, info
                 return info

@@ -256,10 +256,10 @@ class FakeCluster:
         from router.server import RouterServer
         for w in self.decodes + self.prefills:
             await w.start()
-        cfg = RouterConfig(port=0, prefill=tuple(p.address for p in self.prefills),
-                           decode=tuple(d.address for d in self.decodes), cluster_secret=self.secret,
-                           api_key=self.api_key, health_interval_s=0.1, health_timeout_s=0.5, rpc_timeout_s=2.0,
-                           **self.cfg_overrides)
+        cfg = RouterConfig(**{"port": 0, "prefill": tuple(p.address for p in self.prefills),
+                              "decode": tuple(d.address for d in self.decodes), "cluster_secret": self.secret,
+                              "api_key": self.api_key, "health_interval_s": 0.1, "health_timeout_s": 0.5,
+                              "rpc_timeout_s": 2.0, **self.cfg_overrides})
         self.router = RouterServer(cfg)
         await self.router.start()
         await self.router.core.registry.wait_first_poll(5.0)

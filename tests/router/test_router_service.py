@@ -60,18 +60,18 @@ def test_first_token_that_ends_the_request_still_frees_the_reservation(kw, promp
 
 def test_reservation_falls_through_to_the_next_decode_worker():
     async def go():
-        async with FakeCluster(1, 2) as fc:
-            small, big = fc.decodes
-            small.pages_total = 2  # cannot hold a 40-token prompt; its status still says so after a poll
-            await asyncio.sleep(0.3)
-            small.pages_total, small.reserved = 64, {"squatter": 62}  # looks roomy in the last poll... not now
+        async with FakeCluster(1, 2, decode_pages=64, health_interval_s=30.0) as fc:  # statuses stay stale
+            roomy, other = fc.decodes
+            roomy.pages_total = 128
+            await fc.registry.poll_once(fc.registry.workers[roomy.key])  # looks like the best choice...
+            roomy.reserved = {"squatter": 127}  # ...but is full by the time the request comes
             c = await fc.client.generate(token_ids=list(range(2, 42)), max_tokens=4)
-            assert c.metrics.decode_worker in ("d0", "d1") and c.finish_reason == "length"
-            assert big.calls or small.calls
-            small.b.extra_info = {}
-            small.reserved, big.reserved = {"a": 63}, {"b": 63}
+            assert c.metrics.decode_worker == "d1" and c.finish_reason == "length"
+            assert len(roomy.calls) == 1 and len(other.calls) == 1  # tried first, refused, then the next one
+            other.reserved = {"squatter": 63}
             e = await rpc_error(fc.client.generate(token_ids=list(range(2, 42)), max_tokens=4))
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "no decode worker has room" in e.details()
+            assert "d0" in e.details() and "d1" in e.details()
     run(go())
 
 
