@@ -134,6 +134,17 @@ def test_text_prompt_streams_text(client, served):
     assert "".join(c.text for c in chunks) == tok.decode(ids)
 
 
+def test_stop_strings_end_the_answer(client, served):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(served[1], "tokenizer.json"))
+    prompt = list(range(20, 40))
+    full = client.generate(token_ids=prompt, max_tokens=12, ignore_eos=True).token_ids
+    stop = tok.decode(full[3:5])  # two words: "<w3> <w4>"
+    out = client.generate(token_ids=prompt, max_tokens=12, ignore_eos=True, stop=[stop])
+    assert out.finish_reason == "stop" and out.token_ids == full[:len(out.token_ids)] and len(out.token_ids) <= 5
+    assert stop in out.text
+
+
 def test_cancel_mid_stream_frees_pages_on_both_workers(client):
     call = client.stream(token_ids=list(range(10, 50)), max_tokens=3000, ignore_eos=True)
     for i, _ in enumerate(call):
@@ -252,7 +263,7 @@ def test_concurrent_streams_match_sequential_answers(served, client):
 def test_prefill_worker_killed_before_the_first_token_is_retried(served, client):
     sp = served[0]
     rng = random.Random(2)
-    prompt = [rng.randrange(2, 128) for _ in range(1200)]  # ~1 s of prefill on this CPU
+    prompt = [rng.randrange(2, 128) for _ in range(1600)]  # ~3 s of prefill on this CPU
     result = {}
     t = threading.Thread(target=lambda: result.update(out=client.generate(token_ids=prompt, max_tokens=4)))
     t.start()
