@@ -121,9 +121,9 @@ def validate(req: generation_pb2.GenerateRequest, model: ModelInfo,
     _check_unknown(req, "GenerateRequest")
     _check_unknown(req.sampling, "SamplingParams")
     ids = _prompt_ids(req, encode)
-    bad = [t for t in ids if t >= model.vocab_size]
-    if bad:
-        raise _bad(f"token id {bad[0]} outside the vocabulary (size {model.vocab_size})")
+    if max(ids) >= model.vocab_size:
+        bad = next(t for t in ids if t >= model.vocab_size)
+        raise _bad(f"token id {bad} outside the vocabulary (size {model.vocab_size})")
     if len(ids) >= model.max_context:
         raise _bad(f"prompt of {len(ids)} tokens is longer than the context ({model.max_context} tokens, "
                    "one of which must be left for the answer)")
