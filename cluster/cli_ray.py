@@ -42,7 +42,7 @@ def register(sub) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default="auto", help="Ray cluster: auto, ray://HOST:PORT or HOST:PORT")
+    p.add_argument("--address", default="auto", help="Ray cluster: auto or HOST:PORT (ray://HOST:PORT untested)")
     p.add_argument("--namespace", default="pdserve", help="Ray namespace of the deployment")
 
 

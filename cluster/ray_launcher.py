@@ -43,7 +43,7 @@ class LaunchError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class RayLaunchConfig:
     address: str = "auto"
-    """Ray cluster: auto (this node's), ray://HOST:PORT (Ray Client) or HOST:PORT (the GCS)."""
+    """Ray cluster: auto (this node's) or HOST:PORT (the GCS); ray://HOST:PORT (Ray Client) is untested."""
     namespace: str = "pdserve"
     """Ray namespace of the deployment's actors (one deployment per namespace)."""
     model: str | None = None
@@ -105,6 +105,8 @@ class RayLaunchConfig:
         if not self.startup_timeout_s > 0 or not self.placement_timeout_s > 0:
             raise ValueError("startup_timeout_s and placement_timeout_s must be > 0")
         self.bundle  # validates the JSON
+        from protos import rpc
+        rpc.check_bind(self.host, self.api_key, "the router (give --api-key)")
 
     @property
     def bundle(self) -> dict[str, float]:
@@ -329,6 +331,9 @@ def status(address: str, namespace: str = "pdserve", timeout_s: float = 5.0) -> 
             continue
         try:
             info = ray.get(r)
+        except ray.exceptions.ActorUnavailableError:
+            st.errors[name] = "restarting (Ray is restarting the actor)"
+            continue
         except ray.exceptions.RayError as e:
             st.errors[name] = _short(e, 500)
             continue

@@ -56,3 +56,6 @@ def test_actor_resources_and_config_validation():
         RayLaunchConfig(placement="strict")
     with pytest.raises(ValueError, match="at least one"):
         RayLaunchConfig(prefill=0)
+    with pytest.raises(ValueError, match="without a secret"):
+        RayLaunchConfig(host="0.0.0.0")
+    assert RayLaunchConfig(host="0.0.0.0", api_key="k").host == "0.0.0.0"
