@@ -120,6 +120,17 @@ def test_impossible_resources_fail_fast_with_what_is_missing(ray_cluster, model_
     assert_nothing_left()
 
 
+def test_a_group_that_is_never_placed_is_removed_and_reported(ray_cluster):
+    from cluster.ray_placement import create_groups, demands_for
+    node = ray.get_runtime_context().get_node_id()
+    d = demands_for(["prefill-0"], {"CPU": 1, "pdtest_missing": 1}, 1)  # the planner was bypassed
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match=r"not placed within 1s \(removed\): prefill-0 \{CPU: 1, pdtest_missing"):
+        create_groups(d, {"prefill-0": node}, NS, timeout_s=1.0)
+    assert time.monotonic() - t0 < 10
+    wait_until(lambda: list_groups(NS) == {}, 10, "the group to be removed")
+
+
 def test_cli_reports_a_placement_error(ray_cluster, model_dir, capsys):
     rc = cli.main(["launch", "--address", ray_cluster.address, "--namespace", NS, "--model", model_dir,
                    "--resources-per-worker", '{"CPU": 1, "tpu_v9": 2}', "--prefill", "1", "--decode", "1"])

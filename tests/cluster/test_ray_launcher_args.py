@@ -1,0 +1,29 @@
+"""What the Ray launcher asks every worker and router process to run (pure: no Ray)."""
+import dataclasses
+
+from cluster.ray_launcher import RayLaunchConfig, _router_args, _worker_args
+
+
+def spec(**kw) -> dict:
+    cfg = RayLaunchConfig(model="/m", resources_per_worker='{"CPU": 3, "GPU": 1}', speculative="off", num_pages=64,
+                          **kw)
+    return {**dataclasses.asdict(cfg), "model_hash": "abc123", "secret": "s", "notes": []}
+
+
+def test_worker_args_carry_the_model_hash_threads_and_no_secret():
+    args = _worker_args(spec(), "decode", "decode-2")
+    flags = dict(zip(args[::2], args[1::2]))
+    assert flags["--expect-model-hash"] == "abc123" and flags["--worker-id"] == "decode-2"
+    assert flags["--threads"] == "3"  # the CPUs of its bundle
+    assert flags["--speculative"] == "off" and flags["--kv-port"] == "0" and flags["--num-pages"] == "64"
+    assert "--host" not in flags  # the actor adds its node's IP
+    assert "s" not in args  # the secret goes through the environment only
+    pre = _worker_args(spec(threads=1), "prefill", "prefill-0")
+    assert "--kv-port" not in pre and dict(zip(pre[::2], pre[1::2]))["--threads"] == "1"
+
+
+def test_router_args():
+    args = _router_args(spec(port=0, api_key="k", routing="round_robin"))
+    flags = dict(zip(args[::2], args[1::2]))
+    assert flags == {"--host": "127.0.0.1", "--port": "0", "--routing": "round_robin", "--model": "/m",
+                     "--startup-timeout-s": "300.0", "--api-key": "k"}
