@@ -29,6 +29,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from cluster.local import ClusterStartError
 from cluster.ray_placement import PLACEMENTS, PlacementError, demands_for
 from router.config import ROUTING_POLICIES
 
@@ -280,14 +281,21 @@ def wait_started(refs: dict, timeout_s: float) -> dict[str, dict]:
         try:
             infos[by_ref[r]] = ray.get(r)
         except ray.exceptions.RayError as e:
-            errors.append(f"{by_ref[r]}: {_short(e)}")
+            errors.append(_short(_server_error(e)) or f"{by_ref[r]}: {_short(e)}")
     errors += [f"{by_ref[r]}: not ready within {timeout_s:g}s" for r in late]
     if errors:
         raise LaunchError("actors failed to start:\n" + "\n".join(errors))
     return infos
 
 
-def _short(e: BaseException, num_chars: int = 3000) -> str:
+def _server_error(e: BaseException) -> str:
+    """The server's own start-up error (name, exit code, log tail) out of Ray's wrapping traceback, or ""."""
+    marker = f"{ClusterStartError.__name__}: "
+    s = str(e)
+    return s[s.rindex(marker) + len(marker):].strip() if marker in s else ""
+
+
+def _short(e: BaseException | str, num_chars: int = 3000) -> str:
     s = str(e)
     return s if len(s) <= num_chars else "..." + s[-num_chars:]
 

@@ -241,6 +241,8 @@ def test_stop_leaves_no_actors_groups_or_servers(deployment, ray_cluster, capsys
 def test_model_hash_mismatch_is_refused(ray_cluster, model_dir, tmp_path_factory):
     with pytest.raises(LaunchError, match="model hash mismatch") as e:
         launch(cfg(ray_cluster, model_dir, tmp_path_factory, prefill=1, decode=1, model_hash="0" * 16))
-    assert "prefill-0" in str(e.value)
+    msg = str(e.value)
+    assert "prefill-0 (pid" in msg and "decode-0 (pid" in msg and "cluster expects 0000000000000000" in msg
+    assert "Traceback" not in msg and "^^^" not in msg  # the server's words, not Ray's traceback
     assert_nothing_left()
     assert os.path.isdir(model_dir)
