@@ -1,0 +1,113 @@
+"""Single-stream decode speed with and without MTP speculative decoding, in one run.
+
+    .venv/bin/python -m bench.bench_spec [--model DIR] [--configs 5/1/6,3/1/4,3/2/6] [--max-tokens 128]
+                                         [--dtype float32] [--prompt TEXT | --prompt-len 32] [--json]
+
+Decode tok/s excludes prefill: each run is timed at ``max_tokens`` and at 1 token (prefill + first
+token), decode rate = (max_tokens - 1) / difference (best of ``--repeats``). Greedy, EOS ignored.
+Reports, per speculative config, the accept length (tokens per verify step), the acceptance rate
+per draft depth and the speed ratio to plain decoding. The default model is
+``engine.defaults.default_model_dir()``; a random-weight model's MTP layer guesses almost nothing,
+so expect accept length ~1 and a slowdown there (the draft and verify overhead without the gain).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def best_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def prompt_ids(args, model_dir: str, vocab_size: int) -> list[int]:
+    from engine.tokenizer import Tokenizer
+    tok = Tokenizer.from_model_dir(model_dir)
+    if tok is not None:
+        ids = tok.encode(args.prompt)
+        if ids:
+            return ids
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(2, vocab_size, (args.prompt_len,), generator=g).tolist()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="model directory (default: engine.defaults.default_model_dir())")
+    ap.add_argument("--configs", default="5/1/6,3/1/4,3/2/6")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--prompt", default="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+                    help="prompt text (used when the model has a tokenizer.json)")
+    ap.add_argument("--prompt-len", type=int, default=32, help="random prompt length without a tokenizer")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from engine.defaults import default_model_dir
+    from engine.runtime import Engine, load_model
+    from engine.sampling import SamplingParams
+    from engine.spec import SpecConfig, SpecEngine
+
+    model_dir = args.model or default_model_dir()
+    model, cfg = load_model(model_dir, args.dtype, "cpu")
+    ids = prompt_ids(args, model_dir, cfg.vocab_size)
+    pages = (len(ids) + args.max_tokens) // 16 + 16
+
+    def make():
+        return Engine(model, cfg, kv_dtype=args.dtype, page_size=16, num_pages=pages)
+
+    def decode_rate(run) -> float:
+        t_full = best_time(lambda: run(args.max_tokens), args.repeats)
+        t_first = best_time(lambda: run(1), args.repeats)
+        return (args.max_tokens - 1) / max(t_full - t_first, 1e-9)
+
+    def plain(n: int):
+        return make().generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
+
+    plain(4)  # warm-up
+    base = decode_rate(plain)
+    ref = plain(args.max_tokens)[0].token_ids
+    report = {"model": model_dir, "dtype": args.dtype, "prompt_tokens": len(ids), "max_tokens": args.max_tokens,
+              "plain_tok_s": round(base, 1), "configs": {}}
+    rows = [("plain", "-", base, 1.0, "")]
+    for text in args.configs.split(","):
+        spec = SpecConfig.parse(text)
+        last = {}
+
+        def speculative(n: int, spec=spec, last=last):
+            eng = SpecEngine(make(), spec)
+            out = eng.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
+            last["eng"], last["out"] = eng, out
+            return out
+
+        rate = decode_rate(speculative)
+        speculative(args.max_tokens)
+        m = last["eng"].metrics
+        same = last["out"][0].token_ids == ref
+        report["configs"][text] = {"decode_tok_s": round(rate, 1), "speedup": round(rate / base, 3),
+                                   "greedy_equals_plain": same, **m.as_dict(spec.num_steps)}
+        rates = " ".join(f"{r:.2f}" for r in m.acceptance_rate(spec.num_steps))
+        rows.append((text, f"{m.accept_len:.2f}", rate, rate / base, rates + ("" if same else "  (!= plain)")))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"model {model_dir} ({args.dtype}), prompt {len(ids)} tokens, {args.max_tokens} generated, single stream")
+        print(f"{'config':>7} | {'accept_len':>10} | {'decode tok/s':>12} | {'vs plain':>8} | acceptance by depth")
+        for name, acc, rate, ratio, extra in rows:
+            print(f"{name:>7} | {acc:>10} | {rate:>12.1f} | {ratio:>7.2f}x | {extra}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

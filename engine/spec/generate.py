@@ -1,0 +1,110 @@
+"""In-process speculative generation over an ``engine.runtime.Engine``'s model and pool.
+
+The smallest complete loop with MTP speculation, for tests, benchmarks and ``pdserve run``:
+chunked prefill of each request (target forward, then ``mtp_prefill`` of the chunk), the first
+token sampled as the plain engine does, then ``SpecDecoder.step`` over every running request
+until all finish; pages are freed when a request finishes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple, Sequence
+
+from engine.batch import BatchRequest, ForwardBatch
+from engine.runtime import Engine, GenerationResult
+from engine.sampling import SamplerState, SamplingParams, sample
+from engine.spec.config import SpecConfig
+from engine.spec.decoder import SpecDecoder
+from engine.spec.metrics import SpecMetrics
+from engine.spec.prefill import mtp_prefill
+from engine.spec.seq import SpecSeq
+
+logger = logging.getLogger(__name__)
+
+
+class SpecRunResult(NamedTuple):
+    results: list[GenerationResult]
+    metrics: SpecMetrics
+
+
+class SpecEngine:
+    """Speculative ``generate`` over ``engine``'s model and KV pool (its MTP layer's KV included)."""
+
+    def __init__(self, engine: Engine, spec: SpecConfig) -> None:
+        self.engine, self.spec = engine, spec
+        self.model, self.cfg, self.pool = engine.model, engine.cfg, engine.pool
+        self.decoder = SpecDecoder(self.model, self.pool, spec, self.cfg.eos_token_ids)
+
+    @property
+    def metrics(self) -> SpecMetrics:
+        return self.decoder.metrics
+
+    def _finish_reason(self, seq: SpecSeq) -> str:
+        p, tok = seq.sampler.params, seq.last_token
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.cfg.eos_token_ids):
+            return "stop"
+        return "length" if len(seq.output_ids) >= p.max_tokens else ""
+
+    def prefill(self, seq: SpecSeq, prompt_ids: Sequence[int]) -> None:
+        """Chunked target prefill, each chunk followed by its MTP pass; samples the first token."""
+        res, n = None, len(prompt_ids)
+        while seq.cached_len < n:
+            c = seq.cached_len
+            chunk = list(prompt_ids[c:c + self.engine.chunk_size])
+            self.decoder.grow_pages(seq, c + len(chunk))
+            batch = ForwardBatch.build([BatchRequest(seq.pages, c, chunk)], self.pool.page_size, self.pool.device)
+            out = self.model(batch, self.pool)
+            seq.cached_len += len(chunk)
+            if seq.cached_len < n:  # an inner chunk: its next token is the prompt's
+                mtp_prefill(self.model, self.pool, seq.pages, c, chunk, out.hidden, prompt_ids[seq.cached_len])
+                continue
+            tok = int(sample(out.logits, [seq.sampler]).token_ids[0])
+            seq.output_ids.append(tok)
+            seq.finish_reason = self._finish_reason(seq)
+            if not seq.finish_reason:
+                res = mtp_prefill(self.model, self.pool, seq.pages, c, chunk, out.hidden, tok)
+        if res is not None:
+            seq.draft_hidden, seq.draft_logits = res.draft_hidden, res.draft_logits
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+                 ) -> list[GenerationResult]:
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        limit = self.cfg.max_position_embeddings
+        for p, sp in zip(prompts, plist):
+            if not p:
+                raise ValueError("empty prompt")
+            if len(p) + sp.max_tokens + self.spec.num_step_slots > limit:
+                raise ValueError(f"prompt ({len(p)}) + max_tokens ({sp.max_tokens}) + draft slots "
+                                 f"({self.spec.num_step_slots}) exceeds the context ({limit})")
+        seqs = [SpecSeq(f"req-{i}", SamplerState(sp, list(p)), [], 0, None)
+                for i, (p, sp) in enumerate(zip(prompts, plist))]
+        try:
+            for s, p in zip(seqs, prompts):
+                self.prefill(s, p)
+            running = [s for s in seqs if not s.finish_reason]
+            while running:
+                self.decoder.step(running)
+                running = [s for s in running if not s.finish_reason]
+        finally:
+            for s in seqs:
+                if s.pages:
+                    self.pool.allocator.free(s.pages)
+                    s.pages = []
+        return [GenerationResult(s.req_id, list(p), list(s.output_ids), s.finish_reason)
+                for s, p in zip(seqs, prompts)]
+
+
+def run_speculative(model, cfg, prompts: Sequence[Sequence[int]], params: SamplingParams, spec: SpecConfig | str,
+                    kv_dtype: str = "float32", page_size: int = 16, num_pages: int | None = None) -> SpecRunResult:
+    """What ``pdserve run --speculative 3/1/4`` calls: generate and report the acceptance metrics."""
+    spec = SpecConfig.parse(spec) if isinstance(spec, str) else spec
+    if num_pages is None:
+        longest = max(len(p) for p in prompts) + params.max_tokens + spec.num_step_slots
+        num_pages = max(64, len(prompts) * (longest // page_size + 2))
+    eng = SpecEngine(Engine(model, cfg, kv_dtype=kv_dtype, page_size=page_size, num_pages=num_pages), spec)
+    results = eng.generate(prompts, params)
+    logger.info("speculative %s: accept_len %.3f over %d verify steps", spec, eng.metrics.accept_len,
+                eng.metrics.num_verify_steps)
+    return SpecRunResult(results, eng.metrics)
