@@ -157,6 +157,7 @@ async def amain(args: argparse.Namespace) -> None:
     address = f"{args.host}:{port}"
     info = worker_main.model_info(cfg, model_dir, args.page_size)
     info["speculative"] = args.speculative if spec is not None else "off"
+    info["local_prefill"] = "1"
     servicer = DecodeServicer(sched, receiver, cfg, info, args.worker_id or f"decode-{port}", address, mhash)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])

@@ -119,7 +119,7 @@ def train(model: TrainModel, stream: torch.Tensor, args, stop: StopFlag, tokeniz
     budget_s = args.time_budget_min * 60
     t0 = last_log = last_save = time.perf_counter()
     history, load = [], torch.zeros(len(gates), args.experts)
-    step = 0
+    step, last_kl = 0, None
     model.train()
     while step < args.max_steps and not stop.stop:
         elapsed = time.perf_counter() - t0
@@ -138,13 +138,15 @@ def train(model: TrainModel, stream: torch.Tensor, args, stop: StopFlag, tokeniz
         opt.step()
         balance_router_biases(gates, counts, args.bias_rate)
         load += torch.stack([c.float() for c in counts])
+        if use_idx:
+            last_kl = losses.indexer.item()
         step += 1
         if step % args.log_every == 0 or step == 1:
             now = time.perf_counter()
             frac = load / load.sum(-1, keepdim=True)
             rec = {"step": step, "elapsed_s": round(now - t0, 1), "lr": lr, "loss": round(losses.main.item(), 4),
                    "mtp": [round(x.item(), 4) for x in losses.mtp],
-                   "indexer_kl": round(losses.indexer.item(), 4) if use_idx else None,
+                   "indexer_kl": round(last_kl, 4) if last_kl is not None else None,
                    "expert_load_max_over_mean": round((frac.max(-1).values * args.experts).max().item(), 3)}
             history.append(rec)
             tok_s = (args.log_every if step > 1 else 1) * args.batch_size * args.seq_len / max(1e-9, now - last_log)
