@@ -48,13 +48,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit(f"token ids must be non-empty and in [0, {cfg.vocab_size}); bad: {bad[:5]}")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    eng = Engine(model, cfg, kv_dtype=args.kv_dtype or args.dtype, page_size=args.page_size,
-                 num_pages=max(64, (len(ids) + args.max_tokens) // args.page_size + 8))
+    spec = None if args.no_speculative or args.speculative in (None, "", "off") else args.speculative
+    if spec and not model.has_mtp:
+        logging.getLogger("pdserve").warning("model has no MTP layer: running without speculative decoding")
+        spec = None
     t0 = time.perf_counter()
-    res = eng.generate([ids], params)[0]
+    accept_len = None
+    if spec:
+        from engine.spec.generate import run_speculative
+        run = run_speculative(model, cfg, [ids], params, spec, kv_dtype=args.kv_dtype or args.dtype,
+                              page_size=args.page_size)
+        res, accept_len = run.results[0], run.metrics.accept_len
+    else:
+        eng = Engine(model, cfg, kv_dtype=args.kv_dtype or args.dtype, page_size=args.page_size,
+                     num_pages=max(64, (len(ids) + args.max_tokens) // args.page_size + 8))
+        res = eng.generate([ids], params)[0]
     elapsed = time.perf_counter() - t0
     out = {"token_ids": res.token_ids, "finish_reason": res.finish_reason, "prompt_tokens": len(ids),
-           "elapsed_s": round(elapsed, 4), "model": model_dir}
+           "elapsed_s": round(elapsed, 4), "model": model_dir, "speculative": spec or "off"}
+    if accept_len is not None:
+        out["accept_len"] = round(accept_len, 4)
     if tok is not None:
         out["text"] = tok.decode(res.token_ids)
     if args.json:
@@ -91,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--moe-impl", default="auto")
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.add_argument("--speculative", default="5/1/6",
+                   help="MTP speculation STEPS/TOPK/DRAFT_TOKENS (on when the model has an MTP layer), or 'off'")
+    r.add_argument("--no-speculative", action="store_true")
     _add_sampling(r)
     r.set_defaults(fn=cmd_run)
 

@@ -45,3 +45,15 @@ def test_run_prompt_with_tokenizer(tmp_path):
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert len(got["token_ids"]) == 4 and isinstance(got["text"], str) and got["prompt_tokens"] > 0
+
+
+def test_run_speculative_reports_accept_len_and_matches_plain(tmp_path):
+    from engine.checkpoint import TINY_GLM5, init_random_model
+    init_random_model(TINY_GLM5, str(tmp_path))  # has an MTP layer
+    base = [PDSERVE, "run", "--model", str(tmp_path), "--token-ids", "3,17,99,42,7,64", "--max-tokens", "16",
+            "--ignore-eos", "--json"]
+    spec = subprocess.run(base + ["--speculative", "3/1/4"], capture_output=True, text=True, timeout=180)
+    plain = subprocess.run(base + ["--no-speculative"], capture_output=True, text=True, timeout=180)
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+    s, p = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert s["token_ids"] == p["token_ids"] and s["accept_len"] >= 1.0 and "accept_len" not in p
