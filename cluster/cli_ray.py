@@ -14,7 +14,7 @@ import sys
 
 def register(sub) -> None:
     from cluster.ray_launcher import RayLaunchConfig
-    from router.config import add_config_args
+    from cluster.flags import add_config_args
 
     la = sub.add_parser("launch", help="start a router and workers as Ray actors on a running Ray cluster")
     add_config_args(la, cls=RayLaunchConfig, skip=("model_hash",))
@@ -48,7 +48,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from cluster.ray_launcher import LaunchError, PlacementError, RayLaunchConfig, launch
-    from router.config import config_from_args
+    from cluster.flags import config_from_args
     cfg = config_from_args(args, cls=RayLaunchConfig)
     print(f"pdserve: launching {cfg.prefill} prefill + {cfg.decode} decode workers on Ray ({cfg.address}, namespace "
           f"{cfg.namespace})", file=sys.stderr, flush=True)

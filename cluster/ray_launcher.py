@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 from cluster.local import ClusterStartError
 from cluster.ray_placement import PLACEMENTS, PlacementError, demands_for
-from router.config import ROUTING_POLICIES
 
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -99,6 +98,7 @@ class RayLaunchConfig:
             raise ValueError(f"tp sizes must be >= 1, got {self.prefill_tp} and {self.decode_tp}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        from router.config import ROUTING_POLICIES  # lazy: building the CLI parser must not import router
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.namespace):

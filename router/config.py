@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
-import inspect
 from dataclasses import dataclass
+
+from cluster import flags
 
 ROUTING_POLICIES = ("cache_aware", "round_robin", "least_load", "random")
 
@@ -76,49 +75,10 @@ class RouterConfig:
                 raise ValueError(f"worker address must be host:port, got {addr!r}")
 
 
-def _field_docs(cls) -> dict[str, str]:
-    """The docstring under each field (the single source of the flag help)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for prev, node in zip(body, body[1:]):
-        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            docs[prev.target.id] = " ".join(str(node.value.value).split())
-    return docs
-
-
 def add_config_args(p: argparse.ArgumentParser, cls=RouterConfig, skip: tuple[str, ...] = ()) -> None:
-    """One ``--flag`` per field: tuples take comma lists, bools are switches, ``str | None`` default to None."""
-    docs = _field_docs(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = _kind(f)
-        if kind is bool:
-            p.add_argument(flag, action="store_true", help=docs.get(f.name))
-        elif kind is tuple:
-            p.add_argument(flag, type=_comma_list, default=f.default, help=docs.get(f.name))
-        else:
-            choices = ROUTING_POLICIES if f.name == "routing" else None
-            p.add_argument(flag, type=kind, default=f.default, choices=choices, help=docs.get(f.name))
+    """One ``--flag`` per field (see ``cluster.flags``); ``--routing`` is limited to the known policies."""
+    flags.add_config_args(p, cls, skip, choices={"routing": ROUTING_POLICIES})
 
 
 def config_from_args(args: argparse.Namespace, cls=RouterConfig, **overrides) -> RouterConfig:
-    names = {f.name for f in dataclasses.fields(cls)}
-    kw = {k: v for k, v in vars(args).items() if k in names}
-    return cls(**{**kw, **overrides})
-
-
-def _kind(f: dataclasses.Field) -> type:
-    t = str(f.type)
-    if t.startswith("tuple"):
-        return tuple
-    for name, kind in (("bool", bool), ("int", int), ("float", float)):
-        if t.startswith(name):
-            return kind
-    return str
-
-
-def _comma_list(s: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in s.split(",") if x.strip())
+    return flags.config_from_args(args, cls, **overrides)

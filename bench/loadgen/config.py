@@ -7,12 +7,12 @@ A field ``foo_bar`` becomes ``--foo-bar``; a trailing ``_s`` (seconds) is droppe
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from cluster.flags import field_docs
 
 WORKLOADS = ("prefill-bound", "single-stream", "random", "trace")
 
@@ -201,16 +201,6 @@ class BenchConfig:
 
 # -- flags generated from the fields -------------------------------------------------------------------
 
-def _field_docs(cls) -> dict[str, str]:
-    """The docstring under each field (the single source of the flag help)."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    docs = {}
-    for prev, node in zip(body, body[1:]):
-        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            docs[prev.target.id] = " ".join(str(node.value.value).split())
-    return docs
-
-
 def flag_name(field_name: str) -> str:
     name = field_name[:-2] if field_name.endswith("_s") else field_name
     return "--" + name.replace("_", "-")
@@ -240,7 +230,7 @@ def _parser_for(type_name: str):
 def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One flag per ``BenchConfig`` field; bools are switches; argparse defaults stay None so that
     ``config_from_args`` can tell an explicit flag from the dataclass default."""
-    docs = _field_docs(BenchConfig)
+    docs = field_docs(BenchConfig)
     for f in dataclasses.fields(BenchConfig):
         if f.name in skip:
             continue
