@@ -1,6 +1,8 @@
 """Attention over the paged KV cache: GQA (glm4_moe) and MLA + DSA (glm_moe_dsa)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -84,8 +86,8 @@ class DSAIndexer(nn.Module):
         return torch.cat([apply_interleaved(k[:, :r], cos, sin), k[:, r:]], dim=-1)
 
     def select(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               keys: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """-> bool ``[B, 1, Tq, S]``: the top-k causal keys of every query."""
+               keys: torch.Tensor, batch: ForwardBatch) -> "TopK":
+        """-> the top-k causal keys of every query (indices ``[B, Tq, k]`` + which of them are causal)."""
         cfg = self.cfg
         T, H, D, r = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
         q = self.wq_b(q_resid).view(T, H, D)
@@ -104,9 +106,45 @@ class DSAIndexer(nn.Module):
                 scores += wp[:, :, h, None] * s
         causal = batch.attn_mask[:, 0]
         scores = scores.masked_fill(~causal, float("-inf"))
-        idx = scores.topk(min(cfg.index_topk, S), dim=-1).indices
-        sel = torch.zeros(B, tq, S, dtype=torch.bool, device=x.device).scatter_(-1, idx, True)
-        return sel.unsqueeze(1)
+        idx = scores.topk(min(cfg.index_topk, S), dim=-1).indices  # [B, Tq, k]
+        # a query with fewer than k causal keys also picks masked ones: they stay masked
+        valid = causal.gather(-1, idx)
+        return TopK(idx, valid)
+
+
+class TopK(NamedTuple):
+    """DSA selection shared by the layers of one forward: ``idx [B, Tq, k]`` key positions, ``valid`` the
+    causal ones among them."""
+    idx: torch.Tensor
+    valid: torch.Tensor
+
+
+# Sparse MLA gathers [Tq, k, L + r] latents per query block; this bounds one block's elements.
+SPARSE_BLOCK_ELEMS = 1 << 24
+
+
+def sparse_mla(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, topk: TopK, scale: float) -> torch.Tensor:
+    """DSA attention in the latent space over each query's selected keys only (what FlashMLA's sparse
+    kernel computes): cost Tq * k instead of Tq * S.
+
+    q ``[B, Tq, H, L + r]`` (absorbed query), kv ``[B, S, L + r]`` (latent ++ rope key) -> ``[B, Tq, H, L]``.
+    """
+    B, tq, H, D = q.shape
+    k = topk.idx.shape[-1]
+    out = q.new_empty(B, tq, H, kv_lora_rank)
+    bidx = torch.arange(B, device=q.device)[:, None, None]
+    step = max(1, SPARSE_BLOCK_ELEMS // max(1, B * k * D))
+    first = torch.arange(k, device=q.device) == 0
+    for s in range(0, tq, step):
+        e = min(tq, s + step)
+        sel = kv[bidx, topk.idx[:, s:e]]  # [B, t, k, L + r]
+        valid = topk.valid[:, s:e]
+        valid = valid | (~valid.any(-1, keepdim=True) & first)  # padding queries: no NaN rows
+        scores = torch.einsum("bthd,btkd->bthk", q[:, s:e], sel) * scale
+        scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+        p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out[:, s:e] = torch.einsum("bthk,btkl->bthl", p, sel[..., :kv_lora_rank])
+    return out
 
 
 class MLAAttention(nn.Module):
@@ -162,10 +200,14 @@ class MLAAttention(nn.Module):
                 if topk_prev is None:
                     raise ValueError(f"layer {L} shares the DSA top-k but no previous layer produced one")
                 topk = topk_prev
-            mask = mask & topk
         w_kv = self.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, cfg.kv_lora_rank)
         qn, qr = batch.pad_q(q_nope), batch.pad_q(q_rot)  # [B, Tq, H, *]
-        if max(batch.q_lens) <= MLA_ABSORB_MAX_Q:
+        if topk is not None:  # sparse: each query attends only to its selected keys
+            q_lat = torch.einsum("bthn,hnl->bthl", qn, w_kv[:, :nope])  # absorb W_UK
+            o_lat = sparse_mla(torch.cat([q_lat, qr], dim=-1), torch.cat([lat, krope], dim=-1), cfg.kv_lora_rank,
+                               topk, cfg.softmax_scale)  # [B, Tq, H, L]
+            o = torch.einsum("bthl,hvl->bthv", o_lat, w_kv[:, nope:])  # apply W_UV
+        elif max(batch.q_lens) <= MLA_ABSORB_MAX_Q:
             q_lat = torch.einsum("bthn,hnl->bthl", qn, w_kv[:, :nope])  # absorb W_UK
             qq = torch.cat([q_lat, qr], dim=-1).transpose(1, 2)  # [B, H, Tq, L + r]
             kk = torch.cat([lat, krope], dim=-1)[:, None]  # [B, 1, S, L + r]
