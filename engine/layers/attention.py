@@ -21,6 +21,13 @@ MLA_ABSORB_MAX_Q = 16
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
          causal: bool = False) -> torch.Tensor:
     """q ``[B, H, Tq, D]``, k ``[B, Hk, S, D]``, v ``[B, Hk, S, Dv]`` (Hk divides H) -> ``[B, H, Tq, Dv]``."""
+    dv = v.shape[-1]
+    if q.device.type == "cpu" and dv < q.shape[-1] and q.shape[-2] > 1:
+        # torch's CPU flash kernel needs Dv == D, else SDPA takes the math path (materialised [Tq, S]
+        # scores, ~4x slower at 8k): zero-pad V and drop the padding from the output.
+        v = F.pad(v, (0, q.shape[-1] - dv))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])[..., :dv]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
@@ -93,19 +100,18 @@ class DSAIndexer(nn.Module):
         q = self.wq_b(q_resid).view(T, H, D)
         q = torch.cat([apply_interleaved(q[..., :r], cos, sin), q[..., r:]], dim=-1)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * H ** -0.5  # [T, H]
-        qp, wp = batch.pad_q(q).float(), batch.pad_q(w)  # [B, Tq, H, D], [B, Tq, H]
-        kf = keys.float()  # [B, S, D]
-        B, tq, S = qp.shape[0], qp.shape[1], kf.shape[1]
-        if B * tq * H * S <= (1 << 25):
-            s = torch.relu(torch.einsum("bthd,bsd->bths", qp, kf) * D ** -0.5)
-            scores = torch.einsum("bth,bths->bts", wp, s)
-        else:  # bound memory on long contexts: one head at a time
-            scores = torch.zeros(B, tq, S)
-            for h in range(H):
-                s = torch.relu(torch.bmm(qp[:, :, h], kf.transpose(1, 2)) * D ** -0.5)
-                scores += wp[:, :, h, None] * s
+        qp, wp = batch.pad_q(q).float() * D ** -0.5, batch.pad_q(w)  # [B, Tq, H, D], [B, Tq, H]
+        kt = keys.float().transpose(1, 2)  # [B, D, S]
+        B, tq, S = qp.shape[0], qp.shape[1], kt.shape[2]
+        scores = torch.empty(B, tq, S)
+        step = max(1, INDEX_BLOCK_ELEMS // max(1, B * H * S))  # bound the [t, H, S] head scores
+        for s0 in range(0, tq, step):
+            t = min(tq, s0 + step) - s0
+            hs = torch.bmm(qp[:, s0:s0 + t].reshape(B, t * H, D), kt).relu_()  # one GEMM for all heads
+            w_blk = wp[:, s0:s0 + t].reshape(B * t, 1, H)
+            scores[:, s0:s0 + t] = torch.bmm(w_blk, hs.view(B * t, H, S)).view(B, t, S)
         causal = batch.attn_mask[:, 0]
-        scores = scores.masked_fill(~causal, float("-inf"))
+        scores.masked_fill_(~causal, float("-inf"))
         idx = scores.topk(min(cfg.index_topk, S), dim=-1).indices  # [B, Tq, k]
         # a query with fewer than k causal keys also picks masked ones: they stay masked
         valid = causal.gather(-1, idx)
@@ -118,9 +124,21 @@ class TopK(NamedTuple):
     idx: torch.Tensor
     valid: torch.Tensor
 
+    def mask(self, S: int) -> torch.Tensor:
+        """The selection as a bool attention mask ``[B, 1, Tq, S]`` (for the dense-masked path)."""
+        B, tq, _ = self.idx.shape
+        sel = torch.zeros(B, tq, S, dtype=torch.bool, device=self.idx.device)
+        return sel.scatter_(-1, self.idx, self.valid).unsqueeze(1)
+
 
 # Sparse MLA gathers [Tq, k, L + r] latents per query block; this bounds one block's elements.
 SPARSE_BLOCK_ELEMS = 1 << 24
+# The indexer's per-block [t, H, S] head scores are bounded likewise.
+INDEX_BLOCK_ELEMS = 1 << 24
+# Gathering k selected latents per query is memory-bound (about 3.6 flop/byte); a dense GEMM over all S
+# keys with the selection as a mask is compute-bound. On CPU the gather only pays off for short query
+# blocks (decode, verify) or when the selection is a small fraction of the context.
+SPARSE_MIN_CONTEXT_RATIO = 8
 
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, topk: TopK, scale: float) -> torch.Tensor:
@@ -202,12 +220,15 @@ class MLAAttention(nn.Module):
                 topk = topk_prev
         w_kv = self.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, cfg.kv_lora_rank)
         qn, qr = batch.pad_q(q_nope), batch.pad_q(q_rot)  # [B, Tq, H, *]
-        if topk is not None:  # sparse: each query attends only to its selected keys
+        max_q, sparse = max(batch.q_lens), topk is not None
+        if sparse and max_q > MLA_ABSORB_MAX_Q and batch.max_kv_len < SPARSE_MIN_CONTEXT_RATIO * topk.idx.shape[-1]:
+            mask, sparse = mask & topk.mask(batch.max_kv_len), False  # dense GEMMs, selection as a mask
+        if sparse:  # each query attends only to its selected keys
             q_lat = torch.einsum("bthn,hnl->bthl", qn, w_kv[:, :nope])  # absorb W_UK
             o_lat = sparse_mla(torch.cat([q_lat, qr], dim=-1), torch.cat([lat, krope], dim=-1), cfg.kv_lora_rank,
                                topk, cfg.softmax_scale)  # [B, Tq, H, L]
             o = torch.einsum("bthl,hvl->bthv", o_lat, w_kv[:, nope:])  # apply W_UV
-        elif max(batch.q_lens) <= MLA_ABSORB_MAX_Q:
+        elif max_q <= MLA_ABSORB_MAX_Q:
             q_lat = torch.einsum("bthn,hnl->bthl", qn, w_kv[:, :nope])  # absorb W_UK
             qq = torch.cat([q_lat, qr], dim=-1).transpose(1, 2)  # [B, H, Tq, L + r]
             kk = torch.cat([lat, krope], dim=-1)[:, None]  # [B, 1, S, L + r]

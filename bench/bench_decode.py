@@ -1,0 +1,62 @@
+"""Batched decode throughput: pdserve's engine (continuous-batching step, paged KV) vs transformers'
+``generate`` on the same model, same prompts, in one process.
+
+    .venv/bin/python -m bench.bench_decode [--model DIR] [--batches 1,8,32] [--prompt-len 256] [--new 64]
+
+Decode tok/s = generated tokens after the first / time after the first token (prefill excluded for both:
+each side's time for a 1-token generation is subtracted).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    import transformers
+    from engine.defaults import default_model_dir
+    from engine.runtime import Engine, load_model
+    from engine.sampling import SamplingParams
+
+    model_dir = args.model or default_model_dir()
+    model, cfg = load_model(model_dir, "float32", "cpu")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(0)
+    print(f"model: {model_dir}; prompt {args.prompt_len} tokens, {args.new} new tokens, fp32, plain greedy")
+    print(f"{'batch':>5} | {'pdserve tok/s':>13} | {'transformers tok/s':>18} | ratio (goal >= 3x)")
+    for B in [int(x) for x in args.batches.split(",")]:
+        prompts = torch.randint(2, cfg.vocab_size, (B, args.prompt_len), generator=g)
+        eng = Engine(model, cfg, page_size=16, num_pages=B * ((args.prompt_len + args.new) // 16 + 2) + 8)
+
+        def ours(n: int) -> float:
+            t0 = time.perf_counter()
+            eng.generate(prompts.tolist(), SamplingParams(max_tokens=n, ignore_eos=True))
+            return time.perf_counter() - t0
+
+        def theirs(n: int) -> float:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, pad_token_id=0)
+            return time.perf_counter() - t0
+
+        ours(2), theirs(2)  # warm-up
+        d_ours = ours(args.new) - ours(1)
+        d_hf = theirs(args.new) - theirs(1)
+        n = B * (args.new - 1)
+        print(f"{B:>5} | {n / d_ours:>13.0f} | {n / d_hf:>18.0f} | {d_hf / d_ours:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
