@@ -11,8 +11,14 @@ Strategies (registered by name in ``MOE_IMPLS``; all give the same result up to 
 * ``grouped``: scatter the sorted pairs into a padded ``[E, max_count, H]`` buffer and run the whole
   layer as two batched GEMMs. One kernel instead of E small ones (small GEMMs run far below peak on
   CPU); used when the padding stays under ``GROUPED_MAX_PAD`` times the real work.
-* ``gather``: gather each pair's expert weights and run batched GEMVs. Best for a few tokens
-  (decode): no sort, no per-expert Python loop.
+* ``gather``: gather each pair's expert weights and run batched GEMVs: no sort, no per-expert
+  Python loop, but a weight copy per pair. ``auto`` picks it for a few tokens because it is
+  batch-invariant (one GEMV per pair whatever T is): a 1-token decode and a 6-token speculative
+  verify then round identically, which lossless greedy speculation needs (a 1-ulp difference can
+  flip DSA's hard top-k).
+* ``dense``: every token through every expert (two batched GEMMs over the stacked weights, no copy),
+  routing weights as a dense ``[T, E]`` matrix with zeros for unselected experts. Fastest for a few
+  tokens on small E, but its GEMMs round differently at different T, so only by name (``--moe-impl``).
 """
 from __future__ import annotations
 
@@ -28,9 +34,11 @@ from engine.moe.router import Routing
 
 logger = logging.getLogger(__name__)
 
-# Above this many (token, expert) pairs the gather strategy would copy more weight bytes than
-# the sorted one touches; below it, the per-expert loop costs more than the copy.
 GATHER_MAX_PAIRS = 16
+"""``auto`` runs ``gather`` up to this many (token, expert) pairs (batch-invariant decode/verify).
+Measured on the default model's shape (E=8, H=I=128, top-2, fp32, 1 thread; us per layer): T=1 dense
+133 / sorted 173 / grouped 253 / gather 263; T=8 dense 259 / grouped 306 / sorted 335 / gather 1547;
+T=32 grouped 411 / sorted 544 / dense 737 / gather 7302."""
 GROUPED_MAX_PAD = 2.0
 """``grouped`` computes E * max_count rows for T * K real ones; beyond this ratio ``sorted`` wins."""
 
@@ -94,8 +102,17 @@ def moe_gather(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Ro
     return y.sum(dim=1)
 
 
+def moe_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing) -> torch.Tensor:
+    T, E, I = x.shape[0], w13.shape[0], w2.shape[2]
+    h = torch.matmul(x, w13.transpose(1, 2))  # [E, T, 2I]
+    y = torch.bmm(F.silu(h[..., :I]) * h[..., I:], w2.transpose(1, 2))  # [E, T, H]
+    coef = torch.zeros(T, E, dtype=y.dtype, device=x.device).scatter_(1, routing.ids, routing.weights.to(y.dtype))
+    return torch.einsum("te,eth->th", coef, y)  # unselected experts weigh 0
+
+
 MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Routing], torch.Tensor]
-MOE_IMPLS: dict[str, MoEFn] = {"sorted": moe_sorted, "grouped": moe_grouped, "gather": moe_gather}
+MOE_IMPLS: dict[str, MoEFn] = {"sorted": moe_sorted, "grouped": moe_grouped, "gather": moe_gather,
+                             "dense": moe_dense}
 
 
 class RoutedExperts(nn.Module):

@@ -376,5 +376,5 @@ MX_MOE_IMPLS: dict[str, MXMoEFn] = {
     "cached_gather": cached_gather,
     "cached_dense": cached_dense,
 }
-DENSE_TO_MX = {"sorted": "mx_sorted", "grouped": "mx_grouped", "gather": "mx_gather"}
+DENSE_TO_MX = {"sorted": "mx_sorted", "grouped": "mx_grouped", "gather": "mx_gather", "dense": "mx_dense"}
 """A dense strategy forced with ``--moe-impl`` maps to its MX analogue on quantized layers."""

@@ -123,7 +123,7 @@ def test_pool_accounting_and_generations():
     assert a.owners() == {"r3": 4} and sorted(q) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("impl", ["sorted", "grouped", "gather"])
+@pytest.mark.parametrize("impl", ["sorted", "grouped", "gather", "dense"])
 def test_moe_strategies_agree(impl):
     from engine.moe.experts import MOE_IMPLS
     from engine.moe.router import Routing
