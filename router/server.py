@@ -13,6 +13,7 @@ import math
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
@@ -68,12 +69,37 @@ class RouterCore:
             t.cancel()
 
 
+class MalformedRequest:
+    """What the lenient deserializer hands ``Generate`` for bytes that are not a GenerateRequest."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def parse_generate_request(raw: bytes) -> generation_pb2.GenerateRequest | MalformedRequest:
+    try:
+        return generation_pb2.GenerateRequest.FromString(raw)
+    except DecodeError as e:  # grpc would answer UNKNOWN "Unexpected DecodeError"; we say what is wrong
+        return MalformedRequest(str(e))
+
+
+def add_generation_service(servicer: "GenerationServicer", server: grpc.aio.Server) -> None:
+    """``add_GenerationServicer_to_server`` with a deserializer that never raises (see MalformedRequest)."""
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=parse_generate_request,
+        response_serializer=generation_pb2.GenerateResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.Generation", handlers),))
+    server.add_registered_method_handlers("pdserve.v1.Generation", handlers)
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, core: RouterCore) -> None:
         self.core = core
 
     async def Generate(self, request, context):
         core, t0 = self.core, time.monotonic()
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed GenerateRequest: {request.error}")
         if core.inflight >= core.cfg.max_inflight:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"router is at its limit of {core.cfg.max_inflight} requests in flight; retry later")
@@ -136,7 +162,7 @@ class RouterServer:
     async def start(self) -> None:
         rpc.check_bind(self.cfg.host, self.cfg.api_key, "router")
         self.server = rpc.make_server(self.cfg.api_key, "API key")
-        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.core), self.server)
+        add_generation_service(GenerationServicer(self.core), self.server)
         generation_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.core), self.server)
         self._health = rpc.add_health_and_reflection(self.server, PUBLIC_SERVICES)
         self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
