@@ -22,8 +22,12 @@ def _full_logits(model, cfg, ids, **pool_kw):
     return model(b, pool, all_logits=True).logits
 
 
-@pytest.mark.parametrize("kind", ["dsa", "gqa"])
-def test_full_sequence_logits_match(kind, tiny_dirs):
+@pytest.mark.parametrize("kind,dsa_attention", [("dsa", "masked"), ("dsa", "gather"), ("gqa", None)])
+def test_full_sequence_logits_match(kind, dsa_attention, tiny_dirs, monkeypatch):
+    """DSA prefill runs either as a dense GEMM with the top-k as a mask or gather-sparse over the
+    selected keys (chosen by context / top-k ratio): both must match transformers."""
+    import engine.layers.attention as attention
+    monkeypatch.setattr(attention, "SPARSE_MIN_CONTEXT_RATIO", 1 if dsa_attention == "gather" else 10**9)
     hf = make_hf_model(kind)
     model, cfg = load_model(tiny_dirs[kind], "float32", "cpu")
     torch.manual_seed(1)
