@@ -61,6 +61,8 @@ class LocalClusterConfig:
     """Router prefill policy."""
     local_prefill_below: int = 0
     """Router: prefill prompts shorter than this on the decode worker (0: off)."""
+    max_failovers: int = 2
+    """Router: times a request may resume on another decode worker after its own died mid-stream."""
     threads_per_worker: int = 0
     """torch threads per worker (0: split this machine's cores between the workers)."""
     run_dir: str | None = None
@@ -189,7 +191,8 @@ class LocalCluster:
         dec = ",".join(w.address for w in self.workers if w.name.startswith("decode"))
         cmd = [sys.executable, "-m", "router", "--host", c.host, "--port", str(c.port), "--prefill", pre,
                "--decode", dec, "--routing", c.routing, "--model", self.model,
-               "--local-prefill-below", str(c.local_prefill_below), "--startup-timeout-s", str(c.startup_timeout_s)]
+               "--local-prefill-below", str(c.local_prefill_below), "--max-failovers", str(c.max_failovers),
+               "--startup-timeout-s", str(c.startup_timeout_s)]
         if c.api_key:
             cmd += ["--api-key", c.api_key]
         return cmd

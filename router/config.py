@@ -47,6 +47,9 @@ class RouterConfig:
     """Upper bound on a request's lifetime when the client sets no deadline."""
     transfer_timeout_s: float = 60.0
     """How long a decode worker waits for the prompt's KV after Decode starts."""
+    max_failovers: int = 2
+    """Times one request may resume on another decode worker after its decode worker failed mid-stream
+    (the router re-prefills prompt + tokens already streamed; 0 disables failover)."""
     startup_timeout_s: float = 120.0
     """How long ``python -m router`` waits for the first status of every worker before serving anyway."""
     grace_s: float = 3.0
@@ -57,6 +60,8 @@ class RouterConfig:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_failovers < 0:
+            raise ValueError(f"max_failovers must be >= 0, got {self.max_failovers}")
         for name in ("max_inflight", "unhealthy_after"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _RETRIABLE_PREFILL = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL)
+_FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+"""Decode stream errors that mean the worker (not the request) failed: the request resumes elsewhere."""
 
 
 class Phase(enum.Enum):
@@ -59,8 +61,15 @@ class GenerateRun:
     def __init__(self, core: "RouterCore", valid: ValidRequest, client_id: str, priority: int,
                  deadline: float, t_received: float) -> None:
         self.core, self.valid, self.priority = core, valid, priority
+        self.original = valid
+        """The client's request; ``valid`` becomes prompt + streamed tokens after a failover."""
         self.client_id = client_id or new_req_id("")
         self.req_id = new_req_id(client_id) if client_id else self.client_id
+        self._base_id = self.req_id
+        self.emitted: list[int] = []
+        """Token ids already streamed to the client (what a failover resumes after)."""
+        self.excluded: set[str] = set()
+        """Decode workers this request lost mid-stream (not chosen again for it)."""
         self.deadline, self.t0 = deadline, t_received
         self.phase = Phase.VALIDATED
         self.touched: list[tuple[Worker, str]] = []
@@ -100,7 +109,7 @@ class GenerateRun:
         if finish:
             if self._detok is not None:
                 r.text += self._detok.flush()
-            r.usage.prompt_tokens = len(self.valid.prompt_ids)
+            r.usage.prompt_tokens = len(self.original.prompt_ids)
             r.usage.cached_tokens = self.cached_tokens
             r.usage.completion_tokens = self.num_out
             self.metrics.accept_len = sum(self._accept) / len(self._accept) if self._accept else 0.0
@@ -110,20 +119,61 @@ class GenerateRun:
     # -- the request -----------------------------------------------------------------------------------
     async def stream(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
         try:
-            dw, rid, first = await self._first_token()
-            if first is not None:
-                self.num_out = 1
-                self.metrics.ttft_s = time.monotonic() - self.t0
-                yield first
-            async for resp in self._decode(dw, rid, local=first is None):
-                yield resp
-            self.phase = Phase.FINISHED
+            while True:
+                try:
+                    async for resp in self._attempt():
+                        yield resp
+                    self.phase = Phase.FINISHED
+                    return
+                except DecodeLost as lost:
+                    done = self._failover(lost)
+                    if done is not None:  # every token was already streamed: only the finish was lost
+                        yield done
+                        self.phase = Phase.FINISHED
+                        return
         except RequestError as e:
             self.abort(e.message)
             raise
         except BaseException:  # cancelled by the client or the deadline, or closed: free the workers
             self.abort("cancelled")
             raise
+
+    async def _attempt(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        dw, rid, first = await self._first_token()
+        if first is not None:
+            self.num_out += 1
+            self.emitted.append(self.first_token)
+            if self.metrics.ttft_s == 0:
+                self.metrics.ttft_s = time.monotonic() - self.t0
+            yield first
+        async for resp in self._decode(dw, rid, local=first is None):
+            yield resp
+
+    def _failover(self, lost: "DecodeLost") -> generation_pb2.GenerateResponse | None:
+        """Resume after a decode worker failed mid-stream: the next attempt prefills the prompt plus the
+        tokens already streamed (the prefix cache holds most of it) and decodes the rest elsewhere.
+        Greedy output is unchanged; a seeded sampled stream continues with fresh draws."""
+        self.core.spawn(self.core.abort_on(lost.worker, lost.rid, "failed over"))
+        done = self.metrics.failovers
+        if done >= self.core.cfg.max_failovers:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                               f"{lost.message}; the request's failover budget ({self.core.cfg.max_failovers}) is spent "
+                               f"after {len(self.emitted)} streamed tokens")
+        self.remaining()  # DEADLINE_EXCEEDED rather than a failover past the deadline
+        self.metrics.failovers = done + 1
+        self.excluded.add(lost.worker.key)
+        left = self.original.max_tokens - len(self.emitted)
+        logger.warning("request %s: %s; failing over after %d streamed tokens (%d left, failover %d of %d)",
+                       self.client_id, lost.message, len(self.emitted), left, done + 1, self.core.cfg.max_failovers)
+        if left <= 0:
+            return self._response([], "length")
+        sampling = generation_pb2.SamplingParams()
+        sampling.CopyFrom(self.original.sampling)
+        sampling.max_tokens = left
+        self.valid = ValidRequest(self.original.prompt_ids + self.emitted, sampling, left)
+        self.req_id = f"{self._base_id}.f{done + 1}"
+        self.phase = Phase.VALIDATED
+        return None
 
     async def _first_token(self) -> tuple[Worker, str, generation_pb2.GenerateResponse | None]:
         """Reserve + prefill with one retry; returns the decode worker, the internal id in use there and the
@@ -160,18 +210,21 @@ class GenerateRun:
         if n >= self.core.cfg.local_prefill_below:
             return None
         page = max(1, self.core.page_size())
-        order = order_decode([w.candidate() for w in self.core.registry.healthy("decode")],
+        order = order_decode([w.candidate() for w in self._decode_workers()],
                              math.ceil((n + self.valid.max_tokens) / page))
         for c in order:
             if use_local_prefill(n, self.core.cfg, c):
                 return self.core.registry.workers[c.worker_id]
         return None
 
+    def _decode_workers(self) -> list[Worker]:
+        return [w for w in self.core.registry.healthy("decode") if w.key not in self.excluded]
+
     async def _reserve(self, rid: str) -> tuple[Worker, worker_pb2.TransferTicket]:
         reg = self.core.registry
         page = max(1, self.core.page_size())
         need = math.ceil((len(self.valid.prompt_ids) + self.valid.max_tokens) / page)
-        order = order_decode([w.candidate() for w in reg.healthy("decode")], need)
+        order = order_decode([w.candidate() for w in self._decode_workers()], need)
         if not order:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
         full, failed = [], []
@@ -244,19 +297,30 @@ class GenerateRun:
         try:
             async for chunk in call:
                 ids = list(chunk.token_ids)
-                if local and self.num_out == 0 and ids:
+                if local and self.num_out == 0 and ids and self.metrics.ttft_s == 0:
                     self.metrics.ttft_s = time.monotonic() - self.t0
                 self.num_out += len(ids)
+                self.emitted += ids
                 if chunk.accept_len > 0:
                     self._accept.append(chunk.accept_len)
                 yield self._response(ids, chunk.finish_reason, chunk.logprobs)
                 if chunk.finish_reason:
                     return
         except grpc.aio.AioRpcError as e:
-            if e.code() is grpc.StatusCode.UNAVAILABLE:
-                self.core.spawn(self.core.registry.confirm_failure(dw, e.details() or "UNAVAILABLE"))
+            if e.code() in _FAILOVER_CODES:
+                if e.code() is grpc.StatusCode.UNAVAILABLE:
+                    self.core.spawn(self.core.registry.confirm_failure(dw, e.details() or "UNAVAILABLE"))
+                raise DecodeLost(dw, rid, f"decode worker {dw.name}: {e.code().name} {e.details()}") from None
             raise RequestError(e.code(), f"decode worker {dw.name}: {e.details()}") from None
         finally:
             dw.inflight -= 1
             self._live_calls.remove(call)
-        raise RequestError(grpc.StatusCode.INTERNAL, f"decode worker {dw.name} ended the stream without a finish")
+        raise DecodeLost(dw, rid, f"decode worker {dw.name} ended the stream without a finish")
+
+
+class DecodeLost(Exception):
+    """A decode worker failed mid-stream (died, unreachable, or ended without a finish)."""
+
+    def __init__(self, worker: Worker, rid: str, message: str) -> None:
+        super().__init__(message)
+        self.worker, self.rid, self.message = worker, rid, message

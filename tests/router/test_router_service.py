@@ -320,3 +320,22 @@ def test_text_prompt_and_text_deltas(tmp_path):
             assert "".join(c.text for c in chunks) == codec.decode(ids)
             assert chunks[-1].usage.prompt_tokens == len(codec.encode("hello world"))
     run(go())
+
+
+@pytest.mark.parametrize("max_failovers,needle", [(0, "failover budget (0) is spent"),
+                                                  (1, "no healthy decode worker")])
+def test_decode_lost_mid_stream_without_a_spare_is_unavailable(max_failovers, needle):
+    """A decode worker that dies mid-stream: with no budget, or no other decode worker, the client gets
+    UNAVAILABLE with the reason (never a hang), after the tokens already streamed."""
+    async def go():
+        async with FakeCluster(1, 1, max_failovers=max_failovers) as fc:
+            fc.decodes[0].b.delay_s = 0.05
+            got = []
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for chunk in fc.client.call(token_ids=[5, 6, 7], max_tokens=60, ignore_eos=True):
+                    got += chunk.token_ids
+                    if len(got) >= 3 and fc.decodes[0].server is not None:
+                        await fc.decodes[0].stop(0)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and needle in e.value.details(), e.value
+            assert got == expected_tokens([5, 6, 7], 60, ignore_eos=True)[:len(got)]
+    run(go())

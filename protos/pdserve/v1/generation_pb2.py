@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xdf\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\r\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x03\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xaa\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\rB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xca\x01\n\x0eRequestMetrics\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x04 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x05 \x01(\x04\x12\x12\n\naccept_len\x18\x06 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x0f\n\x07retries\x18\t \x01(\r\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xd9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12+\n\x07metrics\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.RequestMetrics\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x19\n\x17GetClusterStatusRequest\"\xe6\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nkv_address\x18\x04 \x01(\t\x12\x0f\n\x07healthy\x18\x05 \x01(\x08\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0e\n\x06queued\x18\x07 \x01(\r\x12\x13\n\x0bpages_total\x18\x08 \x01(\r\x12\x12\n\npages_free\x18\t \x01(\r\x12\x14\n\x0cpages_cached\x18\n \x01(\r\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x0b \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0c \x01(\x01\x12\x12\n\nmodel_hash\x18\r \x01(\t\x12\x30\n\x04info\x18\x0e \x03(\x0b\x32\".pdserve.v1.WorkerStatus.InfoEntry\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"I\n\rClusterStatus\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\r\n\x05model\x18\x02 \x01(\t2U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32[\n\x05\x41\x64min\x12R\n\x10GetClusterStatus\x12#.pdserve.v1.GetClusterStatusRequest\x1a\x19.pdserve.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xdf\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\r\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x03\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xaa\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\rB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xdd\x01\n\x0eRequestMetrics\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x04 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x05 \x01(\x04\x12\x12\n\naccept_len\x18\x06 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x0f\n\x07retries\x18\t \x01(\r\x12\x11\n\tfailovers\x18\n \x01(\r\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xd9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12+\n\x07metrics\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.RequestMetrics\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x19\n\x17GetClusterStatusRequest\"\xe6\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nkv_address\x18\x04 \x01(\t\x12\x0f\n\x07healthy\x18\x05 \x01(\x08\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0e\n\x06queued\x18\x07 \x01(\r\x12\x13\n\x0bpages_total\x18\x08 \x01(\r\x12\x12\n\npages_free\x18\t \x01(\r\x12\x14\n\x0cpages_cached\x18\n \x01(\r\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x0b \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0c \x01(\x01\x12\x12\n\nmodel_hash\x18\r \x01(\t\x12\x30\n\x04info\x18\x0e \x03(\x0b\x32\".pdserve.v1.WorkerStatus.InfoEntry\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"I\n\rClusterStatus\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\r\n\x05model\x18\x02 \x01(\t2U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32[\n\x05\x41\x64min\x12R\n\x10GetClusterStatus\x12#.pdserve.v1.GetClusterStatusRequest\x1a\x19.pdserve.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,21 +42,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=595
   _globals['_USAGE']._serialized_end=675
   _globals['_REQUESTMETRICS']._serialized_start=678
-  _globals['_REQUESTMETRICS']._serialized_end=880
-  _globals['_TOKENLOGPROB']._serialized_start=882
-  _globals['_TOKENLOGPROB']._serialized_end=970
-  _globals['_GENERATERESPONSE']._serialized_start=973
-  _globals['_GENERATERESPONSE']._serialized_end=1190
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1192
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1217
-  _globals['_WORKERSTATUS']._serialized_start=1220
-  _globals['_WORKERSTATUS']._serialized_end=1578
-  _globals['_WORKERSTATUS_INFOENTRY']._serialized_start=1535
-  _globals['_WORKERSTATUS_INFOENTRY']._serialized_end=1578
-  _globals['_CLUSTERSTATUS']._serialized_start=1580
-  _globals['_CLUSTERSTATUS']._serialized_end=1653
-  _globals['_GENERATION']._serialized_start=1655
-  _globals['_GENERATION']._serialized_end=1740
-  _globals['_ADMIN']._serialized_start=1742
-  _globals['_ADMIN']._serialized_end=1833
+  _globals['_REQUESTMETRICS']._serialized_end=899
+  _globals['_TOKENLOGPROB']._serialized_start=901
+  _globals['_TOKENLOGPROB']._serialized_end=989
+  _globals['_GENERATERESPONSE']._serialized_start=992
+  _globals['_GENERATERESPONSE']._serialized_end=1209
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1211
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1236
+  _globals['_WORKERSTATUS']._serialized_start=1239
+  _globals['_WORKERSTATUS']._serialized_end=1597
+  _globals['_WORKERSTATUS_INFOENTRY']._serialized_start=1554
+  _globals['_WORKERSTATUS_INFOENTRY']._serialized_end=1597
+  _globals['_CLUSTERSTATUS']._serialized_start=1599
+  _globals['_CLUSTERSTATUS']._serialized_end=1672
+  _globals['_GENERATION']._serialized_start=1674
+  _globals['_GENERATION']._serialized_end=1759
+  _globals['_ADMIN']._serialized_start=1761
+  _globals['_ADMIN']._serialized_end=1852
 # @@protoc_insertion_point(module_scope)

@@ -67,7 +67,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
-    __slots__ = ("ttft_s", "queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "accept_len", "prefill_worker", "decode_worker", "retries")
+    __slots__ = ("ttft_s", "queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "accept_len", "prefill_worker", "decode_worker", "retries", "failovers")
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class RequestMetrics(_message.Message):
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     RETRIES_FIELD_NUMBER: _ClassVar[int]
+    FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     ttft_s: float
     queue_s: float
     prefill_s: float
@@ -86,7 +87,8 @@ class RequestMetrics(_message.Message):
     prefill_worker: str
     decode_worker: str
     retries: int
-    def __init__(self, ttft_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., accept_len: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., retries: _Optional[int] = ...) -> None: ...
+    failovers: int
+    def __init__(self, ttft_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., accept_len: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., retries: _Optional[int] = ..., failovers: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")
