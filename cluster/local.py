@@ -63,6 +63,8 @@ class LocalClusterConfig:
     """Router: prefill prompts shorter than this on the decode worker (0: off)."""
     max_failovers: int = 2
     """Router: times a request may resume on another decode worker after its own died mid-stream."""
+    decode_stall_timeout_s: float = 30.0
+    """Router: a decode stream silent this long fails over like a dead worker."""
     threads_per_worker: int = 0
     """torch threads per worker (0: split this machine's cores between the workers)."""
     run_dir: str | None = None
@@ -192,6 +194,7 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "router", "--host", c.host, "--port", str(c.port), "--prefill", pre,
                "--decode", dec, "--routing", c.routing, "--model", self.model,
                "--local-prefill-below", str(c.local_prefill_below), "--max-failovers", str(c.max_failovers),
+               "--decode-stall-timeout-s", str(c.decode_stall_timeout_s),
                "--startup-timeout-s", str(c.startup_timeout_s)]
         if c.api_key:
             cmd += ["--api-key", c.api_key]

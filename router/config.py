@@ -50,6 +50,8 @@ class RouterConfig:
     max_failovers: int = 2
     """Times one request may resume on another decode worker after its decode worker failed mid-stream
     (the router re-prefills prompt + tokens already streamed; 0 disables failover)."""
+    decode_stall_timeout_s: float = 30.0
+    """A decode stream silent this long (worker stalled, hung or cut off) is failed over like a dead one."""
     startup_timeout_s: float = 120.0
     """How long ``python -m router`` waits for the first status of every worker before serving anyway."""
     grace_s: float = 3.0
@@ -66,7 +68,7 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("health_interval_s", "health_timeout_s", "rpc_timeout_s", "request_timeout_s",
-                     "transfer_timeout_s", "startup_timeout_s"):
+                     "transfer_timeout_s", "decode_stall_timeout_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:

@@ -18,6 +18,7 @@ worker whose status says ``info['local_prefill'] == '0'`` is never asked to.
 """
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import math
@@ -294,8 +295,18 @@ class GenerateRun:
         dw.inflight += 1
         call = dw.stub.Decode(req, metadata=self.core.registry.metadata, timeout=self.remaining())
         self._live_calls.append(call)
+        chunks, stall = call.__aiter__(), self.core.cfg.decode_stall_timeout_s
         try:
-            async for chunk in call:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(chunks.__anext__(), timeout=min(stall, self.remaining()))
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    self.remaining()  # our own deadline first: DEADLINE_EXCEEDED
+                    call.cancel()
+                    self.core.spawn(self.core.registry.confirm_failure(dw, f"decode stream stalled {stall:g}s"))
+                    raise DecodeLost(dw, rid, f"decode worker {dw.name}: no token for {stall:g}s (stalled)") from None
                 ids = list(chunk.token_ids)
                 if local and self.num_out == 0 and ids and self.metrics.ttft_s == 0:
                     self.metrics.ttft_s = time.monotonic() - self.t0

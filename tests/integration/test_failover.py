@@ -20,6 +20,7 @@ from router.client import AsyncGenerationClient, Completion, GenerationClient
 from serve_helpers import ServeProcess, pid_alive, wait_until
 
 NUM_TOKENS = 64
+STALL_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("failover")
     sp = ServeProcess(["--model", SHIPPED_DEFAULT, "--prefill", "1", "--decode", "2", "--port", "0",
                        "--dtype", "float32", "--num-pages", "400", "--local-prefill-below", "0",
-                       "--no-speculative", "--run-dir", str(d / "run")], str(d / "serve.out"))
+                       "--no-speculative", "--decode-stall-timeout", str(STALL_S), "--run-dir", str(d / "run")], str(d / "serve.out"))
     try:
         sp.wait_listening()
         yield sp
@@ -45,10 +46,10 @@ def hf_greedy(prompts, n):
                 for p in prompts]
 
 
-def test_decode_worker_killed_mid_stream_every_stream_completes(served):
-    sp = served
-    prompts = [[(11 * i + 3 * j) % 1500 + 2 for j in range(20 + 7 * i)] for i in range(8)]
-    expected = hf_greedy(prompts, NUM_TOKENS)
+def run_streams_and(sp, prompts, fault) -> tuple[list[Completion], str, float]:
+    """8 concurrent slow-reading streams; once all are decoding, ``fault(pid)`` hits the busiest decode
+    worker. Returns the completions, the victim and the seconds from the fault to the last finish."""
+    import time
     progress = [0] * len(prompts)
 
     async def one(c: AsyncGenerationClient, i: int) -> Completion:
@@ -59,7 +60,7 @@ def test_decode_worker_killed_mid_stream_every_stream_completes(served):
             await asyncio.sleep(0.01)  # a slow reader: the streams stay open long enough to be cut
         return out
 
-    async def run() -> tuple[list[Completion], str]:
+    async def run():
         async with AsyncGenerationClient(sp.address, timeout_s=120) as c:
             tasks = [asyncio.create_task(one(c, i)) for i in range(len(prompts))]
             while min(progress) < 4:  # every stream is decoding
@@ -68,27 +69,64 @@ def test_decode_worker_killed_mid_stream_every_stream_completes(served):
                 await asyncio.sleep(0.005)
             st = await c.cluster_status()
             busy = max((w for w in st.workers if w.role == "decode"), key=lambda w: w.running)
-            assert busy.running > 0 and min(progress) < NUM_TOKENS, "streams ended before the kill"
-            os.kill(sp.children[busy.worker_id], signal.SIGKILL)
-            return list(await asyncio.gather(*tasks)), busy.worker_id
+            assert busy.running > 0 and min(progress) < NUM_TOKENS, "streams ended before the fault"
+            fault(sp.children[busy.worker_id])
+            t0 = time.monotonic()
+            outs = list(await asyncio.gather(*tasks))
+            return outs, busy.worker_id, time.monotonic() - t0
 
-    outs, victim = asyncio.run(run())
-    assert not pid_alive(sp.children[victim])
+    return asyncio.run(run())
+
+
+def check_outputs(prompts, outs, expected, victim):
     failed_over = [o for o in outs if o.metrics.failovers]
-    assert failed_over, "no stream was on the killed worker"
+    assert failed_over, "no stream was on the faulty worker"
     for i, (o, ref) in enumerate(zip(outs, expected)):
         assert o.finish_reason == "length" and o.token_ids == ref, (i, o.metrics, o.token_ids, ref)
         assert o.usage.prompt_tokens == len(prompts[i]) and o.usage.completion_tokens == NUM_TOKENS
     for o in failed_over:
         assert o.metrics.decode_worker != victim and o.metrics.failovers == 1
 
-    with GenerationClient(sp.address, timeout_s=60) as c:
-        def survivors_clean() -> bool:
-            st = c.cluster_status()
-            alive = [w for w in st.workers if w.worker_id != victim]
-            return all(w.pages_free == w.pages_total for w in alive if w.role == "decode") and \
-                all(w.info.get("pages_owned_by_requests") == "0" for w in alive if w.role == "prefill")
-        wait_until(survivors_clean, timeout_s=20, what="pages back on the surviving workers")
-        # the cluster keeps serving on the survivors
-        again = c.generate(token_ids=prompts[0], max_tokens=8, ignore_eos=True)
+
+def pages_back(c: GenerationClient, skip: str = "") -> bool:
+    st = c.cluster_status()
+    alive = [w for w in st.workers if w.worker_id != skip]
+    return all(w.pages_free == w.pages_total for w in alive if w.role == "decode") and \
+        all(w.info.get("pages_owned_by_requests") == "0" for w in alive if w.role == "prefill")
+
+
+PROMPTS = [[(11 * i + 3 * j) % 1500 + 2 for j in range(20 + 7 * i)] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return hf_greedy(PROMPTS, NUM_TOKENS)
+
+
+def test_stalled_decode_worker_fails_over_within_the_stall_timeout(served, expected):
+    """SIGSTOP (alive, connected, silent): its streams fail over after --decode-stall-timeout; after
+    SIGCONT the stalled worker frees the abandoned requests' pages and rejoins."""
+    stopped = []
+
+    def stall(pid):
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+    try:
+        outs, victim, took = run_streams_and(served, PROMPTS, stall)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    check_outputs(PROMPTS, outs, expected, victim)
+    assert took < STALL_S + 20, took
+    with GenerationClient(served.address, timeout_s=60) as c:
+        wait_until(lambda: pages_back(c), timeout_s=30, what="pages back on every worker, the stalled one too")
+
+
+def test_decode_worker_killed_mid_stream_every_stream_completes(served, expected):
+    outs, victim, _ = run_streams_and(served, PROMPTS, lambda pid: os.kill(pid, signal.SIGKILL))
+    assert not pid_alive(served.children[victim])
+    check_outputs(PROMPTS, outs, expected, victim)
+    with GenerationClient(served.address, timeout_s=60) as c:
+        wait_until(lambda: pages_back(c, skip=victim), timeout_s=20, what="pages back on the surviving workers")
+        again = c.generate(token_ids=PROMPTS[0], max_tokens=8, ignore_eos=True)  # survivors keep serving
         assert again.token_ids == expected[0][:8]
