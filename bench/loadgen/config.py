@@ -15,6 +15,7 @@ from typing import Any
 from cluster.flags import field_docs
 
 WORKLOADS = ("prefill-bound", "single-stream", "random", "trace")
+FAULT_KINDS = ("kill-decode", "kill-prefill")
 
 WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     # The reference workload: long prompts that mostly hit the prefix cache, modest outputs.
@@ -125,6 +126,10 @@ class BenchConfig:
     """A previous bench.json: print both runs side by side with ratios."""
     quiet: bool = False
     """No progress bar."""
+    fault: str | None = None
+    """Inject a fault during the run: KIND@SECONDS after the first step's start, KIND kill-decode or
+    kill-prefill (SIGKILL to the busiest worker of that role; it must run on this host). The report adds
+    requests completed / failed over / failed and the failover's TTFT and ITL penalty."""
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -161,10 +166,26 @@ class BenchConfig:
             raise ValueError(f"vocab_size must be >= 3 (ids are drawn in [2, vocab)), got {self.vocab_size}")
         if self.workload == "trace" and not self.trace:
             raise ValueError("the trace workload needs --trace FILE")
+        self.fault_spec()
         for name in ("cost_per_hour", "power_watts"):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v}")
+
+    def fault_spec(self) -> tuple[str, float] | None:
+        """``(kind, seconds)`` of ``--fault``, or None."""
+        if self.fault is None:
+            return None
+        kind, _, at = self.fault.partition("@")
+        try:
+            at_s = float(at.rstrip("s"))
+        except ValueError:
+            at_s = -1.0
+        if kind not in FAULT_KINDS or not at_s >= 0:
+            raise ValueError(f"--fault must be KIND@SECONDS with KIND in {FAULT_KINDS}, got {self.fault!r}"
+                             + (" (drop-kv needs a fault hook inside the KV data plane: not built yet)"
+                                if kind == "drop-kv" else ""))
+        return kind, at_s
 
     def with_defaults(self) -> "BenchConfig":
         """The workload's defaults filled in; raises ValueError when the load shape is missing or contradictory."""

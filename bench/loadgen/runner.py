@@ -84,6 +84,7 @@ class RequestRecord:
     kv_transfer_bytes: int = 0
     accept_len: float = 0.0
     retries: int = 0
+    failovers: int = 0
 
     @property
     def ok(self) -> bool:
@@ -259,4 +260,4 @@ def _finish(rec: RequestRecord, chunk: generation_pb2.GenerateResponse) -> None:
         u.completion_tokens
     rec.server_ttft_s, rec.queue_s, rec.prefill_s = m.ttft_s, m.queue_s, m.prefill_s
     rec.kv_transfer_s, rec.kv_transfer_bytes = m.kv_transfer_s, m.kv_transfer_bytes
-    rec.accept_len, rec.retries = m.accept_len, m.retries
+    rec.accept_len, rec.retries, rec.failovers = m.accept_len, m.retries, m.failovers

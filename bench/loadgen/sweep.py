@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from bench.loadgen.config import BenchConfig, Slo
+from bench.loadgen.fault import fault_stats, format_fault, inject
 from bench.loadgen.report import Result, format_compare, format_table, load_json, plot_png, write_json
 from bench.loadgen.runner import LoadStep, StepRunner
 from bench.loadgen.stats import find_knee, step_stats
@@ -110,14 +111,23 @@ async def run_sweep_async(cfg: BenchConfig, progress: bool = True) -> Result:
                 raise ValueError(f"the trace spans {workload.span_s:.1f}s, not more than the {cfg.warmup_s:g}s "
                                  "warm-up: lower --warmup")
         stub = generation_pb2_grpc.GenerationStub(channel)
-        stats, index = [], 0
+        stats, index, fault_spec, fault = [], 0, cfg.fault_spec(), None
         for k, step in enumerate(_steps(cfg)):
             bar = _Progress(step.label, cfg.warmup_s + duration, progress and not cfg.quiet)
+            injector = None
             try:
                 runner = StepRunner(stub, workload, cfg, metadata, first_index=index, on_progress=bar)
+                if fault_spec is not None and k == 0:
+                    injector = asyncio.create_task(inject(channel, metadata, *fault_spec, runner.now))
                 records = await runner.run(step, cfg.warmup_s, duration, step_num=k)
             finally:
                 bar.close()
+                if injector is not None and not injector.done():
+                    injector.cancel()
+            if injector is not None:
+                fault = ({"kind": fault_spec[0], "planned_at_s": fault_spec[1], "note": "the step ended first"}
+                         if injector.cancelled() else fault_stats(injector.result(), records.records))
+                fault["step"] = step.label
             index = runner.next_index
             stats.append(step_stats(records, cfg))
     steps = [_asdict(s) for s in stats]
@@ -129,7 +139,7 @@ async def run_sweep_async(cfg: BenchConfig, progress: bool = True) -> Result:
         "resolved": {"vocab_size": vocab, "duration_s": duration, "text_prompts": cfg.text_prompts},
         "server": server, "steps": steps,
         "knee": None if knee is None else {"index": knee, "label": steps[knee]["label"], "rate": steps[knee]["rate"]},
-        "warnings": warnings,
+        "warnings": warnings, "fault": fault,
     }
 
 
@@ -157,6 +167,8 @@ def write_outputs(result: Result, out_dir: str) -> tuple[str, str]:
 def report(result: Result, compare: str | None = None) -> str:
     """The table, plus the side-by-side comparison with a saved run when asked."""
     text = format_table(result)
+    if result.get("fault"):
+        text += "\n" + format_fault(result["fault"])
     if compare:
         text += "\n\n" + format_compare(result, load_json(compare), "this", os.path.basename(compare))
     return text

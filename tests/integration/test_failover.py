@@ -1,4 +1,4 @@
-"""Mid-stream failover with real processes: ``pdserve serve`` with 1 prefill + 2 decode workers serving the
+"""Mid-stream failover with real processes: ``pdserve serve`` with 1 prefill + 3 decode workers serving the
 shipped default model (trained GLM-5 architecture) in fp32; a decode worker is killed with SIGKILL while 8
 streams are running. Every stream must finish with exactly the greedy tokens transformers' ``generate``
 gives (no token duplicated or missing across the failover), and the survivors must hold no pages.
@@ -26,7 +26,7 @@ STALL_S = 2.0
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("failover")
-    sp = ServeProcess(["--model", SHIPPED_DEFAULT, "--prefill", "1", "--decode", "2", "--port", "0",
+    sp = ServeProcess(["--model", SHIPPED_DEFAULT, "--prefill", "1", "--decode", "3", "--port", "0",
                        "--dtype", "float32", "--num-pages", "400", "--local-prefill-below", "0",
                        "--no-speculative", "--decode-stall-timeout", str(STALL_S), "--run-dir", str(d / "run")], str(d / "serve.out"))
     try:
@@ -130,3 +130,22 @@ def test_decode_worker_killed_mid_stream_every_stream_completes(served, expected
         wait_until(lambda: pages_back(c, skip=victim), timeout_s=20, what="pages back on the surviving workers")
         again = c.generate(token_ids=PROMPTS[0], max_tokens=8, ignore_eos=True)  # survivors keep serving
         assert again.token_ids == expected[0][:8]
+
+
+def test_bench_fault_kill_decode_reports_the_failover(served, tmp_path):
+    """``pdserve bench --fault kill-decode@3s`` (a subprocess, the real CLI) against the same cluster:
+    the busiest surviving decode worker dies, nothing fails, the report counts the failovers."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--target", served.address, "--workload",
+                          "random", "--input-len", "64", "--output-len", "64", "--concurrency", "4", "--duration",
+                          "8", "--warmup", "0", "--fault", "kill-decode@3s", "--out", str(tmp_path), "--quiet"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    fault = json.load(open(tmp_path / "bench.json"))["fault"]
+    assert "error" not in fault, fault
+    assert not pid_alive(served.children[fault["worker"]])
+    assert fault["in_flight_at_fault"] >= 1 and fault["failed_over"] >= 1 and fault["failed"] == 0, fault
+    assert fault["itl_s"]["failover_gap_max"] > fault["itl_s"]["undisturbed_p50"]
+    assert "fault kill-decode at" in out.stdout and "failed over" in out.stdout
