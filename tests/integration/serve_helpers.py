@@ -122,3 +122,14 @@ def children_of(pid: int) -> list[int]:
             if int(fields[1]) == pid and fields[0] != "Z":
                 out.append(int(entry))
     return out
+
+
+def pages_all_free(client, skip: str = "") -> bool:
+    """Every decode worker's pool full again and no prefill page owned by a request (worker ``skip``,
+    a dead one, excepted)."""
+    st = client.cluster_status()
+    workers = [w for w in st.workers if w.worker_id != skip]
+    dec = [w for w in workers if w.role == "decode"]
+    pre = [w for w in workers if w.role == "prefill"]
+    return all(w.pages_free == w.pages_total for w in dec) and \
+        all(w.info.get("pages_owned_by_requests") == "0" for w in pre)

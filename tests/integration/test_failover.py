@@ -17,7 +17,7 @@ import torch
 
 from engine.defaults import SHIPPED_DEFAULT
 from router.client import AsyncGenerationClient, Completion, GenerationClient
-from serve_helpers import ServeProcess, pid_alive, wait_until
+from serve_helpers import ServeProcess, pages_all_free, pid_alive, wait_until
 
 NUM_TOKENS = 64
 STALL_S = 2.0
@@ -88,13 +88,6 @@ def check_outputs(prompts, outs, expected, victim):
         assert o.metrics.decode_worker != victim and o.metrics.failovers == 1
 
 
-def pages_back(c: GenerationClient, skip: str = "") -> bool:
-    st = c.cluster_status()
-    alive = [w for w in st.workers if w.worker_id != skip]
-    return all(w.pages_free == w.pages_total for w in alive if w.role == "decode") and \
-        all(w.info.get("pages_owned_by_requests") == "0" for w in alive if w.role == "prefill")
-
-
 PROMPTS = [[(11 * i + 3 * j) % 1500 + 2 for j in range(20 + 7 * i)] for i in range(8)]
 
 
@@ -119,7 +112,7 @@ def test_stalled_decode_worker_fails_over_within_the_stall_timeout(served, expec
     check_outputs(PROMPTS, outs, expected, victim)
     assert took < STALL_S + 20, took
     with GenerationClient(served.address, timeout_s=60) as c:
-        wait_until(lambda: pages_back(c), timeout_s=30, what="pages back on every worker, the stalled one too")
+        wait_until(lambda: pages_all_free(c), timeout_s=30, what="pages back on every worker, the stalled one too")
 
 
 def test_decode_worker_killed_mid_stream_every_stream_completes(served, expected):
@@ -127,7 +120,7 @@ def test_decode_worker_killed_mid_stream_every_stream_completes(served, expected
     assert not pid_alive(served.children[victim])
     check_outputs(PROMPTS, outs, expected, victim)
     with GenerationClient(served.address, timeout_s=60) as c:
-        wait_until(lambda: pages_back(c, skip=victim), timeout_s=20, what="pages back on the surviving workers")
+        wait_until(lambda: pages_all_free(c, skip=victim), timeout_s=20, what="pages back on the surviving workers")
         again = c.generate(token_ids=PROMPTS[0], max_tokens=8, ignore_eos=True)  # survivors keep serving
         assert again.token_ids == expected[0][:8]
 

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos.pdserve.v1 import generation_pb2
 from router.client import GenerationClient, make_request
-from serve_helpers import REPO, ServeProcess, model_with_tokenizer, pid_alive, rpc_code, wait_until
+from serve_helpers import REPO, ServeProcess, model_with_tokenizer, pages_all_free, pid_alive, rpc_code, wait_until
 
 API_KEY = "e2e-key-0123"
 MAX_CONTEXT = 4096
@@ -63,14 +63,6 @@ def hf_model():
 def hf_greedy(hf, prompt, n):
     with torch.no_grad():
         return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
-
-
-def pages_all_free(client) -> bool:
-    st = client.cluster_status()
-    dec = [w for w in st.workers if w.role == "decode"]
-    pre = [w for w in st.workers if w.role == "prefill"]
-    return all(w.pages_free == w.pages_total for w in dec) and \
-        all(w.info.get("pages_owned_by_requests") == "0" for w in pre)
 
 
 def test_greedy_tokens_equal_transformers_generate(client, hf_model):
@@ -282,6 +274,9 @@ def test_prefill_worker_killed_before_the_first_token_is_retried(served, client)
     assert [w.healthy for w in st.workers if w.worker_id == victim] == [False]
     # the rest of the cluster keeps serving
     assert client.generate(token_ids=[5, 6, 7], max_tokens=3).finish_reason in ("length", "stop")
+    # the KV stream was cut mid-transfer (layers ship as they are computed): the decode worker's
+    # reservation for the lost attempt is freed, and the surviving prefill worker holds nothing
+    wait_until(lambda: pages_all_free(client, skip=victim), what="pages back after the killed transfer")
 
 
 def test_sigterm_to_serve_stops_every_child(served):
