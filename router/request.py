@@ -77,7 +77,6 @@ class GenerateRun:
         """(worker, internal id) pairs that may hold state for this request: aborted unless FINISHED."""
         self.metrics = generation_pb2.RequestMetrics()
         self.cached_tokens = 0
-        self.num_out = 0
         self.first_token: int | None = None
         self._accept: list[float] = []
         self._detok = Detokenizer(core.codec) if core.codec is not None else None
@@ -112,7 +111,7 @@ class GenerateRun:
                 r.text += self._detok.flush()
             r.usage.prompt_tokens = len(self.original.prompt_ids)
             r.usage.cached_tokens = self.cached_tokens
-            r.usage.completion_tokens = self.num_out
+            r.usage.completion_tokens = len(self.emitted)
             self.metrics.accept_len = sum(self._accept) / len(self._accept) if self._accept else 0.0
             r.metrics.CopyFrom(self.metrics)
         return r
@@ -142,7 +141,6 @@ class GenerateRun:
     async def _attempt(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
         dw, rid, first = await self._first_token()
         if first is not None:
-            self.num_out += 1
             self.emitted.append(self.first_token)
             if self.metrics.ttft_s == 0:
                 self.metrics.ttft_s = time.monotonic() - self.t0
@@ -308,9 +306,8 @@ class GenerateRun:
                     self.core.spawn(self.core.registry.confirm_failure(dw, f"decode stream stalled {stall:g}s"))
                     raise DecodeLost(dw, rid, f"decode worker {dw.name}: no token for {stall:g}s (stalled)") from None
                 ids = list(chunk.token_ids)
-                if local and self.num_out == 0 and ids and self.metrics.ttft_s == 0:
+                if ids and self.metrics.ttft_s == 0:  # local prefill: the decode worker's first token
                     self.metrics.ttft_s = time.monotonic() - self.t0
-                self.num_out += len(ids)
                 self.emitted += ids
                 if chunk.accept_len > 0:
                     self._accept.append(chunk.accept_len)

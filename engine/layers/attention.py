@@ -22,7 +22,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
          causal: bool = False) -> torch.Tensor:
     """q ``[B, H, Tq, D]``, k ``[B, Hk, S, D]``, v ``[B, Hk, S, Dv]`` (Hk divides H) -> ``[B, H, Tq, Dv]``."""
     dv = v.shape[-1]
-    if q.device.type == "cpu" and q.dtype == torch.float32 and dv < q.shape[-1] and q.shape[-2] > MLA_ABSORB_MAX_Q:
+    pad = q.device.type == "cpu" and q.dtype == torch.float32 and dv < q.shape[-1] and q.shape[-2] > MLA_ABSORB_MAX_Q
+    if pad:
         # torch's CPU flash kernel needs Dv == D, else SDPA takes the math path (materialised [Tq, S]
         # scores, ~4x slower at 8k): zero-pad V and drop the padding from the output. fp32 prefill
         # only: decode and speculative verify (Tq <= MLA_ABSORB_MAX_Q) keep one kernel so they round
@@ -30,10 +31,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
         # run (tests/engine/test_spec.py), so bf16 (8x slower than fp32 on this AVX2 CPU anyway)
         # stays on the math path.
         v = F.pad(v, (0, q.shape[-1] - dv))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                              enable_gqa=k.shape[1] != q.shape[1])[..., :dv]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return out[..., :dv] if pad else out
 
 
 class GQAAttention(nn.Module):

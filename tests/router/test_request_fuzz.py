@@ -20,6 +20,14 @@ EXPECTED_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EX
 FINISH = {"stop", "length"}
 
 
+def parses(raw: bytes) -> bool:
+    try:
+        generation_pb2.GenerateRequest.FromString(raw)
+        return True
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError
+        return False
+
+
 def mostly(draw, sane, wild):
     """A sane value 7 times in 8, else a wild one: most requests are valid, every field gets abused."""
     return draw(wild if draw(st.integers(0, 7)) == 0 else sane)
@@ -75,12 +83,12 @@ def test_any_generate_request_gets_a_stream_or_a_status():
 
     seen: dict = {}
 
-    def check(raw: bytes, parses: bool) -> None:
+    def check(raw: bytes, well_formed: bool) -> None:
         code, out = loop.run_until_complete(asyncio.wait_for(call(raw), 30))
         seen[code] = seen.get(code, 0) + 1
         if code is None:
             assert out and out[-1].finish_reason in FINISH, out[-1:]
-        elif parses:
+        elif well_formed:
             assert code in EXPECTED_ERRORS, (code, out)
             assert out[0], "an error without a message"
         else:  # not a GenerateRequest at all
@@ -92,23 +100,12 @@ def test_any_generate_request_gets_a_stream_or_a_status():
         raw = req.SerializeToString()
         check(raw, True)
         if junk:  # unknown or garbled trailing fields
-            tail = raw + junk
-            try:
-                generation_pb2.GenerateRequest.FromString(tail)
-                parses = True
-            except Exception:  # noqa: BLE001 - protobuf's DecodeError
-                parses = False
-            check(tail, parses)
+            check(raw + junk, parses(raw + junk))
 
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.binary(max_size=64))
     def fuzz_bytes(raw: bytes) -> None:
-        try:
-            generation_pb2.GenerateRequest.FromString(raw)
-            parses = True
-        except Exception:  # noqa: BLE001
-            parses = False
-        check(raw, parses)
+        check(raw, parses(raw))
 
     try:
         fuzz_fields()
