@@ -154,10 +154,17 @@ class KVSenderConfig:
     """Larger layer sends are split into several frames."""
     socket_buffer_bytes: int = 4 * MIB
     """SO_SNDBUF / SO_RCVBUF; 0 leaves the kernel's autotuning alone."""
+    release_retries: int = 6
+    """After a lost connection with shm leases out, reconnect up to this many times (backoff from
+    ``release_backoff_s``, doubling) to tell the receiver we stopped writing, so it frees those pages now
+    instead of when this process exits."""
+    release_backoff_s: float = 0.1
 
     def __post_init__(self) -> None:
         _check_secret(self.cluster_secret)
         _check_positive(self, "connect_timeout_s", "handshake_timeout_s", "send_timeout_s", "finish_timeout_s",
-                        "enqueue_timeout_s", "max_pending_frames", "max_frame_bytes")
+                        "enqueue_timeout_s", "max_pending_frames", "max_frame_bytes", "release_backoff_s")
+        if self.release_retries < 0:
+            raise ValueError(f"release_retries must be >= 0, got {self.release_retries}")
         if self.socket_buffer_bytes < 0:
             raise ValueError(f"socket_buffer_bytes must be >= 0, got {self.socket_buffer_bytes}")

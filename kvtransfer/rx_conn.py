@@ -392,8 +392,16 @@ class RxConnection:
 
     def _on_abort_ack(self, f: dict[str, Any], payload_len: int) -> None:
         res = self.rx.manager.find_draining(f["tid"])
-        if res is not None and res.shm_writer is self:
+        if res is not None and self._speaks_for(res.shm_writer):
             self.rx.manager.drained(res)
+
+    def _speaks_for(self, writer: "RxConnection | None") -> bool:
+        """This connection may release ``writer``'s shm lease: it is that connection, or a later one from
+        the same live process (same host, pid and start time) after that one was lost."""
+        if writer is self:
+            return True
+        return (writer is not None and writer.closed and self.shm_ok and self.peer_pid > 0
+                and (writer.peer_pid, writer.peer_start) == (self.peer_pid, self.peer_start))
 
     def _stage(self, nbytes: int) -> torch.Tensor:
         if self._staging_busy or self._staging.numel() < nbytes:

@@ -85,6 +85,13 @@ class KVSender:
         self._peers: dict[tuple[str, int], TxPeer] = {}
         self._slots = threading.Semaphore(self.config.max_pending_frames)
         self._closed = False
+        self.drops_armed = 0
+        """Fault injection: transfers still to have their connection cut (``inject_drop``)."""
+        self.drops_fired = 0
+        self._orphans: dict[tuple[str, int], dict[str, tuple[str, str]]] = {}
+        """Per receiver: shm leases whose connection was lost before the receiver heard we stopped
+        writing (ticket id -> (req id, receiver id)); released on the next connection (loop thread)."""
+        self._release_tries: dict[tuple[str, int], int] = {}
 
     # --- prefill worker API (any thread) -----------------------------------------------------
     def send_layer(self, ticket: TransferTicket, layer: int, src_pages: Sequence[int], token_start: int,
@@ -134,6 +141,25 @@ class KVSender:
             if ticket.ticket_id in self._ended:
                 return SendState.FAILED if self._ended[ticket.ticket_id].exception() else SendState.DONE
             return None
+
+    def inject_drop(self, count: int = 1) -> int:
+        """Fault injection (``pdserve bench --fault drop-kv``): cut the connection of each of the next
+        ``count`` transfers right after its first frame, as a failed network would (no ABORT; every
+        transfer on that connection fails and the receiver frees their pages). Returns the faults pending."""
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        with self._lock:
+            self.drops_armed += count
+            return self.drops_armed
+
+    def take_drop(self) -> bool:
+        """Loop thread: True (and one fault consumed) when an armed drop should fire now."""
+        with self._lock:
+            if self.drops_armed <= 0:
+                return False
+            self.drops_armed -= 1
+            self.drops_fired += 1
+            return True
 
     def hook(self, sends: Sequence[LayerSend]) -> LayerHook:
         return LayerHook(self, sends)
@@ -276,9 +302,38 @@ class KVSender:
     def release_slot(self) -> None:
         self._slots.release()
 
-    def peer_closed(self, peer: TxPeer) -> None:
+    def peer_closed(self, peer: TxPeer, orphans: dict[str, tuple[str, str]]) -> None:
+        """Loop thread: ``peer``'s connection is gone, leaving ``orphans`` (shm leases it never released).
+        Their pages stay reserved at the receiver until it hears we stopped writing (every copy runs on
+        this thread, so we have): reconnect soon to say so."""
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
+        if orphans:
+            self._orphans.setdefault(peer.address, {}).update(orphans)
+        if self._orphans.get(peer.address) and not self._closed:
+            tries = self._release_tries.get(peer.address, 0)
+            if tries >= self.config.release_retries:
+                log.warning("kvtransfer: gave up telling %s:%d that %d shm transfers stopped (%d reconnects "
+                            "failed); it frees those pages when this process exits", peer.address[0],
+                            peer.address[1], len(self._orphans.pop(peer.address)), tries)
+                self._release_tries.pop(peer.address, None)
+                return
+            self._release_tries[peer.address] = tries + 1
+            delay = self.config.release_backoff_s * 2 ** tries
+            peer.loop.call_later(delay, self._reconnect, peer.address)
+
+    def _reconnect(self, address: tuple[str, int]) -> None:
+        if self._closed or not self._orphans.get(address):
+            return
+        if address not in self._peers:
+            self._peers[address] = TxPeer(self, address)
+
+    def take_orphans(self, address: tuple[str, int], receiver_id: str) -> list[tuple[str, str]]:
+        """Loop thread, on a new connection's handshake: the (req id, ticket id) pairs to release there
+        (leases of an earlier instance of that receiver died with it and are dropped)."""
+        self._release_tries.pop(address, None)
+        orphans = self._orphans.pop(address, {})
+        return [(rid, tid) for tid, (rid, rx) in orphans.items() if rx == receiver_id]
 
     async def _shutdown(self) -> None:
         with self._lock:

@@ -152,6 +152,7 @@ class TxPeer:
             return
         self._reader = self.loop.create_task(self._read_forever())
         try:
+            await self._release_orphans()
             await self._write_forever()
         except Exception as e:  # a bug must fail the transfers loudly, not leave them hanging
             log.exception("kvtransfer: writer for %s:%d crashed", *self.address)
@@ -228,7 +229,9 @@ class TxPeer:
             return
         self.closed = True
         self.ready = False
-        self.sender.peer_closed(self)
+        orphans = {tid: (st.ticket.req_id, st.ticket.receiver_id) for tid, st in self.sends.items()
+                   if st.lease is not None and st.state is not SendState.DONE}
+        self.sender.peer_closed(self, orphans)
         for st in list(self.sends.values()):
             self.sender.fail(st, err.for_request(st.ticket.req_id), notify=False)
         self.sends.clear()
@@ -281,6 +284,13 @@ class TxPeer:
         while len(self._writes) > MAX_QUEUED_FRAMES or (self._writes and self._writes[0].done()):
             await self._writes.popleft()
 
+    async def _release_orphans(self) -> None:
+        """Tell the receiver that shm transfers whose connection was lost get no more writes from us
+        (the ABORT_ACK a live connection would have sent): it frees their pages now."""
+        for rid, tid in self.sender.take_orphans(self.address, self.receiver_id):
+            await self._send(encode_frame(FrameType.ABORT_ACK, {"rid": rid, "tid": tid}))
+            log.info("kvtransfer: released the shm lease of %s at %s:%d after a lost connection", rid, *self.address)
+
     async def _write_forever(self) -> None:
         while True:
             item = await self.queue.get()
@@ -331,6 +341,7 @@ class TxPeer:
             header = encode_frame(FrameType.LAYER, self._span_fields(st, item.layer, a, b, crc), nbytes)
             st.state = SendState.STREAMING
             await self._send(header, *views)
+            self._maybe_cut(st)
             st.num_bytes += nbytes
 
     async def _copy_layer_shm(self, item: LayerItem) -> None:
@@ -356,8 +367,22 @@ class TxPeer:
                                               item.src_pages, st.dst_pages, a, b, want_views=want)
             crc = checksum(self.cfg.shm_checksum, views)
             st.state = SendState.STREAMING
+            self._maybe_cut(st)
             st.num_bytes += self.shm_codec.nbytes(b - a)
             await self._send(encode_frame(FrameType.SHM_LAYER, self._span_fields(st, item.layer, a, b, crc)))
+
+    def _maybe_cut(self, st: OutgoingTransfer) -> None:
+        """Fault injection: on a transfer's first frame, with a drop armed, shut the socket down under
+        both our reader and writer, no ABORT sent: they (and the receiver) find out as from a real
+        network failure, and every transfer on this connection takes its failure path."""
+        if st.num_bytes or not self.sender.take_drop():
+            return
+        log.warning("kvtransfer: fault injection: dropping the connection to %s:%d during %s", self.address[0],
+                    self.address[1], st.ticket.req_id)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+        except OSError:
+            pass
 
     async def _write_finish(self, st: OutgoingTransfer) -> None:
         await self._send(encode_frame(FrameType.FINISH, {"rid": st.ticket.req_id, "tid": st.ticket.ticket_id,

@@ -13,7 +13,7 @@ import torch
 import kvt_workers
 from kvt_helpers import SECRET, RawPeer, fragment, make_layout, make_pool, receiver, token_rows, write_layer
 from kvtransfer import FailReason, KVSender, KVSenderConfig, SendState, TransferError, TransferState, TransferTicket
-from kvtransfer.config import WireDType
+from kvtransfer.config import TransportKind, WireDType
 from kvtransfer.payload import LayerCodec
 from kvtransfer.protocol import FrameType, pack_u32
 
@@ -283,3 +283,62 @@ def test_admission_control_refuses_at_once():
             h.rx.reserve("a", 4)
         h.rx.cancel("a")
         h.wait_until(lambda: pool.allocator.num_used == start)
+
+
+# --- injected connection drop (pdserve bench --fault drop-kv) -----------------------------------
+
+def _send_all(sender: KVSender, src, ticket, pages: list[int], n: int, seed: int) -> None:
+    for layer in range(src.layout.num_layers):
+        write_layer(src, layer, pages, 0, n, seed=seed)
+        try:
+            sender.send_layer(ticket, layer, pages, 0, n)
+        except TransferError:  # the loss may already be known: finish() reports it
+            return
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_dropped_connection_fails_its_transfers_frees_every_page_and_the_next_one_goes_through(shm):
+    """``KVSender.inject_drop`` cuts the connection after a transfer's first frame, no ABORT sent. Both
+    sides fail it as PEER_DIED; the receiver frees its pages at once, also over shm, where a lost writer
+    would otherwise keep them until its process exits: the sender reconnects to release the lease. The
+    next transfer to that receiver (a retry) takes a fresh connection and arrives bit-identical."""
+    lay = make_layout(num_layers=4)
+    dst, src = make_pool(lay, 64, shm=shm), make_pool(lay, 64)
+    d0, s0 = dst.allocator.num_used, src.allocator.num_used
+    sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, transport=TransportKind.AUTO if shm
+                                          else TransportKind.TCP))
+    try:
+        with receiver(dst) as h:
+            cut = h.rx.reserve("cut", 40)
+            pages = src.allocator.alloc(10, "req")
+            assert sender.inject_drop(1) == 1
+            _send_all(sender, src, cut, pages, 40, seed=1)
+            with pytest.raises(TransferError) as exc:
+                sender.finish(cut).result(timeout=30)
+            assert exc.value.reason is FailReason.PEER_DIED, exc.value
+            expect_failure(h, "cut", FailReason.PEER_DIED)
+            assert (sender.drops_armed, sender.drops_fired) == (0, 1)
+            h.wait_until(lambda: dst.allocator.num_used == d0 and h.rx.stats().num_draining == 0, timeout_s=10)
+
+            retry = h.rx.reserve("cut.retry1", 40)
+            _send_all(sender, src, retry, pages, 40, seed=2)
+            sent = sender.finish(retry).result(timeout=30)
+            assert sent.transport is (TransportKind.SHM if shm else TransportKind.TCP)
+            res = h.wait("cut.retry1")
+            got, want = token_rows(dst, list(res.page_ids), 40), token_rows(src, pages, 40)
+            assert all(torch.equal(got[k], want[k]) for k in want)
+            dst.allocator.decref(list(res.page_ids))
+            src.allocator.decref(pages)
+            assert dst.allocator.num_used == d0
+    finally:
+        sender.close()
+    assert src.allocator.num_used == s0, "source pages still pinned"
+
+
+def test_inject_drop_needs_a_positive_count():
+    sender = KVSender(make_pool(make_layout(), 8), KVSenderConfig(cluster_secret=SECRET))
+    try:
+        with pytest.raises(ValueError, match="count"):
+            sender.inject_drop(0)
+    finally:
+        sender.close()
