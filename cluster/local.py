@@ -65,6 +65,8 @@ class LocalClusterConfig:
     """Router: times a request may resume on another decode worker after its own died mid-stream."""
     decode_stall_timeout_s: float = 30.0
     """Router: a decode stream silent this long fails over like a dead worker."""
+    fault_injection: bool = False
+    """Router and prefill workers accept InjectFault (``pdserve bench --fault drop-kv@S``)."""
     threads_per_worker: int = 0
     """torch threads per worker (0: split this machine's cores between the workers)."""
     run_dir: str | None = None
@@ -166,6 +168,8 @@ class LocalCluster:
             cmd += ["--num-pages", str(c.num_pages)]
         threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // (c.num_prefill + c.num_decode))
         cmd += ["--threads", str(threads)]
+        if role == "prefill" and c.fault_injection:
+            cmd += ["--fault-injection"]
         if role == "decode":
             cmd += ["--kv-port", "0"]
             cmd += ["--speculative", c.speculative] if c.speculative else ["--no-speculative"]
@@ -198,7 +202,7 @@ class LocalCluster:
                "--startup-timeout-s", str(c.startup_timeout_s)]
         if c.api_key:
             cmd += ["--api-key", c.api_key]
-        return cmd
+        return cmd + (["--fault-injection"] if c.fault_injection else [])
 
     @staticmethod
     def _wait_ready(children: list[Child], timeout_s: float) -> None:

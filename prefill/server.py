@@ -29,12 +29,14 @@ from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger("prefill.server")
 SERVICE = "pdserve.v1.PrefillWorker"
+MAX_FAULTS = 1000
+"""Most faults one InjectFault call may arm."""
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, sched: PrefillScheduler, sender: KVSender, cfg, info: dict[str, str], worker_id: str,
-                 address: str, mhash: str) -> None:
-        self.sched, self.sender, self.cfg = sched, sender, cfg
+                 address: str, mhash: str, fault_injection: bool = False) -> None:
+        self.sched, self.sender, self.cfg, self.fault_injection = sched, sender, cfg, fault_injection
         self.info, self.worker_id, self.address, self.mhash = info, worker_id, address, mhash
         self.loop = asyncio.get_running_loop()
         self.subscribers: set[asyncio.Queue] = set()
@@ -101,8 +103,25 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             worker_id=self.worker_id, role="prefill", address=self.address, healthy=True,
             running=self.sched.num_running, queued=self.sched.num_queued, pages_total=st.num_pages,
             pages_free=st.num_free, pages_cached=c.num_pages, cache_hit_rate=rate, tokens_per_s=tps,
-            model_hash=self.mhash, info={**self.info, "pages_owned_by_requests": str(
-                st.num_used - c.num_pages)})
+            model_hash=self.mhash, info={**self.info, "pages_owned_by_requests": str(st.num_used - c.num_pages),
+                                         "kv_drops_armed": str(self.sender.drops_armed),
+                                         "kv_drops_fired": str(self.sender.drops_fired)})
+
+    async def InjectFault(self, request, context):
+        """``drop-kv``: cut the KV connection of each of the next ``count`` transfers mid-transfer."""
+        if not self.fault_injection:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"fault injection is off on {self.worker_id}: start it with --fault-injection")
+        if request.kind != "drop-kv":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"a prefill worker injects 'drop-kv' only, not {request.kind!r}")
+        count = request.count or 1
+        if count > MAX_FAULTS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"count {count} > {MAX_FAULTS}")
+        armed = self.sender.inject_drop(count)
+        logger.warning("fault injection: the next %d KV transfers lose their connection (%d pending)", count, armed)
+        return generation_pb2.InjectFaultResponse(worker_id=self.worker_id, address=self.address, armed=armed,
+                                                  fired=self.sender.drops_fired)
 
     async def StreamCacheEvents(self, request, context):
         q: asyncio.Queue = asyncio.Queue(maxsize=10_000)
@@ -165,7 +184,7 @@ async def amain(args: argparse.Namespace) -> None:
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = f"{args.host}:{port}"
     servicer = PrefillServicer(sched, sender, cfg, worker_main.model_info(cfg, model_dir, args.page_size),
-                               args.worker_id or f"prefill-{port}", address, mhash)
+                               args.worker_id or f"prefill-{port}", address, mhash, args.fault_injection)
     sched.cache.on_event = servicer.publish
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])
@@ -187,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-size", type=int, default=2048)
     p.add_argument("--max-batch-tokens", type=int, default=4096)
     p.add_argument("--max-queue", type=int, default=64)
+    p.add_argument("--fault-injection", action="store_true",
+                   help="accept InjectFault calls (resilience benchmarks: pdserve bench --fault drop-kv@S)")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker_main.run(amain(args))

@@ -52,6 +52,9 @@ class RouterConfig:
     (the router re-prefills prompt + tokens already streamed; 0 disables failover)."""
     decode_stall_timeout_s: float = 30.0
     """A decode stream silent this long (worker stalled, hung or cut off) is failed over like a dead one."""
+    fault_injection: bool = False
+    """Accept Admin.InjectFault and forward it to the worker (which must allow it too): for
+    ``pdserve bench --fault drop-kv@S``. Off in production."""
     startup_timeout_s: float = 120.0
     """How long ``python -m router`` waits for the first status of every worker before serving anyway."""
     grace_s: float = 3.0

@@ -144,6 +144,28 @@ class AdminServicer(generation_pb2_grpc.AdminServicer):
         info = self.core.registry.model_info()
         return generation_pb2.ClusterStatus(workers=workers, model=info.model_dir if info is not None else "")
 
+    async def InjectFault(self, request, context):
+        """Forward a fault to one worker (``--fault-injection`` on both): the named one, or the prefill
+        worker with the most requests in flight."""
+        reg = self.core.registry
+        if not self.core.cfg.fault_injection:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "fault injection is off: start the router with --fault-injection")
+        if request.kind != "drop-kv":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fault {request.kind!r}: the router "
+                                "forwards 'drop-kv' (kill-* faults are signals: pdserve bench sends them)")
+        pool = [w for w in reg.workers.values() if w.role == "prefill" and
+                (w.name == request.worker_id if request.worker_id else w.healthy and not w.excluded)]
+        if not pool:
+            await context.abort(grpc.StatusCode.NOT_FOUND if request.worker_id else grpc.StatusCode.UNAVAILABLE,
+                                f"no prefill worker {request.worker_id!r}" if request.worker_id
+                                else "no healthy prefill worker")
+        w = max(pool, key=lambda w: w.inflight)
+        try:
+            return await w.stub.InjectFault(request, metadata=reg.metadata, timeout=self.core.cfg.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), f"prefill worker {w.name}: {e.details()}")
+
 
 class RouterServer:
     def __init__(self, cfg: RouterConfig) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from cluster.flags import field_docs
 
 WORKLOADS = ("prefill-bound", "single-stream", "random", "trace")
-FAULT_KINDS = ("kill-decode", "kill-prefill")
+FAULT_KINDS = ("kill-decode", "kill-prefill", "drop-kv")
 
 WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     # The reference workload: long prompts that mostly hit the prefix cache, modest outputs.
@@ -127,9 +127,11 @@ class BenchConfig:
     quiet: bool = False
     """No progress bar."""
     fault: str | None = None
-    """Inject a fault during the run: KIND@SECONDS after the first step's start, KIND kill-decode or
-    kill-prefill (SIGKILL to the busiest worker of that role; it must run on this host). The report adds
-    requests completed / failed over / failed and the failover's TTFT and ITL penalty."""
+    """Inject a fault during the run: KIND@SECONDS after the first step's start. kill-decode / kill-prefill:
+    SIGKILL to the busiest worker of that role (it must run on this host). drop-kv: the busiest prefill
+    worker cuts its next KV connection mid-transfer (``Admin.InjectFault``; the cluster must run with
+    ``--fault-injection``). The report adds requests completed / failed over / retried / failed and the
+    TTFT and ITL penalty."""
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -182,9 +184,7 @@ class BenchConfig:
         except ValueError:
             at_s = -1.0
         if kind not in FAULT_KINDS or not at_s >= 0:
-            raise ValueError(f"--fault must be KIND@SECONDS with KIND in {FAULT_KINDS}, got {self.fault!r}"
-                             + (" (drop-kv needs a fault hook inside the KV data plane: not built yet)"
-                                if kind == "drop-kv" else ""))
+            raise ValueError(f"--fault must be KIND@SECONDS with KIND in {FAULT_KINDS}, got {self.fault!r}")
         return kind, at_s
 
     def with_defaults(self) -> "BenchConfig":

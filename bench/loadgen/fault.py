@@ -1,7 +1,9 @@
-"""``pdserve bench --fault KIND@SECONDS``: kill a worker during the first step and report what it cost.
+"""``pdserve bench --fault KIND@SECONDS``: break something during the first step and report what it cost.
 
 The bench stays a pure gRPC client: it finds the victim through ``Admin.GetClusterStatus`` (workers
-report their pid and host), and kills it with SIGKILL only when it runs on this host.
+report their pid and host), and kills it with SIGKILL only when it runs on this host; ``drop-kv`` asks
+the router (``Admin.InjectFault``) to have the busiest prefill worker cut its next KV connection
+mid-transfer, which needs a cluster started with ``--fault-injection``.
 """
 from __future__ import annotations
 
@@ -19,10 +21,18 @@ from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 
 async def inject(channel: grpc.aio.Channel, metadata, kind: str, at_s: float, clock) -> dict[str, Any]:
-    """Sleep ``at_s`` then SIGKILL the busiest ``kind`` worker; returns what was done (or why not)."""
+    """Sleep ``at_s`` then SIGKILL the busiest ``kind`` worker (or arm ``drop-kv``); returns what was done
+    (or why not)."""
     await asyncio.sleep(at_s)
-    role = kind.split("-", 1)[1]
     out: dict[str, Any] = {"kind": kind, "planned_at_s": at_s}
+    if kind == "drop-kv":
+        try:
+            r = await generation_pb2_grpc.AdminStub(channel).InjectFault(
+                generation_pb2.InjectFaultRequest(kind=kind, count=1), metadata=metadata, timeout=10)
+        except grpc.aio.AioRpcError as e:
+            return {**out, "error": f"InjectFault: {e.code().name} {e.details()}"}
+        return {**out, "at_s": round(clock(), 3), "worker": r.worker_id, "address": r.address}
+    role = kind.split("-", 1)[1]
     try:
         st = await generation_pb2_grpc.AdminStub(channel).GetClusterStatus(
             generation_pb2.GetClusterStatusRequest(), metadata=metadata, timeout=10)
@@ -84,7 +94,8 @@ def format_fault(f: dict[str, Any] | None) -> str:
 
     def ms(v):
         return "-" if v is None else f"{v * 1e3:.0f} ms"
-    return (f"fault {f['kind']} at {f['at_s']:.1f}s: killed {f['worker']} ({f['address']}) with "
+    did = "armed a KV connection drop on" if f["kind"] == "drop-kv" else "killed"
+    return (f"fault {f['kind']} at {f['at_s']:.1f}s: {did} {f['worker']} ({f['address']}) with "
             f"{f['in_flight_at_fault']} requests in flight\n"
             f"  completed {f['completed']}, failed over {f['failed_over']}, prefill retried {f['retried_prefill']}, "
             f"failed {f['failed']} ({f['failed_in_flight']} of those in flight)\n"

@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 
+import grpc
 import pytest
 import torch
 
@@ -28,7 +29,8 @@ def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("failover")
     sp = ServeProcess(["--model", SHIPPED_DEFAULT, "--prefill", "1", "--decode", "3", "--port", "0",
                        "--dtype", "float32", "--num-pages", "400", "--local-prefill-below", "0",
-                       "--no-speculative", "--decode-stall-timeout", str(STALL_S), "--run-dir", str(d / "run")], str(d / "serve.out"))
+                       "--no-speculative", "--decode-stall-timeout", str(STALL_S), "--fault-injection",
+                       "--run-dir", str(d / "run")], str(d / "serve.out"))
     try:
         sp.wait_listening()
         yield sp
@@ -96,6 +98,54 @@ def expected():
     return hf_greedy(PROMPTS, NUM_TOKENS)
 
 
+def prefill_status(client):
+    return next(w for w in client.cluster_status().workers if w.role == "prefill")
+
+
+def test_dropped_kv_connection_is_retried_and_completes(served, expected):
+    """The prefill worker cuts its KV connection mid-transfer (Admin.InjectFault drop-kv, a real socket
+    shutdown with no ABORT): the router retries on a fresh reservation over a fresh connection, the
+    client gets exactly transformers' greedy tokens with metrics.retries == 1, and no page stays reserved
+    anywhere (the lost shm lease is released by the sender's reconnect, not by its process exiting)."""
+    from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+    with GenerationClient(served.address, timeout_s=120) as c:
+        fired = int(prefill_status(c).info["kv_drops_fired"])
+        with grpc.insecure_channel(served.address) as ch:
+            r = generation_pb2_grpc.AdminStub(ch).InjectFault(generation_pb2.InjectFaultRequest(kind="drop-kv"),
+                                                              timeout=10)
+        assert r.worker_id == "prefill-0" and r.armed == 1
+        out = c.generate(token_ids=PROMPTS[7], max_tokens=NUM_TOKENS, ignore_eos=True)
+        assert out.token_ids == expected[7] and out.finish_reason == "length"
+        assert out.metrics.retries == 1 and out.metrics.failovers == 0, out.metrics
+        st = prefill_status(c)
+        assert (st.info["kv_drops_armed"], int(st.info["kv_drops_fired"])) == ("0", fired + 1)
+        wait_until(lambda: pages_all_free(c), timeout_s=20, what="pages back on every worker after the drop")
+
+
+def test_bench_fault_drop_kv_reports_the_retries(served, tmp_path):
+    """``pdserve bench --fault drop-kv@2s`` (the real CLI): the dropped transfer's request is retried,
+    nothing fails, and the report says so."""
+    fault, out = run_bench(served, tmp_path, "drop-kv@2s", duration_s=5)
+    assert "error" not in fault, fault
+    assert fault["worker"] == "prefill-0" and fault["retried_prefill"] >= 1 and fault["failed"] == 0, fault
+    assert "armed a KV connection drop on prefill-0" in out
+    with GenerationClient(served.address, timeout_s=60) as c:
+        wait_until(lambda: pages_all_free(c), timeout_s=20, what="pages back on every worker after the bench")
+
+
+def run_bench(served, tmp_path, fault: str, duration_s: float):
+    """One ``pdserve bench --fault`` run as a subprocess; returns bench.json's fault report and stdout."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--target", served.address, "--workload",
+                          "random", "--input-len", "64", "--output-len", "64", "--concurrency", "4", "--duration",
+                          str(duration_s), "--warmup", "0", "--fault", fault, "--out", str(tmp_path), "--quiet"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.load(open(tmp_path / "bench.json"))["fault"], out.stdout
+
+
 def test_stalled_decode_worker_fails_over_within_the_stall_timeout(served, expected):
     """SIGSTOP (alive, connected, silent): its streams fail over after --decode-stall-timeout; after
     SIGCONT the stalled worker frees the abandoned requests' pages and rejoins."""
@@ -128,17 +178,9 @@ def test_decode_worker_killed_mid_stream_every_stream_completes(served, expected
 def test_bench_fault_kill_decode_reports_the_failover(served, tmp_path):
     """``pdserve bench --fault kill-decode@3s`` (a subprocess, the real CLI) against the same cluster:
     the busiest surviving decode worker dies, nothing fails, the report counts the failovers."""
-    import json
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--target", served.address, "--workload",
-                          "random", "--input-len", "64", "--output-len", "64", "--concurrency", "4", "--duration",
-                          "8", "--warmup", "0", "--fault", "kill-decode@3s", "--out", str(tmp_path), "--quiet"],
-                         capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stdout + out.stderr
-    fault = json.load(open(tmp_path / "bench.json"))["fault"]
+    fault, out = run_bench(served, tmp_path, "kill-decode@3s", duration_s=8)
     assert "error" not in fault, fault
     assert not pid_alive(served.children[fault["worker"]])
     assert fault["in_flight_at_fault"] >= 1 and fault["failed_over"] >= 1 and fault["failed"] == 0, fault
     assert fault["itl_s"]["failover_gap_max"] > fault["itl_s"]["undisturbed_p50"]
-    assert "fault kill-decode at" in out.stdout and "failed over" in out.stdout
+    assert "fault kill-decode at" in out and "failed over" in out

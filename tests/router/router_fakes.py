@@ -103,6 +103,7 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
         self.blocks: set[int] = set()
         self.queues: set[asyncio.Queue] = set()
         self.running = 0
+        self.faults: list[tuple[str, int]] = []
 
     def _add(self, server):
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self, server)
@@ -116,6 +117,11 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
     def publish(self, stored=(), evicted=(), reset=False):
         for q in self.queues:
             q.put_nowait(worker_pb2.CacheEvent(stored=stored, evicted=evicted, reset=reset))
+
+    async def InjectFault(self, request, context):
+        self.faults.append((request.kind, request.count))
+        return generation_pb2.InjectFaultResponse(worker_id=self.worker_id, address=self.address,
+                                                  armed=sum(n or 1 for _, n in self.faults))
 
     async def Prefill(self, request, context):
         self.calls.append(request.request_id)

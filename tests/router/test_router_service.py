@@ -339,3 +339,35 @@ def test_decode_lost_mid_stream_without_a_spare_is_unavailable(max_failovers, ne
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and needle in e.value.details(), e.value
             assert got == expected_tokens([5, 6, 7], 60, ignore_eos=True)[:len(got)]
     run(go())
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_inject_fault_is_refused_unless_enabled_and_goes_to_the_busiest_prefill_worker(enabled):
+    """Admin.InjectFault (``pdserve bench --fault drop-kv``) is off unless the router runs with
+    --fault-injection; on, it forwards drop-kv to the prefill worker with the most calls in flight (or the
+    one named), and refuses other kinds and unknown workers with the reason."""
+    from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+    async def go():
+        async with FakeCluster(2, 1, fault_injection=enabled) as fc:
+            async with grpc.aio.insecure_channel(fc.router.address) as ch:
+                admin = generation_pb2_grpc.AdminStub(ch)
+                req = generation_pb2.InjectFaultRequest(kind="drop-kv", count=2)
+                if not enabled:
+                    e = await rpc_error(admin.InjectFault(req, timeout=5))
+                    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "--fault-injection" in e.details()
+                    assert fc.prefills[0].faults == fc.prefills[1].faults == []
+                    return
+                busy = fc.registry.workers[fc.prefills[1].key]
+                busy.inflight += 1
+                r = await admin.InjectFault(req, timeout=5)
+                busy.inflight -= 1
+                assert (r.worker_id, r.armed) == ("p1", 2) and fc.prefills[1].faults == [("drop-kv", 2)]
+                r = await admin.InjectFault(generation_pb2.InjectFaultRequest(kind="drop-kv", worker_id="p0"),
+                                            timeout=5)
+                assert r.worker_id == "p0" and fc.prefills[0].faults == [("drop-kv", 0)]
+                for bad, code in ((generation_pb2.InjectFaultRequest(kind="kill-decode"), "INVALID_ARGUMENT"),
+                                  (generation_pb2.InjectFaultRequest(kind="drop-kv", worker_id="p9"), "NOT_FOUND")):
+                    e = await rpc_error(admin.InjectFault(bad, timeout=5))
+                    assert e.code().name == code and e.details(), e
+    run(go())

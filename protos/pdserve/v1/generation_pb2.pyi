@@ -170,3 +170,25 @@ class ClusterStatus(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     model: str
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class InjectFaultRequest(_message.Message):
+    __slots__ = ("kind", "count", "worker_id")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    count: int
+    worker_id: str
+    def __init__(self, kind: _Optional[str] = ..., count: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class InjectFaultResponse(_message.Message):
+    __slots__ = ("worker_id", "address", "armed", "fired")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ARMED_FIELD_NUMBER: _ClassVar[int]
+    FIRED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    armed: int
+    fired: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., armed: _Optional[int] = ..., fired: _Optional[int] = ...) -> None: ...

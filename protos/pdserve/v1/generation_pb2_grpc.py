@@ -111,12 +111,23 @@ class AdminStub:
                 request_serializer=pdserve_dot_v1_dot_generation__pb2.GetClusterStatusRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_generation__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.InjectFault = channel.unary_unary(
+                '/pdserve.v1.Admin/InjectFault',
+                request_serializer=pdserve_dot_v1_dot_generation__pb2.InjectFaultRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generation__pb2.InjectFaultResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
     """Missing associated documentation comment in .proto file."""
 
     def GetClusterStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InjectFault(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -129,6 +140,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetClusterStatus,
                     request_deserializer=pdserve_dot_v1_dot_generation__pb2.GetClusterStatusRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_generation__pb2.ClusterStatus.SerializeToString,
+            ),
+            'InjectFault': grpc.unary_unary_rpc_method_handler(
+                    servicer.InjectFault,
+                    request_deserializer=pdserve_dot_v1_dot_generation__pb2.InjectFaultRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generation__pb2.InjectFaultResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -158,6 +174,33 @@ class Admin:
             '/pdserve.v1.Admin/GetClusterStatus',
             pdserve_dot_v1_dot_generation__pb2.GetClusterStatusRequest.SerializeToString,
             pdserve_dot_v1_dot_generation__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InjectFault(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/InjectFault',
+            pdserve_dot_v1_dot_generation__pb2.InjectFaultRequest.SerializeToString,
+            pdserve_dot_v1_dot_generation__pb2.InjectFaultResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,11 @@ class PrefillWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.CacheEventsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.CacheEvent.FromString,
                 _registered_method=True)
+        self.InjectFault = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/InjectFault',
+                request_serializer=pdserve_dot_v1_dot_generation__pb2.InjectFaultRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generation__pb2.InjectFaultResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -84,6 +89,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InjectFault(self, request, context):
+        """needs --fault-injection
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +118,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.StreamCacheEvents,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.CacheEventsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.CacheEvent.SerializeToString,
+            ),
+            'InjectFault': grpc.unary_unary_rpc_method_handler(
+                    servicer.InjectFault,
+                    request_deserializer=pdserve_dot_v1_dot_generation__pb2.InjectFaultRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generation__pb2.InjectFaultResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +233,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/StreamCacheEvents',
             pdserve_dot_v1_dot_worker__pb2.CacheEventsRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.CacheEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InjectFault(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/InjectFault',
+            pdserve_dot_v1_dot_generation__pb2.InjectFaultRequest.SerializeToString,
+            pdserve_dot_v1_dot_generation__pb2.InjectFaultResponse.FromString,
             options,
             channel_credentials,
             insecure,
