@@ -150,8 +150,8 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def start_router(worker_addr: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "router", "--port", "0", "--prefill", worker_addr, "--decode", worker_addr,
+def start_router(worker_addr: str, profile: str | None = None) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, *(["-m", "cProfile", "-o", profile] if profile else []), "-m", "router", "--port", "0", "--prefill", worker_addr, "--decode", worker_addr,
            "--cluster-secret", SECRET, "--log-level", "WARNING"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, text=True)
@@ -167,7 +167,7 @@ def bench_overhead(args) -> dict:
     worker = ctx.Process(target=echo_worker_main, args=(q,), daemon=True)
     worker.start()
     worker_addr = f"127.0.0.1:{q.get(timeout=30)}"
-    router, router_addr = start_router(worker_addr)
+    router, router_addr = start_router(worker_addr, args.profile)
     try:
         time.sleep(0.5)  # first status poll
         holder = {}
@@ -239,6 +239,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-workers", type=int, default=4)
     p.add_argument("--decisions", type=int, default=20000)
     p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="run the router under cProfile and write its stats here (pstats format)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     res = {"decisions": bench_decisions(args)}

@@ -33,6 +33,8 @@ def register(sub) -> None:
                    help="times a request may resume on another decode worker after its own died mid-stream")
     s.add_argument("--decode-stall-timeout", type=float, default=30.0,
                    help="seconds a decode stream may stay silent before its requests fail over")
+    s.add_argument("--no-shm", action="store_true",
+                   help="ship KV over TCP even though all workers share this host (default: shared memory)")
     s.add_argument("--fault-injection", action="store_true",
                    help="let `pdserve bench --fault drop-kv@S` inject faults (router + prefill workers)")
     s.add_argument("--threads-per-worker", type=int, default=0, help="0: split the cores between the workers")
@@ -73,7 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size, num_pages=args.num_pages,
         speculative=None if args.no_speculative else args.speculative, api_key=args.api_key, routing=args.routing,
         local_prefill_below=args.local_prefill_below, max_failovers=args.max_failovers,
-        decode_stall_timeout_s=args.decode_stall_timeout, fault_injection=args.fault_injection,
+        decode_stall_timeout_s=args.decode_stall_timeout, fault_injection=args.fault_injection, shm=not args.no_shm,
         threads_per_worker=args.threads_per_worker,
         run_dir=args.run_dir, startup_timeout_s=args.startup_timeout)
     old = {s: signal.signal(s, _raise_shutdown) for s in (signal.SIGTERM, signal.SIGINT)}

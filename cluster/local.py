@@ -65,6 +65,9 @@ class LocalClusterConfig:
     """Router: times a request may resume on another decode worker after its own died mid-stream."""
     decode_stall_timeout_s: float = 30.0
     """Router: a decode stream silent this long fails over like a dead worker."""
+    shm: bool = True
+    """Decode workers keep their KV pool in shared memory, so prefill workers (same host) ship KV by
+    copying pages instead of over TCP (a worker that cannot create the segment falls back to TCP)."""
     fault_injection: bool = False
     """Router and prefill workers accept InjectFault (``pdserve bench --fault drop-kv@S``)."""
     threads_per_worker: int = 0
@@ -171,7 +174,7 @@ class LocalCluster:
         if role == "prefill" and c.fault_injection:
             cmd += ["--fault-injection"]
         if role == "decode":
-            cmd += ["--kv-port", "0"]
+            cmd += ["--kv-port", "0"] + (["--shm"] if c.shm else [])
             cmd += ["--speculative", c.speculative] if c.speculative else ["--no-speculative"]
         return cmd + list(c.extra_worker_args)
 

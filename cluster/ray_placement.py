@@ -205,7 +205,8 @@ def remove_groups(namespace: str, workers: list[str] | None = None) -> list[str]
     removed = []
     for name, t in list_groups(namespace).items():
         if workers is None or name in workers:
-            ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(t["placement_group_id"]))))
+            pg_id = ray.PlacementGroupID(bytes.fromhex(t["placement_group_id"]))
+            ray.util.remove_placement_group(PlacementGroup(pg_id))
             removed.append(name)
     return removed
 

@@ -145,7 +145,7 @@ async def amain(args: argparse.Namespace) -> None:
         raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {args.expect_model_hash}")
     model, cfg = load_model(args.quantized_model or model_dir, args.dtype, args.device)
     layout = KVLayout.for_model(cfg, args.page_size, args.kv_dtype or args.dtype)
-    pool = ShmKVPool(layout, args.num_pages) if args.shm else _plain_pool(layout, args.num_pages)
+    pool = _make_pool(layout, args.num_pages, args.shm)
     receiver = KVReceiver(pool, KVReceiverConfig(host=args.host, port=args.kv_port,
                                                   cluster_secret=secret.encode() if secret else None))
     await receiver.start()
@@ -174,7 +174,15 @@ async def amain(args: argparse.Namespace) -> None:
     await worker_main.serve_until_signal(server, on_stop)
 
 
-def _plain_pool(layout, num_pages):
+def _make_pool(layout, num_pages: int, shm: bool):
+    """The KV pool: in shared memory when asked (same-host prefill workers then copy pages instead of
+    sending them over TCP), else, or when the segment cannot be created, a private one."""
+    if shm:
+        try:
+            return ShmKVPool(layout, num_pages)
+        except OSError as e:
+            logger.warning("KV pool in shared memory failed (%s): using a private pool; prefill workers on this "
+                           "host will ship KV over TCP", e)
     from engine.kvcache import KVPool
     return KVPool(layout, num_pages)
 

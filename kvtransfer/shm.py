@@ -22,6 +22,7 @@ worker leaves it in /dev/shm (names start with ``pdserve-kv-``).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -97,6 +98,17 @@ def _unlink(path: str) -> None:
         pass
 
 
+def check_shm_space(num_bytes: int) -> None:
+    """Raise ``OSError`` (ENOSPC) unless ``SHM_DIR`` has room for ``num_bytes``: tmpfs backs a segment
+    lazily, so an oversized one is created fine and then kills the process with SIGBUS on first touch
+    (Docker's default /dev/shm is 64 MiB)."""
+    st = os.statvfs(SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    if free < num_bytes:
+        raise OSError(errno.ENOSPC, f"{SHM_DIR} has {free / 2**20:.0f} MiB free, the KV pool needs "
+                      f"{num_bytes / 2**20:.0f} MiB (in Docker raise --shm-size)")
+
+
 class ShmKVPool(KVPool):
     """A ``KVPool`` whose storage is a named /dev/shm segment (decode side creates it).
 
@@ -112,6 +124,7 @@ class ShmKVPool(KVPool):
         self.segment_name = f"pdserve-kv-{os.getpid():x}-{secrets.token_hex(4)}"
         self.nonce = secrets.token_bytes(16)
         _, self.segment_bytes = segment_plan(layout, num_pages)
+        check_shm_space(self.segment_bytes)
         path = os.path.join(SHM_DIR, self.segment_name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:

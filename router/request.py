@@ -156,8 +156,8 @@ class GenerateRun:
         done = self.metrics.failovers
         if done >= self.core.cfg.max_failovers:
             raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                               f"{lost.message}; the request's failover budget ({self.core.cfg.max_failovers}) is spent "
-                               f"after {len(self.emitted)} streamed tokens")
+                               f"{lost.message}; the request's failover budget ({self.core.cfg.max_failovers}) "
+                               f"is spent after {len(self.emitted)} streamed tokens")
         self.remaining()  # DEADLINE_EXCEEDED rather than a failover past the deadline
         self.metrics.failovers = done + 1
         self.excluded.add(lost.worker.key)

@@ -213,3 +213,21 @@ def test_pid_liveness_defeats_pid_reuse():
     assert start is not None and pid_alive(os.getpid(), start)
     assert not pid_alive(os.getpid(), start + 1)
     assert not pid_alive(2**22 + 12345, 0)
+
+
+def test_shm_pool_refuses_a_segment_that_does_not_fit(monkeypatch, caplog):
+    """tmpfs creates an oversized segment fine and SIGBUSes on first touch: refuse it up front (ENOSPC),
+    leaving nothing in /dev/shm, and the decode worker falls back to a private pool, saying so."""
+    import errno
+    from types import SimpleNamespace
+
+    from decode.server import _make_pool
+    from kvtransfer import shm
+    before = set(os.listdir(shm.SHM_DIR))
+    monkeypatch.setattr(shm.os, "statvfs", lambda path: SimpleNamespace(f_bavail=16, f_frsize=4096))
+    with pytest.raises(OSError) as exc:
+        ShmKVPool(make_layout(), 64)
+    assert exc.value.errno == errno.ENOSPC and "shm-size" in str(exc.value)
+    assert set(os.listdir(shm.SHM_DIR)) == before
+    pool = _make_pool(make_layout(), 64, shm=True)
+    assert type(pool) is KVPool and "shared memory failed" in caplog.text
