@@ -27,6 +27,7 @@ from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
+from protos.worker_main import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class DecodeScheduler:
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self.heartbeat = Heartbeat()
         self.tokens_out = 0
         self.busy_s = 0.0
 
@@ -146,6 +148,12 @@ class DecodeScheduler:
         self._thread = threading.Thread(target=self._loop, name="decode-scheduler", daemon=True)
         self._thread.start()
 
+    def health_problem(self) -> str:
+        """Why this scheduler cannot serve (thread dead, or stalled with work pending), or ""."""
+        if self._thread is None or self._stop:
+            return ""
+        return self.heartbeat.problem(self._thread, bool(self._running or self._pending_prefill))
+
     def stop(self) -> None:
         with self._cv:
             self._stop = True
@@ -161,11 +169,13 @@ class DecodeScheduler:
         while True:
             with self._cv:
                 while not self._stop and not self._running and not self._pending_prefill:
+                    self.heartbeat.beat()
                     self._cv.wait(timeout=0.5)
                 if self._stop:
                     return
             try:
                 self.step()
+                self.heartbeat.beat()
             except Exception:  # noqa: BLE001 - end the batch with an error, keep the worker alive
                 logger.exception("decode step failed")
                 with self._cv:
@@ -178,7 +188,13 @@ class DecodeScheduler:
             self._reap()
             local, self._pending_prefill = self._pending_prefill, []
         if local:
-            self._local_prefill(local)
+            try:
+                self._local_prefill(local)
+            except Exception:  # noqa: BLE001 - fail these requests (pages freed, event sent), keep decoding
+                logger.exception("local prefill of %d requests failed", len(local))
+                with self._cv:
+                    for t in local:
+                        self._finish(t, "error", "internal error in local prefill")
         with self._cv:
             tasks = list(self._running)
         if not tasks:

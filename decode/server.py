@@ -116,10 +116,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         st = self.sched.pool.stats()
         tps = self.sched.tokens_out / self.sched.busy_s if self.sched.busy_s else 0.0
         host, port = self.receiver.address
+        problem = self.sched.health_problem()
         return generation_pb2.WorkerStatus(
             worker_id=self.worker_id, role="decode", address=self.address, kv_address=f"{host}:{port}",
-            healthy=True, running=self.sched.num_running, pages_total=st.num_pages, pages_free=st.num_free,
-            tokens_per_s=tps, model_hash=self.mhash, info=self.info)
+            healthy=not problem, running=self.sched.num_running, pages_total=st.num_pages, pages_free=st.num_free,
+            tokens_per_s=tps, model_hash=self.mhash, info={**self.info, "unhealthy": problem} if problem else self.info)
 
 
 def stop_checker(tok: Tokenizer | None):
@@ -152,6 +153,7 @@ async def amain(args: argparse.Namespace) -> None:
     spec = build_speculator(args, model, cfg, pool)
     sched = DecodeScheduler(model, pool, cfg.eos_token_ids, max_running=args.max_running,
                             stop_checker=stop_checker(Tokenizer.from_model_dir(model_dir)), spec=spec)
+    sched.heartbeat = worker_main.Heartbeat(args.stall_after)
     server = rpc.make_server(secret)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = f"{args.host}:{port}"

@@ -24,8 +24,19 @@ SCRATCH_BYTES = 128 * 1024
 _DISCARD = memoryview(bytearray(1 << 20))
 
 
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
+"""A peer host that vanished without closing (power loss, partition) is detected within ~60 s even
+on an idle connection: its slot and socket are released (its transfers fail sooner, by their own
+stall timeouts)."""
+
+
 def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                       ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+        if hasattr(socket, opt):  # Linux; macOS has only some of them
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
     if buffer_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)

@@ -341,7 +341,7 @@ class TxPeer:
             header = encode_frame(FrameType.LAYER, self._span_fields(st, item.layer, a, b, crc), nbytes)
             st.state = SendState.STREAMING
             await self._send(header, *views)
-            self._maybe_cut(st)
+            await self._maybe_cut(st)
             st.num_bytes += nbytes
 
     async def _copy_layer_shm(self, item: LayerItem) -> None:
@@ -367,16 +367,19 @@ class TxPeer:
                                               item.src_pages, st.dst_pages, a, b, want_views=want)
             crc = checksum(self.cfg.shm_checksum, views)
             st.state = SendState.STREAMING
-            self._maybe_cut(st)
+            await self._maybe_cut(st)
             st.num_bytes += self.shm_codec.nbytes(b - a)
             await self._send(encode_frame(FrameType.SHM_LAYER, self._span_fields(st, item.layer, a, b, crc)))
 
-    def _maybe_cut(self, st: OutgoingTransfer) -> None:
+    async def _maybe_cut(self, st: OutgoingTransfer) -> None:
         """Fault injection: on a transfer's first frame, with a drop armed, shut the socket down under
         both our reader and writer, no ABORT sent: they (and the receiver) find out as from a real
-        network failure, and every transfer on this connection takes its failure path."""
+        network failure, and every transfer on this connection takes its failure path. Frames already
+        queued are written first, so the receiver has this transfer on the connection when it drops."""
         if st.num_bytes or not self.sender.take_drop():
             return
+        while self._writes:
+            await self._writes.popleft()
         log.warning("kvtransfer: fault injection: dropping the connection to %s:%d during %s", self.address[0],
                     self.address[1], st.ticket.req_id)
         try:

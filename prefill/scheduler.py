@@ -30,12 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
+from protos.worker_main import Heartbeat
 from prefill.radix import Match, RadixCache
 from prefill.sink import KVSink, LocalSink, TransferFailed
 
@@ -106,6 +105,7 @@ class PrefillTask:
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0
     computed: int = 0
+    sink_started: bool = False
     t_arrival: float = field(default_factory=time.monotonic)
     t_start: float = 0.0
     abort_reason: str = ""
@@ -128,6 +128,7 @@ class PrefillScheduler:
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self.heartbeat = Heartbeat()
         self._finisher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefill-finish")
         self.tokens_done = 0
         self.busy_s = 0.0
@@ -168,6 +169,12 @@ class PrefillScheduler:
         self._thread = threading.Thread(target=self._loop, name="prefill-scheduler", daemon=True)
         self._thread.start()
 
+    def health_problem(self) -> str:
+        """Why this scheduler cannot serve (thread dead, or stalled with work pending), or ""."""
+        if self._thread is None or self._stop:
+            return ""
+        return self.heartbeat.problem(self._thread, bool(self._queue or self._running))
+
     def stop(self) -> None:
         with self._cv:
             self._stop = True
@@ -177,6 +184,8 @@ class PrefillScheduler:
         with self._cv:
             for task in list(self._tasks.values()):
                 task.abort_reason = task.abort_reason or "shutdown"
+                if task.state is State.TRANSFERRING:  # its finisher thread is waiting for DONE: end that now
+                    task.sink.abort("prefill worker shutting down")
             self._reap_aborted()
         self._finisher.shutdown(wait=True)
 
@@ -184,11 +193,13 @@ class PrefillScheduler:
         while True:
             with self._cv:
                 while not self._stop and not self._queue and not self._running and not self._has_aborts():
+                    self.heartbeat.beat()
                     self._cv.wait(timeout=0.5)
                 if self._stop:
                     return
             try:
                 self.step()
+                self.heartbeat.beat()
             except Exception:  # a bug must not kill the worker silently: fail the batch, keep serving
                 logger.exception("prefill step failed")
                 with self._cv:
@@ -206,6 +217,7 @@ class PrefillScheduler:
             chunks = self._schedule()
         if not chunks:
             return False
+        self._start_sinks(chunks)
         t0 = time.perf_counter()
         self._forward(chunks)
         self.busy_s += time.perf_counter() - t0
@@ -256,11 +268,19 @@ class PrefillScheduler:
         task.pages = match.pages[:n_hit // P] + private
         task.state, task.t_start = State.RUNNING, time.monotonic()
         self._running.append(task)
-        try:
-            task.sink.start(task.pages, n_hit)
-        except Exception as e:  # noqa: BLE001 - a sink failing to start fails only its request
-            task.abort_reason = f"transfer start failed: {e}"
         return True
+
+    @staticmethod
+    def _start_sinks(chunks: list[tuple[PrefillTask, int, int]]) -> None:
+        """Outside the lock: a sink's start ships the cached prefix and may wait for send slots, which
+        must not block ``submit`` / ``abort`` (the gRPC event loop) meanwhile."""
+        for t, s, _ in chunks:
+            if s == t.num_cached and not t.sink_started:
+                t.sink_started = True
+                try:
+                    t.sink.start(t.pages, t.num_cached)
+                except Exception as e:  # noqa: BLE001 - a sink failing to start fails only its request
+                    t.abort_reason = t.abort_reason or f"transfer start failed: {e}"
 
     def _forward(self, chunks: list[tuple[PrefillTask, int, int]]) -> None:
         P = self.pool.page_size
@@ -309,10 +329,18 @@ class PrefillScheduler:
                 self._tasks.pop(task.req_id, None)
             task.on_done(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))
             return
-        with self._cv:
-            self._release(task, insert=True)
-            task.state = State.DONE
-            self._tasks.pop(task.req_id, None)
+        try:
+            with self._cv:
+                self._release(task, insert=True)
+                task.state = State.DONE
+                self._tasks.pop(task.req_id, None)
+        except Exception as e:  # noqa: BLE001 - a bug here must still answer the caller, not leave it waiting
+            logger.exception("prefill %s: releasing its pages failed", task.req_id)
+            with self._cv:
+                task.state = State.FAILED
+                self._tasks.pop(task.req_id, None)
+            task.on_done(e)
+            return
         task.on_done(PrefillResult(
             req_id=task.req_id, first_token=task.first_token, first_logprob=task.first_logprob,
             cached_tokens=task.num_cached, queue_s=task.t_start - task.t_arrival,

@@ -60,14 +60,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         sink = LocalSink()
+        remaining = context.time_remaining()
         if request.ticket.ticket:
             try:
                 ticket = TransferTicket.from_dict(msgpack.unpackb(request.ticket.ticket, raw=False))
             except Exception as e:  # noqa: BLE001 - any malformed ticket is the caller's error
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed transfer ticket: {e}")
-            sink = TransferSink(self.sender, ticket, self.sched.pool.layout.num_layers)
+            # the receiver's DONE is awaited at most finish_timeout_s, and never past the request's deadline
+            wait_s = self.sender.config.finish_timeout_s if remaining is None else \
+                max(0.001, min(self.sender.config.finish_timeout_s, remaining))
+            sink = TransferSink(self.sender, ticket, self.sched.pool.layout.num_layers, timeout_s=wait_s)
         fut = self.loop.create_future()
-        remaining = context.time_remaining()
         task = PrefillTask(request.request_id, ids, params, sink=sink, priority=request.priority,
                            deadline=time.monotonic() + remaining if remaining is not None else None,
                            on_done=lambda r: self.loop.call_soon_threadsafe(_set, fut, r))
@@ -99,13 +102,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         c = self.sched.cache
         rate = c.hit_tokens / c.query_tokens if c.query_tokens else 0.0
         tps = self.sched.tokens_done / self.sched.busy_s if self.sched.busy_s else 0.0
+        problem = self.sched.health_problem()
         return generation_pb2.WorkerStatus(
-            worker_id=self.worker_id, role="prefill", address=self.address, healthy=True,
+            worker_id=self.worker_id, role="prefill", address=self.address, healthy=not problem,
             running=self.sched.num_running, queued=self.sched.num_queued, pages_total=st.num_pages,
             pages_free=st.num_free, pages_cached=c.num_pages, cache_hit_rate=rate, tokens_per_s=tps,
             model_hash=self.mhash, info={**self.info, "pages_owned_by_requests": str(st.num_used - c.num_pages),
                                          "kv_drops_armed": str(self.sender.drops_armed),
-                                         "kv_drops_fired": str(self.sender.drops_fired)})
+                                         "kv_drops_fired": str(self.sender.drops_fired),
+                                         **({"unhealthy": problem} if problem else {})})
 
     async def InjectFault(self, request, context):
         """``drop-kv``: cut the KV connection of each of the next ``count`` transfers mid-transfer."""
@@ -186,6 +191,7 @@ async def amain(args: argparse.Namespace) -> None:
     servicer = PrefillServicer(sched, sender, cfg, worker_main.model_info(cfg, model_dir, args.page_size),
                                args.worker_id or f"prefill-{port}", address, mhash, args.fault_injection)
     sched.cache.on_event = servicer.publish
+    sched.heartbeat = worker_main.Heartbeat(args.stall_after)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])
     sched.start()

@@ -5,6 +5,8 @@ import argparse
 import asyncio
 import logging
 import signal
+import threading
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +20,30 @@ def model_info(cfg, model_dir: str, page_size: int) -> dict[str, str]:
             "model_dir": os.path.abspath(model_dir), "model_type": cfg.model_type,
             "has_tokenizer": "1" if os.path.exists(os.path.join(model_dir, "tokenizer.json")) else "0",
             "num_mtp_layers": str(cfg.num_mtp_layers)}
+
+
+class Heartbeat:
+    """When a scheduler thread last made progress. A worker whose scheduler thread died, or that has work
+    and has not finished a step for ``stall_after_s``, reports itself unhealthy in ``GetStatus``: the
+    router takes it out of rotation (its health poll still answers: gRPC runs on the event loop)."""
+
+    def __init__(self, stall_after_s: float = 60.0) -> None:
+        if not stall_after_s > 0:
+            raise ValueError(f"stall_after_s must be > 0, got {stall_after_s}")
+        self.stall_after_s = stall_after_s
+        self.beat_s = time.monotonic()
+
+    def beat(self) -> None:
+        self.beat_s = time.monotonic()
+
+    def problem(self, thread: threading.Thread | None, busy: bool) -> str:
+        """Why the scheduler is not healthy, or ""."""
+        if thread is not None and not thread.is_alive():
+            return "scheduler thread is not running"
+        quiet = time.monotonic() - self.beat_s
+        if busy and quiet > self.stall_after_s:
+            return f"no scheduler step finished for {quiet:.0f}s with work pending (stall limit {self.stall_after_s:g}s)"
+        return ""
 
 
 def common_args(p: argparse.ArgumentParser) -> None:
@@ -35,6 +61,9 @@ def common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: torch's default). Co-located workers should split the cores: "
                         "oversubscribed OpenMP threads make small decode ops tens of times slower")
+    p.add_argument("--stall-after", type=float, default=60.0,
+                   help="seconds a scheduler may go without finishing a step while it has work before the worker "
+                        "reports itself unhealthy (the router then drains it)")
     p.add_argument("--log-level", default="INFO")
 
 

@@ -52,6 +52,12 @@ class Worker:
     last_ok_s: float = 0.0
     excluded: str = ""
     """Why the worker is kept out of rotation whatever its health (model mismatch), or ""."""
+    left: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the worker leaves the rotation (replaced by a fresh one when it comes back): calls in
+    flight there race it and give up at once instead of waiting out their deadline."""
+    suspended_until: float = 0.0
+    """time.monotonic() until which new requests avoid the worker if another one is healthy (one of its
+    streams stalled: its health poll may still answer while its scheduler is stuck)."""
 
     @property
     def key(self) -> str:
@@ -214,8 +220,13 @@ class Registry:
         except grpc.aio.AioRpcError as e:
             self._set_failed(w, f"{e.code().name}: {e.details()}", immediate=False)
             return False
-        w.status, w.failures, w.last_error, w.last_ok_s = st, 0, "", time.monotonic()
+        w.status, w.last_ok_s = st, time.monotonic()
         self._check_model(w, st.model_hash)
+        if not st.healthy:  # it answers, but says it cannot serve (scheduler dead or stalled)
+            self._set_failed(w, "reports unhealthy: " + (st.info.get("unhealthy") or "no reason given"),
+                             immediate=True)
+            return False
+        w.failures, w.last_error = 0, ""
         self._set_healthy(w, True)
         return True
 
@@ -227,6 +238,13 @@ class Registry:
         if mhash != self.model_hash and not w.excluded:
             w.excluded = f"serves model {mhash}, the cluster serves {self.model_hash}"
             logger.error("worker %s left out of rotation: %s", w.address, w.excluded)
+
+    def suspend(self, w: Worker, why: str, seconds: float) -> None:
+        """Route new requests away from ``w`` for ``seconds`` while another worker of its role is healthy
+        (it stalled a stream; its health polls may still pass)."""
+        w.suspended_until = time.monotonic() + seconds
+        w.last_error = why
+        logger.warning("%s worker %s (%s) avoided for %.0fs: %s", w.role, w.name, w.address, seconds, why)
 
     async def confirm_failure(self, w: Worker, err: str) -> None:
         """A request call failed as if the worker were gone: probe at once and take it out if so."""
@@ -247,8 +265,10 @@ class Registry:
             return
         w.healthy = healthy
         if healthy:
+            w.left = asyncio.Event()
             logger.info("%s worker %s (%s) is in rotation", w.role, w.name, w.address)
         else:
+            w.left.set()
             logger.warning("%s worker %s (%s) is out of rotation: %s", w.role, w.name, w.address, w.last_error)
         if self.on_change is not None:
             self.on_change()

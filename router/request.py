@@ -217,7 +217,9 @@ class GenerateRun:
         return None
 
     def _decode_workers(self) -> list[Worker]:
-        return [w for w in self.core.registry.healthy("decode") if w.key not in self.excluded]
+        ws = [w for w in self.core.registry.healthy("decode") if w.key not in self.excluded]
+        now = time.monotonic()
+        return [w for w in ws if w.suspended_until <= now] or ws  # a recently stalled one only as a last resort
 
     async def _reserve(self, rid: str) -> tuple[Worker, worker_pb2.TransferTicket]:
         reg = self.core.registry
@@ -272,7 +274,7 @@ class GenerateRun:
         call = pw.stub.Prefill(req, metadata=self.core.registry.metadata, timeout=self.remaining())
         self._live_calls.append(call)
         try:
-            r = await call
+            r = await _unless_left(call, pw)
         finally:
             pw.inflight -= 1
             self._live_calls.remove(call)
@@ -303,6 +305,7 @@ class GenerateRun:
                 except asyncio.TimeoutError:
                     self.remaining()  # our own deadline first: DEADLINE_EXCEEDED
                     call.cancel()
+                    self.core.registry.suspend(dw, f"a decode stream stalled {stall:g}s", seconds=stall)
                     self.core.spawn(self.core.registry.confirm_failure(dw, f"decode stream stalled {stall:g}s"))
                     raise DecodeLost(dw, rid, f"decode worker {dw.name}: no token for {stall:g}s (stalled)") from None
                 ids = list(chunk.token_ids)
@@ -324,6 +327,31 @@ class GenerateRun:
             dw.inflight -= 1
             self._live_calls.remove(call)
         raise DecodeLost(dw, rid, f"decode worker {dw.name} ended the stream without a finish")
+
+
+async def _unless_left(call, w: Worker):
+    """``await call``, but when ``w`` leaves the rotation first (polls fail, or it reports its scheduler
+    stuck), cancel the call and raise UNAVAILABLE: the request is retried elsewhere now, not at its
+    deadline."""
+    left = w.left
+    if left.is_set():
+        call.cancel()
+    else:
+        fut = asyncio.ensure_future(call)
+        waiter = asyncio.ensure_future(left.wait())
+        try:
+            await asyncio.wait((fut, waiter), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # our caller was cancelled: take the call down with it
+            fut.cancel()
+            raise
+        finally:
+            waiter.cancel()
+        if fut.done():
+            return fut.result()
+        fut.cancel()
+        call.cancel()
+    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                               f"left the rotation during the call ({w.last_error or 'unhealthy'})")
 
 
 class DecodeLost(Exception):

@@ -120,7 +120,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         core.inflight += 1
         try:
             async for resp in run.stream():
-                yield resp
+                try:  # a client that stops reading must not hold the handler past the request's budget
+                    await asyncio.wait_for(context.write(resp), run.remaining())
+                except asyncio.TimeoutError:
+                    run.abort("client stopped reading")
+                    raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       "deadline exceeded while the client was not reading the stream") from None
         except RequestError as e:
             await context.abort(e.code, e.message)
         finally:

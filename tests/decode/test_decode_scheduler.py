@@ -123,3 +123,28 @@ def test_seeded_sampling_is_reproducible_and_abort_frees(tiny):
     assert tokens(a["r0"]) == tokens(b["r0"])
     c, _ = pd_generate(tiny, [prompt], SamplingParams(max_tokens=20, temperature=0.9, seed=124, ignore_eos=True))
     assert tokens(c["r0"]) != tokens(a["r0"])
+
+
+def test_failed_local_prefill_ends_its_requests_and_frees_their_pages(tiny, monkeypatch):
+    """A local prefill whose forward raises: each of its requests gets an "error" event and its pages
+    back (nothing waits forever), and the scheduler keeps serving."""
+    model, cfg = tiny
+    pool = KVPool(KVLayout.for_model(cfg, P, "float32"), 32)
+    dec = DecodeScheduler(model, pool, cfg.eos_token_ids)
+    events = []
+    real = dec._local_prefill
+
+    def boom(tasks):
+        raise RuntimeError("injected forward failure")
+    monkeypatch.setattr(dec, "_local_prefill", boom)
+    dec.add_local(DecodeTask("bad", list(range(3, 40)), [], SamplingParams(max_tokens=4), [], 0, emit=events.append))
+    dec.step()
+    assert [(e.finish_reason, e.message) for e in events] == [("error", "internal error in local prefill")]
+    assert pool.allocator.num_used == 0 and not dec.abort("bad")
+    monkeypatch.setattr(dec, "_local_prefill", real)
+    ok = []
+    dec.add_local(DecodeTask("ok", list(range(3, 40)), [], SamplingParams(max_tokens=4, ignore_eos=True), [], 0,
+                             emit=ok.append))
+    while dec.step():
+        pass
+    assert ok[-1].finish_reason == "length" and len(tokens(ok)) == 4 and pool.allocator.num_used == 0

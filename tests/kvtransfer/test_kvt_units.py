@@ -231,3 +231,16 @@ def test_shm_pool_refuses_a_segment_that_does_not_fit(monkeypatch, caplog):
     assert set(os.listdir(shm.SHM_DIR)) == before
     pool = _make_pool(make_layout(), 64, shm=True)
     assert type(pool) is KVPool and "shared memory failed" in caplog.text
+
+
+def test_kv_sockets_keep_alive():
+    """A peer host that disappears without a FIN is found by TCP keepalive (idle connections too)."""
+    import socket
+
+    from kvtransfer.framing import KEEPALIVE_IDLE_S, tune_socket
+    with socket.socket() as s:
+        tune_socket(s, 0)
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S

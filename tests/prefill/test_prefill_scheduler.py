@@ -190,3 +190,15 @@ def test_threaded_loop_serves_concurrent_submissions(tiny):
     assert done.wait(30)
     sched.stop()
     assert all(isinstance(r, PrefillResult) for r in res.values())
+
+
+def test_a_failure_after_the_transfer_still_answers_the_caller(tiny, monkeypatch):
+    """A bug while the finished request's pages go back to the cache must still reach on_done (the
+    gRPC call would otherwise wait out its whole deadline)."""
+    sched, res = make_sched(tiny), {}
+
+    def broken_insert(*a, **kw):
+        raise RuntimeError("injected cache failure")
+    monkeypatch.setattr(sched.cache, "insert", broken_insert)
+    run_all(sched, [task("r", list(range(2, 60)), res)])
+    assert isinstance(res["r"], RuntimeError) and "injected" in str(res["r"]) and not sched._tasks

@@ -63,6 +63,8 @@ class FakeWorker:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.status_fail = False
+        self.unhealthy = ""
+        """Answer GetStatus with healthy=False and this reason (a worker whose scheduler is stuck)."""
 
     @property
     def address(self) -> str:
@@ -90,7 +92,11 @@ class FakeWorker:
     async def GetStatus(self, request, context):
         if self.status_fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake: status down")
-        return self.status()
+        st = self.status()
+        if self.unhealthy:
+            st.healthy = False
+            st.info["unhealthy"] = self.unhealthy
+        return st
 
 
 class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):

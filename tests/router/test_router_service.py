@@ -130,6 +130,28 @@ def test_prefill_worker_that_dies_mid_request_is_retried():
     run(go())
 
 
+def test_prefill_worker_that_stalls_and_leaves_rotation_is_retried_at_once():
+    """A prefill worker that holds the call (its scheduler wedged) and then reports itself unhealthy:
+    the router gives up the call as soon as the worker leaves rotation and retries on the other one,
+    long before the request's deadline."""
+    async def go():
+        async with FakeCluster(2, 1, routing="round_robin") as fc:
+            for p in fc.prefills:
+                p.b.hang = True
+            t0 = asyncio.get_running_loop().time()
+            task = asyncio.ensure_future(fc.client.generate(token_ids=[5, 6, 7], max_tokens=3, timeout_s=60))
+            await fc.wait_for(lambda: any(p.calls for p in fc.prefills), what="prefill call")
+            victim, survivor = fc.prefills if fc.prefills[0].calls else fc.prefills[::-1]
+            survivor.b.hang = False
+            victim.unhealthy = "no scheduler step finished for 61s with work pending"
+            c = await task
+            assert c.token_ids == expected_tokens([5, 6, 7], 3) and c.metrics.retries == 1
+            assert c.metrics.prefill_worker == survivor.worker_id
+            assert asyncio.get_running_loop().time() - t0 < 5
+            await fc.wait_for(lambda: victim.aborts, what="abort sent to the stalled worker")
+    run(go())
+
+
 def test_client_cancel_mid_stream_aborts_on_both_workers():
     async def go():
         async with FakeCluster(1, 1) as fc:
@@ -240,15 +262,23 @@ def test_admission_limit_and_no_workers():
     run(go())
 
 
-def test_unhealthy_prefill_leaves_rotation_and_comes_back():
+@pytest.mark.parametrize("how", ["no answer", "says unhealthy"])
+def test_unhealthy_prefill_leaves_rotation_and_comes_back(how):
+    """A worker whose status poll fails, or answers healthy=False (its scheduler thread is stuck or dead
+    while gRPC still answers), leaves the rotation; it comes back once its polls are good again."""
     async def go():
         async with FakeCluster(2, 1, routing="round_robin") as fc:
             a, b = fc.prefills
-            a.status_fail = True
+            if how == "no answer":
+                a.status_fail = True
+            else:
+                a.unhealthy = "no scheduler step finished for 61s with work pending"
             await fc.wait_for(lambda: not fc.registry.workers[a.key].healthy, what="a out")
+            if how == "says unhealthy":
+                assert "no scheduler step finished" in fc.registry.workers[a.key].last_error
             for _ in range(4):
                 assert (await fc.client.generate(token_ids=[5], max_tokens=2)).metrics.prefill_worker == "p1"
-            a.status_fail = False
+            a.status_fail, a.unhealthy = False, ""
             await fc.wait_for(lambda: fc.registry.workers[a.key].healthy, what="a back")
             seen = {(await fc.client.generate(token_ids=[5], max_tokens=2)).metrics.prefill_worker for _ in range(4)}
             assert seen == {"p0", "p1"}
