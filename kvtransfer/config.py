@@ -36,9 +36,12 @@ class WireDType(enum.Enum):
 
 
 class ChecksumKind(enum.Enum):
-    """Payload checksum. ``zlib.crc32`` runs ~3 GiB/s per core on the 2-core dev box, about the
-    speed of loopback TCP itself: it costs one extra read of every byte on each side."""
+    """Payload checksum. CRC-32C (Castagnoli, the iSCSI / ext4 / RDMA one) runs on the CPU's CRC
+    instruction (SSE4.2, ARMv8): ~13 GiB/s per core on the 2-core dev box, against ~3.4 GiB/s for
+    ``zlib.crc32``, which is about the speed of loopback TCP itself. The sender announces its kinds
+    in the handshake; the receiver verifies with them."""
 
+    CRC32C = "crc32c"
     CRC32 = "crc32"
     NONE = "none"
 
@@ -135,7 +138,7 @@ class KVSenderConfig:
     """Per receiver: shm when possible (AUTO), forced TCP, or shm attempted (falls back to TCP)."""
     wire_dtype: WireDType = WireDType.NATIVE
     """TCP payload dtype; FP8_E4M3 halves bf16 bytes at the cost of exactness."""
-    checksum: ChecksumKind = ChecksumKind.CRC32
+    checksum: ChecksumKind = ChecksumKind.CRC32C
     """Checksum of TCP payloads."""
     shm_checksum: ChecksumKind = ChecksumKind.NONE
     """Checksum of shm copies: off by default, the bytes never leave this host's memory and the

@@ -31,6 +31,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple
 
+import crc32c
 import msgpack
 
 from kvtransfer.config import ChecksumKind
@@ -219,13 +220,17 @@ def pages_digest(page_bytes: bytes, gen_bytes: bytes) -> bytes:
 
 
 def checksum(kind: ChecksumKind, views: Iterable[memoryview]) -> int | None:
-    """CRC32 chained over the views in order (None when checksums are off).
+    """The ``kind`` checksum chained over the views in order (None when checksums are off).
 
-    Cost: zlib.crc32 reads ~3 GiB/s per core here (it releases the GIL on large buffers).
+    Cost per core here: crc32c ~13 GiB/s, zlib.crc32 ~3.4 GiB/s; both release the GIL on large buffers.
     """
     if kind is ChecksumKind.NONE:
         return None
     crc = 0
+    if kind is ChecksumKind.CRC32C:
+        for v in views:
+            crc = crc32c.crc32c(v, crc)
+        return crc
     for v in views:
         crc = zlib.crc32(v, crc)
     return crc

@@ -75,6 +75,8 @@ class RxConnection:
         self.shm_codec = LayerCodec(rx.pool.layout, WireDType.NATIVE)
         self.shm_ok = False
         self.peer_pid = -1
+        self.ck, self.sck = ChecksumKind.CRC32, ChecksumKind.NONE
+        """Checksum kinds the sender announced (TCP payloads, shm copies)."""
         self.peer_start = -1
         self.current: Reservation | None = None
         """The reservation whose payload is arriving right now."""
@@ -194,6 +196,8 @@ class RxConnection:
         try:
             check_compatible(self.rx.local_info, info)
             wire = WireDType(info.get("wire"))
+            # the sender's checksum kinds for TCP payloads and shm copies (older senders: crc32, none)
+            self.ck, self.sck = ChecksumKind(info.get("ck", "crc32")), ChecksumKind(info.get("sck", "none"))
             pid, start = info.get("pid"), info.get("pid_start")
             if type(pid) is not int or type(start) is not int:
                 raise ValueError("pid")
@@ -309,10 +313,10 @@ class RxConnection:
         res.queued_upto[f["l"]] = f["te"]
         views = [] if f["crc"] is None else self.shm_codec.pool_views(self.rx.pool, f["l"], res.page_arr, f["ts"],
                                                                       f["te"])
-        self._verify(res, f, views, None, self.shm_codec.nbytes(f["te"] - f["ts"]))
+        self._verify(res, f, views, None, self.shm_codec.nbytes(f["te"] - f["ts"]), self.sck)
 
     def _verify(self, res: Reservation, f: dict[str, Any], views: list[memoryview],
-                finalize: Callable[[], None] | None, nbytes: int) -> None:
+                finalize: Callable[[], None] | None, nbytes: int, kind: ChecksumKind | None = None) -> None:
         """The payload is in place: check its CRC, then account it.
 
         Large payloads are checksummed on the receiver's CRC threads while this connection keeps
@@ -324,13 +328,16 @@ class RxConnection:
             return  # failed while the bytes arrived: they went to the discard buffer
         if f["crc"] is None:
             return self._accept(res, f, finalize, nbytes, True)
+        kind = kind or self.ck
+        if kind is ChecksumKind.NONE:  # a checksum the sender said it would not send
+            return self._accept(res, f, finalize, nbytes, False)
         if nbytes < OFFLOAD_CRC_BYTES:
-            return self._accept(res, f, finalize, nbytes, checksum(ChecksumKind.CRC32, views) == f["crc"])
+            return self._accept(res, f, finalize, nbytes, checksum(kind, views) == f["crc"])
         self._verifying += 1
         staged = self._staging if finalize is not None else None
         if staged is not None:
             self._staging_busy = True  # the next staged frame gets a fresh buffer
-        fut = asyncio.get_running_loop().run_in_executor(self.rx.crc_pool, checksum, ChecksumKind.CRC32, views)
+        fut = asyncio.get_running_loop().run_in_executor(self.rx.crc_pool, checksum, kind, views)
         fut.add_done_callback(lambda fu: self._verified(
             res, f, finalize, nbytes, not fu.cancelled() and fu.exception() is None and fu.result() == f["crc"],
             staged))

@@ -193,7 +193,8 @@ class TxPeer:
             raise TransferError(FailReason.AUTH_FAILED, f"receiver {self.address[0]}:{self.address[1]} could not "
                                 "prove it holds our cluster secret")
         local = peer_info(self.sender.pool.layout.to_dict(), host_id=host_id(), pid=os.getpid(),
-                          pid_start=process_start_time(os.getpid()) or 0, wire=self.cfg.wire_dtype.value)
+                          pid_start=process_start_time(os.getpid()) or 0, wire=self.cfg.wire_dtype.value,
+                          ck=self.cfg.checksum.value, sck=self.cfg.shm_checksum.value)
         await send_frame(loop, sock, FrameType.AUTH,
                          {"p": auth.make_proof(secret, auth.Role.SENDER, nonce, ch["n"]), "info": local})
         info = (await self._expect(FrameType.READY))["info"]

@@ -111,11 +111,14 @@ class RawPeer:
     def __init__(self, address: tuple[str, int], timeout_s: float = 5.0) -> None:
         self.sock = socket.create_connection(address, timeout=timeout_s)
 
-    def handshake(self, layout: KVLayout, secret: bytes | None = SECRET, wire: str = "native") -> dict:
+    def handshake(self, layout: KVLayout, secret: bytes | None = SECRET, wire: str = "native",
+                  ck: str | None = None) -> dict:
+        """``ck``: the checksum kind to announce (None: announce none, as an older sender: crc32)."""
         nonce = auth.new_nonce()
         self.frame(FrameType.HELLO, {"v": 1, "n": nonce})
         ch = self.expect(FrameType.CHALLENGE)
-        info = peer_info(layout.to_dict(), host_id=host_id(), pid=0, pid_start=0, wire=wire)  # pid 0: no shm
+        extra = {} if ck is None else {"ck": ck}
+        info = peer_info(layout.to_dict(), host_id=host_id(), pid=0, pid_start=0, wire=wire, **extra)  # pid 0: no shm
         self.frame(FrameType.AUTH, {"p": auth.make_proof(secret, auth.Role.SENDER, nonce, ch["n"]), "info": info})
         return self.expect(FrameType.READY)["info"]
 

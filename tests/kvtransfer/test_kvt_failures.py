@@ -13,9 +13,9 @@ import torch
 import kvt_workers
 from kvt_helpers import SECRET, RawPeer, fragment, make_layout, make_pool, receiver, token_rows, write_layer
 from kvtransfer import FailReason, KVSender, KVSenderConfig, SendState, TransferError, TransferState, TransferTicket
-from kvtransfer.config import TransportKind, WireDType
+from kvtransfer.config import ChecksumKind, TransportKind, WireDType
 from kvtransfer.payload import LayerCodec
-from kvtransfer.protocol import FrameType, pack_u32
+from kvtransfer.protocol import FrameType, checksum, pack_u32
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,16 +121,21 @@ def _layer_frame(ticket, layer: int, ts: int, te: int, payload: bytes, crc: int 
             "pg": pack_u32(ticket.page_ids[span]), "gn": pack_u32((gens or ticket.generations)[span]), "crc": crc}
 
 
-def test_corrupt_payload_fails_only_its_request(prefill):
+@pytest.mark.parametrize("ck", [None, "crc32", "crc32c"])
+def test_corrupt_payload_fails_only_its_request(prefill, ck):
+    """Whichever checksum the sender announced (none announced: crc32, as older senders), a payload
+    that does not match it fails its request alone."""
     pool = make_pool(make_layout(), 64)
     start = pool.allocator.num_used
     with receiver(pool) as h:
         bad = h.rx.reserve("bad", 20)
         good = h.rx.reserve("good", 20)
         peer = RawPeer(h.rx.address)
-        peer.handshake(pool.layout)
+        peer.handshake(pool.layout, ck=ck)
         payload = os.urandom(LayerCodec(pool.layout, WireDType.NATIVE).nbytes(20))
-        peer.frame(FrameType.LAYER, _layer_frame(bad, 0, 0, 20, payload, zlib.crc32(payload) ^ 1), payload)
+        crc = checksum(ChecksumKind(ck or "crc32"), [memoryview(payload)])
+        assert crc != checksum(ChecksumKind("crc32c" if ck != "crc32c" else "crc32"), [memoryview(payload)])
+        peer.frame(FrameType.LAYER, _layer_frame(bad, 0, 0, 20, payload, crc ^ 1), payload)
         abort = peer.expect(FrameType.ABORT)
         assert abort["rid"] == "bad" and abort["reason"] == FailReason.CORRUPT.value
         expect_failure(h, "bad", FailReason.CORRUPT)

@@ -244,3 +244,16 @@ def test_kv_sockets_keep_alive():
         assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
         if hasattr(socket, "TCP_KEEPIDLE"):
             assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
+
+
+def test_checksums_match_their_published_check_values():
+    """CRC-32C and CRC-32 of "123456789" are the standard check values (RFC 3720 B.4, ISO-HDLC), and both
+    chain over split views like one pass."""
+    from kvtransfer.config import ChecksumKind
+    from kvtransfer.protocol import checksum
+    data = memoryview(b"123456789")
+    assert checksum(ChecksumKind.CRC32C, [data]) == 0xE3069283
+    assert checksum(ChecksumKind.CRC32, [data]) == 0xCBF43926
+    for kind in (ChecksumKind.CRC32C, ChecksumKind.CRC32):
+        assert checksum(kind, [data[:4], data[4:7], data[7:]]) == checksum(kind, [data])
+    assert checksum(ChecksumKind.NONE, [data]) is None
