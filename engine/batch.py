@@ -42,7 +42,6 @@ class ForwardBatch:
     positions: torch.Tensor          # [T] long
     out_slots: torch.Tensor          # [T] long, where each new token's KV is written
     kv_slots: torch.Tensor           # [B, S_max] long, padded with slot 0
-    attn_mask: torch.Tensor          # [B, 1, Tq_max, S_max] bool, True = attend
     q_index: torch.Tensor            # [B, Tq_max] long into [T] (padding -> 0)
     q_valid: torch.Tensor            # [B, Tq_max] bool
     logits_index: torch.Tensor       # [N] long into [T]: tokens that need logits
@@ -51,8 +50,43 @@ class ForwardBatch:
     max_kv_len: int
     single_fresh: bool
     """One request with no cached prefix and a causal mask: attention can skip the gather."""
+    cached_lens: list[int] = field(default_factory=list)
+    tree_masks: list[torch.Tensor | None] = field(default_factory=list)
     on_layer_done: Callable[[int], None] | None = field(default=None)
     """Called after each layer's KV is written (layer index): kvtransfer streams from here."""
+    _mask: torch.Tensor | None = field(default=None)
+
+    @property
+    def single_causal_start(self) -> int | None:
+        """For one request with a plain causal mask: its cached length ``c`` (new token i sees keys
+        0 .. c + i, and S = c + Tq); None otherwise. Lets the long-context paths mask only the
+        [Tq, Tq] block where the future lies instead of building the [Tq, S] mask."""
+        if len(self.q_lens) == 1 and self.tree_masks[0] is None:
+            return self.cached_lens[0]
+        return None
+
+    @property
+    def attn_mask(self) -> torch.Tensor:
+        """``[B, 1, Tq_max, S_max]`` bool, True = attend; built on first use (at 20k context a 2k chunk's
+        mask is 40 MB, and the sparse long-context path never needs it)."""
+        if self._mask is None:
+            self._mask = self._build_mask()
+        return self._mask
+
+    def _build_mask(self) -> torch.Tensor:
+        B, tq, smax = len(self.q_lens), max(self.q_lens), self.max_kv_len
+        dev = self.kv_slots.device
+        mask = torch.zeros(B, 1, tq, smax, dtype=torch.bool, device=dev)
+        for b in range(B):
+            n, kv_len, c = self.q_lens[b], self.kv_lens[b], self.cached_lens[b]
+            # causal: new token i (sequence index c + i) sees keys 0 .. c + i
+            m = torch.arange(kv_len, device=dev)[None, :] <= (c + torch.arange(n, device=dev))[:, None]
+            tree = self.tree_masks[b]
+            if tree is not None:
+                m[:, c:] = tree.to(device=dev, dtype=torch.bool)
+            mask[b, 0, :n, :kv_len] = m
+            mask[b, 0, n:, 0] = True  # padding queries attend to one key: no NaN rows
+        return mask
 
     @property
     def num_tokens(self) -> int:
@@ -105,27 +139,21 @@ class ForwardBatch:
             offset += n
         B, tq, smax = len(reqs), max(q_lens), max(kv_lens)
         kv_slots = torch.zeros(B, smax, dtype=torch.long)
-        mask = torch.zeros(B, 1, tq, smax, dtype=torch.bool)
         q_index = torch.zeros(B, tq, dtype=torch.long)
         q_valid = torch.zeros(B, tq, dtype=torch.bool)
         start = 0
         for b, r in enumerate(reqs):
-            n, kv_len, c = q_lens[b], kv_lens[b], r.cached_len
+            n, kv_len = q_lens[b], kv_lens[b]
             kv_slots[b, :kv_len] = tables[b]
             q_index[b, :n] = torch.arange(start, start + n)
             q_valid[b, :n] = True
-            # causal: new token i (sequence index c + i) sees keys 0 .. c + i
-            m = torch.arange(kv_len)[None, :] <= (c + torch.arange(n))[:, None]
-            if r.tree_mask is not None:
-                if tuple(r.tree_mask.shape) != (n, n):
-                    raise ValueError(f"tree_mask shape {tuple(r.tree_mask.shape)} != ({n}, {n})")
-                m[:, c:] = r.tree_mask.to(torch.bool)
-            mask[b, 0, :n, :kv_len] = m
-            mask[b, 0, n:, 0] = True  # padding queries attend to one key: no NaN rows
+            if r.tree_mask is not None and tuple(r.tree_mask.shape) != (n, n):
+                raise ValueError(f"tree_mask shape {tuple(r.tree_mask.shape)} != ({n}, {n})")
             start += n
         single_fresh = B == 1 and reqs[0].cached_len == 0 and reqs[0].tree_mask is None
         dev = torch.device(device)
         return cls(input_ids=torch.cat(ids).to(dev), positions=torch.cat(pos).to(dev),
-                   out_slots=torch.cat(slots).to(dev), kv_slots=kv_slots.to(dev), attn_mask=mask.to(dev),
+                   out_slots=torch.cat(slots).to(dev), kv_slots=kv_slots.to(dev),
                    q_index=q_index.to(dev), q_valid=q_valid.to(dev), logits_index=torch.cat(logit_idx).to(dev),
-                   q_lens=q_lens, kv_lens=kv_lens, max_kv_len=smax, single_fresh=single_fresh)
+                   q_lens=q_lens, kv_lens=kv_lens, max_kv_len=smax, single_fresh=single_fresh,
+                   cached_lens=[r.cached_len for r in reqs], tree_masks=[r.tree_mask for r in reqs])

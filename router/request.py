@@ -299,7 +299,8 @@ class GenerateRun:
         try:
             while True:
                 try:
-                    chunk = await asyncio.wait_for(chunks.__anext__(), timeout=min(stall, self.remaining()))
+                    async with asyncio.timeout(min(stall, self.remaining())):  # no task per chunk, unlike wait_for
+                        chunk = await chunks.__anext__()
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:

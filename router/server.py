@@ -121,8 +121,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             async for resp in run.stream():
                 try:  # a client that stops reading must not hold the handler past the request's budget
-                    await asyncio.wait_for(context.write(resp), run.remaining())
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(run.remaining()):
+                        await context.write(resp)
+                except TimeoutError:
                     run.abort("client stopped reading")
                     raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                        "deadline exceeded while the client was not reading the stream") from None

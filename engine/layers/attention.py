@@ -113,10 +113,22 @@ class DSAIndexer(nn.Module):
             t = min(tq, s0 + step) - s0
             hs = torch.bmm(qp[:, s0:s0 + t].reshape(B, t * H, D), kt).relu_()  # one GEMM for all heads
             w_blk = wp[:, s0:s0 + t].reshape(B * t, 1, H)
-            scores[:, s0:s0 + t] = torch.bmm(w_blk, hs.view(B * t, H, S)).view(B, t, S)
+            out = scores[:, s0:s0 + t]
+            if out.is_contiguous():  # B == 1: the head-weighted sum lands in place, no copy
+                torch.bmm(w_blk, hs.view(B * t, H, S), out=out.view(B * t, 1, S))
+            else:
+                out.copy_(torch.bmm(w_blk, hs.view(B * t, H, S)).view(B, t, S))
+        k = min(cfg.index_topk, S)
+        c = batch.single_causal_start
+        if c is not None:  # one causal request (S = c + tq): only the last tq keys can lie in the future
+            scores[0, :, c:].masked_fill_(torch.ones(tq, tq, dtype=torch.bool, device=scores.device).triu_(1),
+                                          float("-inf"))
+            idx = scores.topk(k, dim=-1).indices  # [1, Tq, k]
+            valid = idx <= (c + torch.arange(tq, device=idx.device))[None, :, None]
+            return TopK(idx, valid)
         causal = batch.attn_mask[:, 0]
         scores.masked_fill_(~causal, float("-inf"))
-        idx = scores.topk(min(cfg.index_topk, S), dim=-1).indices  # [B, Tq, k]
+        idx = scores.topk(k, dim=-1).indices  # [B, Tq, k]
         # a query with fewer than k causal keys also picks masked ones: they stay masked
         valid = causal.gather(-1, idx)
         return TopK(idx, valid)

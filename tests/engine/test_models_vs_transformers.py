@@ -67,3 +67,40 @@ def test_dsa_sparsity_changes_the_output(tiny_dirs):
     dense = _full_logits(model, cfg, ids)
     assert (sparse[:16] - dense[:16]).abs().max() < TOL  # short prefixes see everything either way
     assert (sparse[30:] - dense[30:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dsa_attention", ["masked", "gather"])
+def test_chunked_single_request_indexer_fast_path(dsa_attention, tiny_dirs, monkeypatch):
+    """One causal request prefilled in chunks over its cached prefix: the indexer masks only the
+    [Tq, Tq] block where the future lies (no [Tq, S] mask is built) and must select exactly what the
+    full causal mask selects: logits bit-identical to that path, and within TOL of transformers."""
+    import engine.layers.attention as attention
+    monkeypatch.setattr(attention, "SPARSE_MIN_CONTEXT_RATIO", 1 if dsa_attention == "gather" else 10**9)
+    hf = make_hf_model("dsa")
+    model, cfg = load_model(tiny_dirs["dsa"], "float32", "cpu")
+    torch.manual_seed(3)
+    ids = torch.randint(2, cfg.vocab_size, (77,))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+
+    def chunked():
+        pool = _pool(cfg)
+        pages = pool.allocator.alloc(pool.pages_for(len(ids)), "t")
+        out = []
+        for s in range(0, len(ids), 20):
+            chunk = ids[s:s + 20].tolist()
+            b = ForwardBatch.build([BatchRequest(pages, s, chunk, num_logits=len(chunk))], pool.page_size)
+            assert b.single_causal_start == s
+            out.append(model(b, pool, all_logits=True).logits)
+        return torch.cat(out)
+    fast = chunked()
+    assert (fast - ref).abs().max().item() < TOL
+    monkeypatch.setattr(ForwardBatch, "single_causal_start", property(lambda self: None))  # the [Tq, S] mask path
+
+    def chunked_general():
+        pool = _pool(cfg)
+        pages = pool.allocator.alloc(pool.pages_for(len(ids)), "t")
+        return torch.cat([model(ForwardBatch.build([BatchRequest(pages, s, ids[s:s + 20].tolist(),
+                                                                 num_logits=len(ids[s:s + 20]))], pool.page_size),
+                                pool, all_logits=True).logits for s in range(0, len(ids), 20)])
+    assert torch.equal(fast, chunked_general())
