@@ -47,8 +47,8 @@ class EchoPrefill(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.AbortResponse()
 
     async def GetStatus(self, request, context):
-        return generation_pb2.WorkerStatus(worker_id="echo-p", role="prefill", pages_total=4096, pages_free=4096,
-                                           info=INFO, model_hash="echo")
+        return generation_pb2.WorkerStatus(worker_id="echo-p", role="prefill", healthy=True, pages_total=4096,
+                                           pages_free=4096, info=INFO, model_hash="echo")
 
     async def StreamCacheEvents(self, request, context):
         yield worker_pb2.CacheEvent(reset=True)
@@ -68,8 +68,8 @@ class EchoDecode(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AbortResponse()
 
     async def GetStatus(self, request, context):
-        return generation_pb2.WorkerStatus(worker_id="echo-d", role="decode", pages_total=4096, pages_free=4096,
-                                           info=INFO, model_hash="echo")
+        return generation_pb2.WorkerStatus(worker_id="echo-d", role="decode", healthy=True, pages_total=4096,
+                                           pages_free=4096, info=INFO, model_hash="echo")
 
 
 def echo_worker_main(port_q) -> None:
