@@ -84,6 +84,42 @@ def echo_worker_main(port_q) -> None:
     _run(main())
 
 
+# -- a bare proxy (separate process): the cost floor of one Python gRPC hop making the same calls -----------
+class BareProxy(generation_pb2_grpc.GenerationServicer):
+    """Reserve -> Prefill -> Decode on the echo worker and stream back: no validation, routing, metrics,
+    retries or deadlines. What any router written on grpc.aio pays for the hop itself."""
+
+    def __init__(self, worker_addr: str) -> None:
+        ch = grpc.aio.insecure_channel(worker_addr, options=rpc.CHANNEL_OPTIONS)
+        self.pre, self.dec = worker_pb2_grpc.PrefillWorkerStub(ch), worker_pb2_grpc.DecodeWorkerStub(ch)
+        self.md = rpc.auth_metadata(SECRET)
+        self.n = 0
+
+    async def Generate(self, request, context):
+        self.n += 1
+        rid, ids, sp = f"b{self.n}", list(request.token_ids.ids), request.sampling
+        t = (await self.dec.Reserve(worker_pb2.ReserveRequest(request_id=rid, num_tokens=len(ids),
+                                                              max_new_tokens=sp.max_tokens), metadata=self.md)).ticket
+        r = await self.pre.Prefill(worker_pb2.PrefillRequest(request_id=rid, token_ids=ids, sampling=sp, ticket=t),
+                                   metadata=self.md)
+        yield generation_pb2.GenerateResponse(request_id=rid, token_ids=[r.first_token])
+        async for c in self.dec.Decode(worker_pb2.DecodeRequest(request_id=rid, prompt_ids=ids,
+                                                                output_prefix=[r.first_token], sampling=sp),
+                                       metadata=self.md):
+            yield generation_pb2.GenerateResponse(request_id=rid, token_ids=c.token_ids, finish_reason=c.finish_reason)
+
+
+def bare_proxy_main(worker_addr: str, port_q) -> None:
+    async def main():
+        server = rpc.make_server(None)
+        generation_pb2_grpc.add_GenerationServicer_to_server(BareProxy(worker_addr), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        port_q.put(port)
+        await server.wait_for_termination()
+    _run(main())
+
+
 def _run(coro):
     try:
         import uvloop
@@ -93,16 +129,17 @@ def _run(coro):
 
 
 # -- overhead -------------------------------------------------------------------------------------------------
-async def time_requests(router_addr: str, router_pid: int, worker_addr: str, n: int, prompt_len: int,
-                        max_tokens: int):
+async def time_requests(router_addr: str, router_pid: int, worker_addr: str, bare_addr: str, n: int,
+                        prompt_len: int, max_tokens: int):
     md = rpc.auth_metadata(SECRET)
     ids = list(range(2, 2 + prompt_len))
     sp = generation_pb2.SamplingParams(max_tokens=max_tokens)
-    direct, routed = [], []
+    direct, routed, bare = [], [], []
     async with grpc.aio.insecure_channel(worker_addr, options=rpc.CHANNEL_OPTIONS) as wch, \
-            grpc.aio.insecure_channel(router_addr, options=rpc.CHANNEL_OPTIONS) as rch:
+            grpc.aio.insecure_channel(router_addr, options=rpc.CHANNEL_OPTIONS) as rch, \
+            grpc.aio.insecure_channel(bare_addr, options=rpc.CHANNEL_OPTIONS) as bch:
         pre, dec = worker_pb2_grpc.PrefillWorkerStub(wch), worker_pb2_grpc.DecodeWorkerStub(wch)
-        gen = generation_pb2_grpc.GenerationStub(rch)
+        gen, bare_gen = generation_pb2_grpc.GenerationStub(rch), generation_pb2_grpc.GenerationStub(bch)
         req = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=ids), sampling=sp)
 
         async def one_direct(i):
@@ -118,24 +155,28 @@ async def time_requests(router_addr: str, router_pid: int, worker_addr: str, n: 
                 pass
             return time.perf_counter() - t0
 
-        async def one_routed(i):
+        async def one_routed(i, stub=gen):
             t0 = time.perf_counter()
-            async for _ in gen.Generate(req, timeout=5):
+            async for _ in stub.Generate(req, timeout=5):
                 pass
             return time.perf_counter() - t0
 
         for i in range(50):  # warm up channels and code paths
             await one_direct(i)
             await one_routed(i)
-        cpu0, client_cpu = proc_cpu_s(router_pid), 0.0
+            await one_routed(i, bare_gen)
+        client_cpu = cpu_per_req = 0.0
         for i in range(n):
             c0 = time.process_time()
             direct.append(await one_direct(i))
             client_cpu += time.process_time() - c0
+            cpu0 = proc_cpu_s(router_pid)
             routed.append(await one_routed(i))
-        cpu_per_req = (proc_cpu_s(router_pid) - cpu0) / n
+            cpu_per_req += proc_cpu_s(router_pid) - cpu0
+            bare.append(await one_routed(i, bare_gen))
+        cpu_per_req /= n
     # this process's CPU for the direct path (3 worker calls) sets the scale: what one client-side call costs here
-    return direct, routed, cpu_per_req, client_cpu / n / 3
+    return direct, routed, bare, cpu_per_req, client_cpu / n / 3
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -151,8 +192,8 @@ def pct(xs, q):
 
 
 def start_router(worker_addr: str, profile: str | None = None) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, *(["-m", "cProfile", "-o", profile] if profile else []), "-m", "router", "--port", "0", "--prefill", worker_addr, "--decode", worker_addr,
-           "--cluster-secret", SECRET, "--log-level", "WARNING"]
+    cmd = [sys.executable, *(["-m", "cProfile", "-o", profile] if profile else []), "-m", "router", "--port", "0",
+           "--prefill", worker_addr, "--decode", worker_addr, "--cluster-secret", SECRET, "--log-level", "WARNING"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
@@ -167,25 +208,30 @@ def bench_overhead(args) -> dict:
     worker = ctx.Process(target=echo_worker_main, args=(q,), daemon=True)
     worker.start()
     worker_addr = f"127.0.0.1:{q.get(timeout=30)}"
+    proxy = ctx.Process(target=bare_proxy_main, args=(worker_addr, q), daemon=True)
+    proxy.start()
+    bare_addr = f"127.0.0.1:{q.get(timeout=30)}"
     router, router_addr = start_router(worker_addr, args.profile)
     try:
         time.sleep(0.5)  # first status poll
         holder = {}
 
         async def main():
-            holder["r"] = await time_requests(router_addr, router.pid, worker_addr, args.requests,
+            holder["r"] = await time_requests(router_addr, router.pid, worker_addr, bare_addr, args.requests,
                                               args.prompt_len, args.max_tokens)
         _run(main())
-        direct, routed, cpu_per_req, call_cpu = holder["r"]
+        direct, routed, bare, cpu_per_req, call_cpu = holder["r"]
     finally:
         router.send_signal(signal.SIGTERM)
         router.wait(10)
-        worker.terminate()
-        worker.join(5)
+        for p in (worker, proxy):
+            p.terminate()
+            p.join(5)
     out = {"requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
     for q_name, qv in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
-        d, r = pct(direct, qv) * 1e3, pct(routed, qv) * 1e3
-        out[q_name] = {"direct_ms": round(d, 3), "router_ms": round(r, 3), "overhead_ms": round(r - d, 3)}
+        d, r, b = pct(direct, qv) * 1e3, pct(routed, qv) * 1e3, pct(bare, qv) * 1e3
+        out[q_name] = {"direct_ms": round(d, 3), "router_ms": round(r, 3), "overhead_ms": round(r - d, 3),
+                       "bare_proxy_ms": round(b, 3), "bare_overhead_ms": round(b - d, 3)}
     out["mean_overhead_ms"] = round((statistics.mean(routed) - statistics.mean(direct)) * 1e3, 3)
     out["router_cpu_ms_per_request"] = round(cpu_per_req * 1e3, 3)
     out["client_cpu_ms_per_grpc_call"] = round(call_cpu * 1e3, 3)
@@ -258,7 +304,8 @@ def main(argv=None) -> int:
         print(f"router overhead over {o['requests']} requests (prompt {o['prompt_len']}, {o['max_tokens']} tokens):")
         for q in ("p50", "p90", "p99"):
             print(f"  {q}: direct {o[q]['direct_ms']:.3f} ms, via router {o[q]['router_ms']:.3f} ms, "
-                  f"added {o[q]['overhead_ms']:.3f} ms")
+                  f"added {o[q]['overhead_ms']:.3f} ms; a bare grpc.aio proxy making the same calls adds "
+                  f"{o[q]['bare_overhead_ms']:.3f} ms")
         print(f"  router CPU per request: {o['router_cpu_ms_per_request']:.3f} ms; for scale, one client-side gRPC "
               f"call costs {o['client_cpu_ms_per_grpc_call']:.3f} ms CPU here (the router makes 3 and serves 1); "
               f"1-min load average {o['load_avg_1m']:.1f} on {os.cpu_count()} cores")

@@ -52,9 +52,11 @@ class Worker:
     last_ok_s: float = 0.0
     excluded: str = ""
     """Why the worker is kept out of rotation whatever its health (model mismatch), or ""."""
-    left: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when the worker leaves the rotation (replaced by a fresh one when it comes back): calls in
-    flight there race it and give up at once instead of waiting out their deadline."""
+    live_calls: set = field(default_factory=set)
+    """Request calls in flight there that should end when the worker leaves the rotation (it stopped
+    answering polls or says it cannot serve): they are cancelled then, not left to their deadline."""
+    dropped_calls: set = field(default_factory=set)
+    """The ones cancelled that way (their owner turns the cancellation into UNAVAILABLE and retries)."""
     suspended_until: float = 0.0
     """time.monotonic() until which new requests avoid the worker if another one is healthy (one of its
     streams stalled: its health poll may still answer while its scheduler is stuck)."""
@@ -265,11 +267,12 @@ class Registry:
             return
         w.healthy = healthy
         if healthy:
-            w.left = asyncio.Event()
             logger.info("%s worker %s (%s) is in rotation", w.role, w.name, w.address)
         else:
-            w.left.set()
             logger.warning("%s worker %s (%s) is out of rotation: %s", w.role, w.name, w.address, w.last_error)
+            for call in list(w.live_calls):
+                w.dropped_calls.add(call)
+                call.cancel()
         if self.on_change is not None:
             self.on_change()
 

@@ -273,10 +273,18 @@ class GenerateRun:
         pw.inflight += 1
         call = pw.stub.Prefill(req, metadata=self.core.registry.metadata, timeout=self.remaining())
         self._live_calls.append(call)
+        pw.live_calls.add(call)
         try:
-            r = await _unless_left(call, pw)
+            r = await call
+        except asyncio.CancelledError:
+            if call not in pw.dropped_calls:
+                raise
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       f"left the rotation during the call ({pw.last_error or 'unhealthy'})") from None
         finally:
             pw.inflight -= 1
+            pw.live_calls.discard(call)
+            pw.dropped_calls.discard(call)
             self._live_calls.remove(call)
         self.phase = Phase.PREFILLED
         self.first_token = r.first_token
@@ -328,31 +336,6 @@ class GenerateRun:
             dw.inflight -= 1
             self._live_calls.remove(call)
         raise DecodeLost(dw, rid, f"decode worker {dw.name} ended the stream without a finish")
-
-
-async def _unless_left(call, w: Worker):
-    """``await call``, but when ``w`` leaves the rotation first (polls fail, or it reports its scheduler
-    stuck), cancel the call and raise UNAVAILABLE: the request is retried elsewhere now, not at its
-    deadline."""
-    left = w.left
-    if left.is_set():
-        call.cancel()
-    else:
-        fut = asyncio.ensure_future(call)
-        waiter = asyncio.ensure_future(left.wait())
-        try:
-            await asyncio.wait((fut, waiter), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # our caller was cancelled: take the call down with it
-            fut.cancel()
-            raise
-        finally:
-            waiter.cancel()
-        if fut.done():
-            return fut.result()
-        fut.cancel()
-        call.cancel()
-    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                               f"left the rotation during the call ({w.last_error or 'unhealthy'})")
 
 
 class DecodeLost(Exception):
