@@ -172,6 +172,32 @@ def scatter_rows(rows: torch.Tensor, src: torch.Tensor, pages: Sequence[int], pa
         rows[sp.tail.slot:sp.tail.slot + sp.tail.num_slots].copy_(src[sp.tail_offset:])
 
 
+def copy_pages(s_rows: torch.Tensor, d_rows: torch.Tensor, src_pages: Sequence[int], dst_pages: Sequence[int],
+               page_size: int, token_start: int, token_end: int) -> None:
+    """Rows of [token_start, token_end) from ``src_pages`` into the same tokens' slots in ``dst_pages``,
+    without staging them in token order: the two sides share the page split, so whole pages move as
+    records and the partial first / last page directly."""
+    ss = split_pages(src_pages, page_size, token_start, token_end)
+    ds = split_pages(dst_pages, page_size, token_start, token_end)
+    for a, b in ((ss.head, ds.head), (ss.tail, ds.tail)):
+        if a is not None:
+            d_rows[b.slot:b.slot + b.num_slots].copy_(s_rows[a.slot:a.slot + a.num_slots])
+    sm, dm = ss.mid_pages, ds.mid_pages
+    if not len(sm):
+        return
+    srec, drec = _page_records(s_rows, page_size), _page_records(d_rows, page_size)
+    if _is_run(sm):  # one pass: scatter straight from a view of the source run
+        drec[dm] = srec[sm[0]:sm[0] + len(sm)]
+    elif _is_run(dm):  # one pass: gather straight into the destination run
+        np.take(srec, sm, out=drec[dm[0]:dm[0] + len(dm)])
+    else:  # both scattered: numpy stages the gathered records once
+        drec[dm] = srec[sm]
+
+
+def _is_run(pages: np.ndarray) -> bool:
+    return int(pages[-1]) - int(pages[0]) == len(pages) - 1 and bool((np.diff(pages) == 1).all())
+
+
 def as_bytes(t: torch.Tensor) -> memoryview:
     """Writable byte view of a contiguous CPU tensor's memory (no copy)."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
@@ -312,9 +338,11 @@ class LayerCodec:
                     s = s_rows[r.src_slot:r.src_slot + r.num_slots]
                     d_rows[r.dst_slot:r.dst_slot + r.num_slots].copy_(s)
                     views.append(s)
-            else:  # fragmented: one page-granular gather + one scatter instead of a copy_ per run
+            elif want_views:  # fragmented, and the caller checksums the rows in payload order
                 pieces = gather_rows(s_rows, src_pages, P, token_start, token_end)
                 scatter_rows(d_rows, torch.cat(pieces) if len(pieces) > 1 else pieces[0], dst_pages, P,
                              token_start, token_end)
                 views.extend(pieces)
+            else:  # fragmented: whole pages record to record (one numpy gather + scatter), partial ends direct
+                copy_pages(s_rows, d_rows, src_pages, dst_pages, P, token_start, token_end)
         return [as_bytes(v) for v in views] if want_views else []

@@ -257,3 +257,26 @@ def test_checksums_match_their_published_check_values():
     for kind in (ChecksumKind.CRC32C, ChecksumKind.CRC32):
         assert checksum(kind, [data[:4], data[4:7], data[7:]]) == checksum(kind, [data])
     assert checksum(ChecksumKind.NONE, [data]) is None
+
+
+@pytest.mark.parametrize("src_kind,dst_kind", [("run", "run"), ("run", "scattered"), ("scattered", "run"),
+                                               ("scattered", "scattered")])
+@pytest.mark.parametrize("span", [(0, 64), (5, 61), (3, 7), (16, 48)])
+def test_copy_pages_puts_every_token_row_in_its_slot(src_kind, dst_kind, span):
+    """The shm copy of fragmented pages (records gathered or scattered in one pass where one side is a
+    run) against the definition: token t's row goes from src slot pages[t // P] * P + t % P to the same
+    token's dst slot, and nothing else in dst changes."""
+    from kvtransfer.payload import copy_pages
+    P, n_pages, width = 4, 40, 6
+    rng = random.Random(hash((src_kind, dst_kind, span)) & 0xFFFF)
+
+    def pages(kind):
+        return list(range(7, 7 + 16)) if kind == "run" else rng.sample(range(n_pages), 16)
+    sp, dp = pages(src_kind), pages(dst_kind)
+    src = torch.randint(0, 255, (n_pages * P, width), dtype=torch.uint8)
+    dst = torch.randint(0, 255, (n_pages * P, width), dtype=torch.uint8)
+    want = dst.clone()
+    for t in range(*span):
+        want[dp[t // P] * P + t % P] = src[sp[t // P] * P + t % P]
+    copy_pages(src, dst, sp, dp, P, *span)
+    assert torch.equal(dst, want)
