@@ -33,6 +33,9 @@ def register(sub) -> None:
                    help="times a request may resume on another decode worker after its own died mid-stream")
     s.add_argument("--decode-stall-timeout", type=float, default=30.0,
                    help="seconds a decode stream may stay silent before its requests fail over")
+    s.add_argument("--stall-after", type=float, default=60.0,
+                   help="a worker whose scheduler has work and finished no step for this long reports itself "
+                        "unhealthy (the router drains it)")
     s.add_argument("--no-shm", action="store_true",
                    help="ship KV over TCP even though all workers share this host (default: shared memory)")
     s.add_argument("--fault-injection", action="store_true",
@@ -76,6 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         speculative=None if args.no_speculative else args.speculative, api_key=args.api_key, routing=args.routing,
         local_prefill_below=args.local_prefill_below, max_failovers=args.max_failovers,
         decode_stall_timeout_s=args.decode_stall_timeout, fault_injection=args.fault_injection, shm=not args.no_shm,
+        stall_after_s=args.stall_after,
         threads_per_worker=args.threads_per_worker,
         run_dir=args.run_dir, startup_timeout_s=args.startup_timeout)
     old = {s: signal.signal(s, _raise_shutdown) for s in (signal.SIGTERM, signal.SIGINT)}

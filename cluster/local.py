@@ -65,6 +65,8 @@ class LocalClusterConfig:
     """Router: times a request may resume on another decode worker after its own died mid-stream."""
     decode_stall_timeout_s: float = 30.0
     """Router: a decode stream silent this long fails over like a dead worker."""
+    stall_after_s: float = 60.0
+    """Workers report themselves unhealthy when their scheduler has work and finished no step for this long."""
     shm: bool = True
     """Decode workers keep their KV pool in shared memory, so prefill workers (same host) ship KV by
     copying pages instead of over TCP (a worker that cannot create the segment falls back to TCP)."""
@@ -85,8 +87,8 @@ class LocalClusterConfig:
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError(f"need at least one prefill and one decode worker, got {self.num_prefill} + "
                              f"{self.num_decode}")
-        if self.startup_timeout_s <= 0 or self.stop_grace_s <= 0:
-            raise ValueError("startup_timeout_s and stop_grace_s must be > 0")
+        if self.startup_timeout_s <= 0 or self.stop_grace_s <= 0 or self.stall_after_s <= 0:
+            raise ValueError("startup_timeout_s, stop_grace_s and stall_after_s must be > 0")
         rpc.check_bind(self.host, self.api_key, "the router (give --api-key)")
 
 
@@ -170,7 +172,7 @@ class LocalCluster:
         if c.num_pages:
             cmd += ["--num-pages", str(c.num_pages)]
         threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // (c.num_prefill + c.num_decode))
-        cmd += ["--threads", str(threads)]
+        cmd += ["--threads", str(threads), "--stall-after", str(c.stall_after_s)]
         if role == "prefill" and c.fault_injection:
             cmd += ["--fault-injection"]
         if role == "decode":
