@@ -1,7 +1,7 @@
 """Attention over the paged KV cache: GQA (glm4_moe) and MLA + DSA (glm_moe_dsa)."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -162,21 +162,22 @@ INDEX_BLOCK_ELEMS = 3 << 18
 SPARSE_MIN_CONTEXT_RATIO = 40
 
 
-def sparse_mla(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, topk: TopK, scale: float) -> torch.Tensor:
+def sparse_mla(q: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor], kv_lora_rank: int, topk: TopK,
+               scale: float) -> torch.Tensor:
     """DSA attention in the latent space over each query's selected keys only (what FlashMLA's sparse
-    kernel computes): cost Tq * k instead of Tq * S.
+    kernel computes): cost Tq * k instead of Tq * S, and only the selected keys are read.
 
-    q ``[B, Tq, H, L + r]`` (absorbed query), kv ``[B, S, L + r]`` (latent ++ rope key) -> ``[B, Tq, H, L]``.
+    q ``[B, Tq, H, L + r]`` (absorbed query); ``gather(idx [B, t, k])`` -> the latent ++ rope keys at those
+    context positions ``[B, t, k, L + r]``. Returns ``[B, Tq, H, L]``.
     """
     B, tq, H, D = q.shape
     k = topk.idx.shape[-1]
     out = q.new_empty(B, tq, H, kv_lora_rank)
-    bidx = torch.arange(B, device=q.device)[:, None, None]
     step = max(1, SPARSE_BLOCK_ELEMS // max(1, B * k * D))
     first = torch.arange(k, device=q.device) == 0
     for s in range(0, tq, step):
         e = min(tq, s + step)
-        sel = kv[bidx, topk.idx[:, s:e]]  # [B, t, k, L + r]
+        sel = gather(topk.idx[:, s:e])  # [B, t, k, L + r]
         valid = topk.valid[:, s:e]
         valid = valid | (~valid.any(-1, keepdim=True) & first)  # padding queries: no NaN rows
         scores = torch.einsum("bthd,btkd->bthk", q[:, s:e], sel) * scale
@@ -212,7 +213,7 @@ class MLAAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
                 topk_prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg, L = self.cfg, self.layer_idx
-        T, H, nope, r = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        T, H, nope = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(T, H, cfg.qk_head_dim)
         q_nope, q_rot = q[..., :nope], q[..., nope:]
@@ -228,9 +229,7 @@ class MLAAttention(nn.Module):
         else:  # keep the slot defined (shipped and checked like any other component)
             pool.write(L, "index", batch.out_slots, torch.zeros(T, cfg.index_head_dim, dtype=x.dtype))
 
-        lat = pool.read(L, "latent", batch.kv_slots, x.dtype)  # [B, S, L]
-        krope = pool.read(L, "rope", batch.kv_slots, x.dtype)  # [B, S, r]
-        mask, topk = batch.attn_mask, None
+        topk = None
         if batch.max_kv_len > cfg.index_topk:
             if self.indexer is not None:
                 keys = pool.read(L, "index", batch.kv_slots, x.dtype)
@@ -242,14 +241,23 @@ class MLAAttention(nn.Module):
         w_kv = self.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, cfg.kv_lora_rank)
         qn, qr = batch.pad_q(q_nope), batch.pad_q(q_rot)  # [B, Tq, H, *]
         max_q, sparse = max(batch.q_lens), topk is not None
-        if sparse and max_q > MLA_ABSORB_MAX_Q and batch.max_kv_len < SPARSE_MIN_CONTEXT_RATIO * topk.idx.shape[-1]:
-            mask, sparse = mask & topk.mask(batch.max_kv_len), False  # dense GEMMs, selection as a mask
-        if sparse:  # each query attends only to its selected keys
+        if sparse and (max_q <= MLA_ABSORB_MAX_Q or
+                       batch.max_kv_len >= SPARSE_MIN_CONTEXT_RATIO * topk.idx.shape[-1]):
+            # each query attends only to its selected keys, read straight from the pool by slot
             q_lat = torch.einsum("bthn,hnl->bthl", qn, w_kv[:, :nope])  # absorb W_UK
-            o_lat = sparse_mla(torch.cat([q_lat, qr], dim=-1), torch.cat([lat, krope], dim=-1), cfg.kv_lora_rank,
-                               topk, cfg.softmax_scale)  # [B, Tq, H, L]
+            bidx = torch.arange(batch.num_reqs, device=x.device)[:, None, None]
+
+            def gather(idx: torch.Tensor) -> torch.Tensor:
+                slots = batch.kv_slots[bidx, idx]  # [B, t, k]
+                return torch.cat([pool.read(L, "latent", slots, x.dtype), pool.read(L, "rope", slots, x.dtype)], -1)
+            o_lat = sparse_mla(torch.cat([q_lat, qr], dim=-1), gather, cfg.kv_lora_rank, topk,
+                               cfg.softmax_scale)  # [B, Tq, H, L]
             o = torch.einsum("bthl,hvl->bthv", o_lat, w_kv[:, nope:])  # apply W_UV
-        elif max_q <= MLA_ABSORB_MAX_Q:
+            return self.o_proj(batch.unpad_q(o).reshape(T, -1)), topk
+        lat = pool.read(L, "latent", batch.kv_slots, x.dtype)  # [B, S, L]
+        krope = pool.read(L, "rope", batch.kv_slots, x.dtype)  # [B, S, r]
+        mask = batch.attn_mask if topk is None else batch.attn_mask & topk.mask(batch.max_kv_len)
+        if max_q <= MLA_ABSORB_MAX_Q:
             q_lat = torch.einsum("bthn,hnl->bthl", qn, w_kv[:, :nope])  # absorb W_UK
             qq = torch.cat([q_lat, qr], dim=-1).transpose(1, 2)  # [B, H, Tq, L + r]
             kk = torch.cat([lat, krope], dim=-1)[:, None]  # [B, 1, S, L + r]
