@@ -96,12 +96,23 @@ class ForwardBatch:
     def num_reqs(self) -> int:
         return len(self.q_lens)
 
+    @property
+    def uniform_q(self) -> bool:
+        """Every request runs the same number of new tokens (decode steps, verification, one request):
+        padding is then a reshape, not a gather."""
+        q = self.q_lens
+        return q.count(q[0]) == len(q)
+
     def pad_q(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, ...] -> [B, Tq_max, ...]"""
+        """[T, ...] -> [B, Tq_max, ...] (a view when ``uniform_q``; do not write to it)."""
+        if self.uniform_q:
+            return x.reshape(len(self.q_lens), self.q_lens[0], *x.shape[1:])
         return x[self.q_index]
 
     def unpad_q(self, x: torch.Tensor) -> torch.Tensor:
         """[B, Tq_max, ...] -> [T, ...] (requests concatenated in order)."""
+        if self.uniform_q:
+            return x.reshape(-1, *x.shape[2:])
         return x[self.q_valid]
 
     @classmethod
