@@ -245,10 +245,8 @@ class MLAAttention(nn.Module):
                        batch.max_kv_len >= SPARSE_MIN_CONTEXT_RATIO * topk.idx.shape[-1]):
             # each query attends only to its selected keys, read straight from the pool by slot
             q_lat = torch.einsum("bthn,hnl->bthl", qn, w_kv[:, :nope])  # absorb W_UK
-            bidx = torch.arange(batch.num_reqs, device=x.device)[:, None, None]
-
             def gather(idx: torch.Tensor) -> torch.Tensor:
-                slots = batch.kv_slots[bidx, idx]  # [B, t, k]
+                slots = batch.kv_slots.gather(1, idx.reshape(idx.shape[0], -1)).view(idx.shape)  # [B, t, k]
                 return torch.cat([pool.read(L, "latent", slots, x.dtype), pool.read(L, "rope", slots, x.dtype)], -1)
             o_lat = sparse_mla(torch.cat([q_lat, qr], dim=-1), gather, cfg.kv_lora_rank, topk,
                                cfg.softmax_scale)  # [B, Tq, H, L]

@@ -19,6 +19,10 @@ class RotaryTable:
         self.inv_freq = self.inv_freq.to(device)
         self._cos = torch.empty(0, rotary_dim // 2, device=device)
         self._sin = torch.empty(0, rotary_dim // 2, device=device)
+        self._last: tuple | None = None
+        """(positions, dtype, cos, sin) of the last lookup: every layer of a forward asks for the same
+        positions tensor (``ForwardBatch.positions``, never written in place), so the gather runs once
+        per forward, not once per layer."""
 
     def _grow(self, n: int) -> None:
         n = max(n, 2 * self._cos.shape[0], 4096)
@@ -27,11 +31,18 @@ class RotaryTable:
         self._cos, self._sin = freqs.cos(), freqs.sin()
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> cos, sin ``[T, rotary_dim / 2]`` in ``dtype`` (cast like transformers does)."""
+        """-> cos, sin ``[T, rotary_dim / 2]`` in ``dtype`` (cast like transformers does). Callers must not
+        write to them (they are shared by the layers of one forward)."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
         need = int(positions.max()) + 1 if positions.numel() else 0
         if need > self._cos.shape[0]:
             self._grow(need)
-        return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
+        cos = self._cos.index_select(0, positions).to(dtype)
+        sin = self._sin.index_select(0, positions).to(dtype)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
 
 
 def apply_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,7 @@ class GlmForCausalLM(nn.Module):
             if batch.on_layer_done is not None:
                 batch.on_layer_done(layer.layer_idx)
         hidden = self.model.norm(x)
-        sel = hidden if all_logits else hidden[batch.logits_index]
+        sel = hidden if all_logits else hidden.index_select(0, batch.logits_index)
         return ForwardResult(self.logits(sel), hidden)
 
     @torch.inference_mode()
@@ -113,5 +113,5 @@ class GlmForCausalLM(nn.Module):
         if batch.on_layer_done is not None:
             batch.on_layer_done(m.block.layer_idx)
         hidden = m.shared_head_norm(x)
-        sel = hidden if all_logits else hidden[batch.logits_index]
+        sel = hidden if all_logits else hidden.index_select(0, batch.logits_index)
         return ForwardResult(self.logits(sel), hidden)
