@@ -95,9 +95,9 @@ def moe_gather(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Ro
     flat = routing.ids.reshape(-1)
     I = w2.shape[2]
     xs = x.repeat_interleave(K, dim=0).unsqueeze(-1)  # [T*K, H, 1]
-    h = torch.bmm(w13[flat], xs).squeeze(-1)  # [T*K, 2I]
+    h = torch.bmm(w13.index_select(0, flat), xs).squeeze(-1)  # [T*K, 2I]
     a = (F.silu(h[:, :I]) * h[:, I:]).unsqueeze(-1)
-    y = torch.bmm(w2[flat], a).squeeze(-1)  # [T*K, H]
+    y = torch.bmm(w2.index_select(0, flat), a).squeeze(-1)  # [T*K, H]
     y = y.view(T, K, -1) * routing.weights.unsqueeze(-1).to(y.dtype)
     return y.sum(dim=1)
 
