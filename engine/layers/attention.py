@@ -254,7 +254,12 @@ class MLAAttention(nn.Module):
             return self.o_proj(batch.unpad_q(o).reshape(T, -1)), topk
         lat = pool.read(L, "latent", batch.kv_slots, x.dtype)  # [B, S, L]
         krope = pool.read(L, "rope", batch.kv_slots, x.dtype)  # [B, S, r]
-        mask = batch.attn_mask if topk is None else batch.attn_mask & topk.mask(batch.max_kv_len)
+        if topk is None:
+            mask = batch.attn_mask
+        elif batch.single_causal_start is not None:  # its selection holds causal keys only: no [Tq, S] AND
+            mask = topk.mask(batch.max_kv_len)
+        else:
+            mask = batch.attn_mask & topk.mask(batch.max_kv_len)
         if max_q <= MLA_ABSORB_MAX_Q:
             q_lat = torch.einsum("bthn,hnl->bthl", qn, w_kv[:, :nope])  # absorb W_UK
             qq = torch.cat([q_lat, qr], dim=-1).transpose(1, 2)  # [B, H, Tq, L + r]
