@@ -47,7 +47,47 @@ HEADER_BYTES = 4096
 ALIGN = 64
 MAGIC = b"PDKVSHM1"
 _HEAD = struct.Struct("<8s16sQI")  # magic, nonce, num_pages, layout_len
-NAME_RE = re.compile(r"^pdserve-kv-[0-9a-f]{1,16}-[0-9a-f]{8}$")
+NAME_RE = re.compile(r"^pdserve-kv-(?:([0-9a-f]{1,16})-)?([0-9a-f]{1,16})-[0-9a-f]{8}$")
+"""``pdserve-kv-[<pid namespace inode>-]<pid>-<random>`` (hex): who created the segment, so a segment
+left behind by a killed worker can be found and removed."""
+
+
+def _pid_ns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def reap_stale_segments() -> list[str]:
+    """Unlink the segments whose creator was killed before it could (SIGKILL skips its finalizer):
+    only names carrying our pid namespace, whose pid runs no process now. A live pid, even a reused
+    one, keeps its segment; mappings stay valid after an unlink anyway. Returns the names removed."""
+    ns, removed = _pid_ns(), []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        m = NAME_RE.match(name)
+        if m is None or not m.group(1) or int(m.group(1), 16) != ns or not ns:
+            continue
+        try:
+            os.kill(int(m.group(2), 16), 0)
+            continue  # alive (or not ours to signal): keep
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    if removed:
+        log.warning("kvtransfer: removed %d shm segment(s) left by killed workers: %s", len(removed),
+                    ", ".join(removed))
+    return removed
 
 
 class TensorSlot(NamedTuple):
@@ -121,7 +161,8 @@ class ShmKVPool(KVPool):
         self.device = torch.device("cpu")
         self.allocator = PageAllocator(num_pages)
         self.num_pages = num_pages
-        self.segment_name = f"pdserve-kv-{os.getpid():x}-{secrets.token_hex(4)}"
+        reap_stale_segments()
+        self.segment_name = f"pdserve-kv-{_pid_ns():x}-{os.getpid():x}-{secrets.token_hex(4)}"
         self.nonce = secrets.token_bytes(16)
         _, self.segment_bytes = segment_plan(layout, num_pages)
         check_shm_space(self.segment_bytes)

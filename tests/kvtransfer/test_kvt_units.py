@@ -280,3 +280,31 @@ def test_copy_pages_puts_every_token_row_in_its_slot(src_kind, dst_kind, span):
         want[dp[t // P] * P + t % P] = src[sp[t // P] * P + t % P]
     copy_pages(src, dst, sp, dp, P, *span)
     assert torch.equal(dst, want)
+
+
+def test_segments_of_killed_workers_are_reaped_and_no_others(tmp_path, monkeypatch):
+    """SIGKILL skips a pool's finalizer and leaves its /dev/shm segment behind: the next pool created
+    on the host removes those of dead pids in our pid namespace, never a live one's or another
+    namespace's."""
+    import subprocess
+    import sys
+
+    from kvtransfer import shm
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    ns = shm._pid_ns()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    dead = int(dead)
+    names = {"dead": f"pdserve-kv-{ns:x}-{dead:x}-00000001", "alive": f"pdserve-kv-{ns:x}-{os.getpid():x}-00000002",
+             "other_ns": f"pdserve-kv-{ns + 1:x}-{dead:x}-00000003", "old_name": f"pdserve-kv-{dead:x}-00000004",
+             "unrelated": "something-else"}
+    for n in names.values():
+        (tmp_path / n).write_bytes(b"x")
+    pool = ShmKVPool(make_layout(), 4)
+    try:
+        left = set(os.listdir(tmp_path))
+        assert names["dead"] not in left
+        assert {names[k] for k in ("alive", "other_ns", "old_name", "unrelated")} <= left
+        assert pool.segment_name in left and shm.NAME_RE.match(pool.segment_name)
+    finally:
+        pool.close()
