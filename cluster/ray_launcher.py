@@ -82,6 +82,14 @@ class RayLaunchConfig:
     """torch threads per worker (0: the CPUs of its bundle)."""
     max_restarts: int = 5
     """How often Ray restarts a dead worker or router actor (-1: forever)."""
+    max_failovers: int = 2
+    """Router: times a request may resume on another decode worker after its own died mid-stream."""
+    decode_stall_timeout_s: float = 30.0
+    """Router: a decode stream silent this long fails over like a dead worker."""
+    stall_after_s: float = 60.0
+    """Workers report themselves unhealthy when their scheduler has work and finished no step for this long."""
+    no_shm: bool = False
+    """Decode pools in private memory: prefill workers on the same node ship KV over TCP too."""
     startup_timeout_s: float = 300.0
     """How long every actor may take to become ready."""
     placement_timeout_s: float = 30.0
@@ -103,8 +111,11 @@ class RayLaunchConfig:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.namespace):
             raise ValueError(f"namespace must be letters, digits, '_', '.', '-', got {self.namespace!r}")
-        if not self.startup_timeout_s > 0 or not self.placement_timeout_s > 0:
-            raise ValueError("startup_timeout_s and placement_timeout_s must be > 0")
+        for name in ("startup_timeout_s", "placement_timeout_s", "decode_stall_timeout_s", "stall_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_failovers < 0:
+            raise ValueError(f"max_failovers must be >= 0, got {self.max_failovers}")
         self.bundle  # validates the JSON
         from protos import rpc
         rpc.check_bind(self.host, self.api_key, "the router (give --api-key)")
@@ -218,19 +229,22 @@ def _worker_args(spec: dict, role: str, name: str) -> list[str]:
     threads = spec["threads"] or max(1, int(json.loads(spec["resources_per_worker"]).get("CPU", 1)))
     args = ["--model", spec["model"], "--port", "0", "--worker-id", name, "--dtype", spec["dtype"],
             "--page-size", str(spec["page_size"]), "--threads", str(threads),
-            "--expect-model-hash", spec["model_hash"]]
+            "--expect-model-hash", spec["model_hash"], "--stall-after", str(spec["stall_after_s"])]
     if spec["kv_dtype"]:
         args += ["--kv-dtype", spec["kv_dtype"]]
     if spec["num_pages"]:
         args += ["--num-pages", str(spec["num_pages"])]
     if role == "decode":
         args += ["--kv-port", "0", "--speculative", spec["speculative"] or "off"]
+        args += [] if spec["no_shm"] else ["--shm"]  # used by prefill workers on the same node
     return args
 
 
 def _router_args(spec: dict) -> list[str]:
     args = ["--host", spec["host"], "--port", str(spec["port"]), "--routing", spec["routing"],
-            "--model", spec["model"], "--startup-timeout-s", str(spec["startup_timeout_s"])]
+            "--model", spec["model"], "--startup-timeout-s", str(spec["startup_timeout_s"]),
+            "--max-failovers", str(spec["max_failovers"]),
+            "--decode-stall-timeout-s", str(spec["decode_stall_timeout_s"])]
     return args + (["--api-key", spec["api_key"]] if spec["api_key"] else [])
 
 

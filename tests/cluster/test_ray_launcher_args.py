@@ -18,12 +18,16 @@ def test_worker_args_carry_the_model_hash_threads_and_no_secret():
     assert flags["--speculative"] == "off" and flags["--kv-port"] == "0" and flags["--num-pages"] == "64"
     assert "--host" not in flags  # the actor adds its node's IP
     assert "s" not in args  # the secret goes through the environment only
-    pre = _worker_args(spec(threads=1), "prefill", "prefill-0")
-    assert "--kv-port" not in pre and dict(zip(pre[::2], pre[1::2]))["--threads"] == "1"
+    assert flags["--stall-after"] == "60.0" and args[-1] == "--shm"  # shared-memory pool for same-node prefill
+    pre = _worker_args(spec(threads=1, stall_after_s=9), "prefill", "prefill-0")
+    assert "--kv-port" not in pre and "--shm" not in pre
+    assert dict(zip(pre[::2], pre[1::2]))["--threads"] == "1" and dict(zip(pre[::2], pre[1::2]))["--stall-after"] == "9"
+    assert "--shm" not in _worker_args(spec(no_shm=True), "decode", "decode-0")
 
 
 def test_router_args():
-    args = _router_args(spec(port=0, api_key="k", routing="round_robin"))
+    args = _router_args(spec(port=0, api_key="k", routing="round_robin", max_failovers=0))
     flags = dict(zip(args[::2], args[1::2]))
     assert flags == {"--host": "127.0.0.1", "--port": "0", "--routing": "round_robin", "--model": "/m",
-                     "--startup-timeout-s": "300.0", "--api-key": "k"}
+                     "--startup-timeout-s": "300.0", "--max-failovers": "0", "--decode-stall-timeout-s": "30.0",
+                     "--api-key": "k"}
