@@ -48,8 +48,6 @@ class ForwardBatch:
     q_lens: list[int]
     kv_lens: list[int]
     max_kv_len: int
-    single_fresh: bool
-    """One request with no cached prefix and a causal mask: attention can skip the gather."""
     cached_lens: list[int] = field(default_factory=list)
     tree_masks: list[torch.Tensor | None] = field(default_factory=list)
     on_layer_done: Callable[[int], None] | None = field(default=None)
@@ -64,6 +62,11 @@ class ForwardBatch:
         if len(self.q_lens) == 1 and self.tree_masks[0] is None:
             return self.cached_lens[0]
         return None
+
+    @property
+    def single_fresh(self) -> bool:
+        """One request with no cached prefix and a causal mask: attention can skip the gather."""
+        return self.single_causal_start == 0
 
     @property
     def attn_mask(self) -> torch.Tensor:
@@ -161,10 +164,9 @@ class ForwardBatch:
             if r.tree_mask is not None and tuple(r.tree_mask.shape) != (n, n):
                 raise ValueError(f"tree_mask shape {tuple(r.tree_mask.shape)} != ({n}, {n})")
             start += n
-        single_fresh = B == 1 and reqs[0].cached_len == 0 and reqs[0].tree_mask is None
         dev = torch.device(device)
         return cls(input_ids=torch.cat(ids).to(dev), positions=torch.cat(pos).to(dev),
                    out_slots=torch.cat(slots).to(dev), kv_slots=kv_slots.to(dev),
                    q_index=q_index.to(dev), q_valid=q_valid.to(dev), logits_index=torch.cat(logit_idx).to(dev),
-                   q_lens=q_lens, kv_lens=kv_lens, max_kv_len=smax, single_fresh=single_fresh,
+                   q_lens=q_lens, kv_lens=kv_lens, max_kv_len=smax,
                    cached_lens=[r.cached_len for r in reqs], tree_masks=[r.tree_mask for r in reqs])

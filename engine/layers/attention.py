@@ -251,26 +251,31 @@ class MLAAttention(nn.Module):
             o_lat = sparse_mla(torch.cat([q_lat, qr], dim=-1), gather, cfg.kv_lora_rank, topk,
                                cfg.softmax_scale)  # [B, Tq, H, L]
             o = torch.einsum("bthl,hvl->bthv", o_lat, w_kv[:, nope:])  # apply W_UV
-            return self.o_proj(batch.unpad_q(o).reshape(T, -1)), topk
-        lat = pool.read(L, "latent", batch.kv_slots, x.dtype)  # [B, S, L]
-        krope = pool.read(L, "rope", batch.kv_slots, x.dtype)  # [B, S, r]
+        else:
+            o = self._dense(qn, qr, w_kv, topk, batch, pool, x.dtype)
+        o = batch.unpad_q(o)  # [T, H, v]
+        return self.o_proj(o.reshape(T, -1)), topk
+
+    def _dense(self, qn: torch.Tensor, qr: torch.Tensor, w_kv: torch.Tensor, topk: TopK | None,
+               batch: ForwardBatch, pool: KVPool, dtype: torch.dtype) -> torch.Tensor:
+        """Attention over the whole context (the DSA selection, if any, as a mask) -> ``[B, Tq, H, v]``."""
+        cfg, L = self.cfg, self.layer_idx
+        H, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
+        lat = pool.read(L, "latent", batch.kv_slots, dtype)  # [B, S, L]
+        krope = pool.read(L, "rope", batch.kv_slots, dtype)  # [B, S, r]
         if topk is None:
             mask = batch.attn_mask
         elif batch.single_causal_start is not None:  # its selection holds causal keys only: no [Tq, S] AND
             mask = topk.mask(batch.max_kv_len)
         else:
             mask = batch.attn_mask & topk.mask(batch.max_kv_len)
-        if max_q <= MLA_ABSORB_MAX_Q:
+        if max(batch.q_lens) <= MLA_ABSORB_MAX_Q:
             q_lat = torch.einsum("bthn,hnl->bthl", qn, w_kv[:, :nope])  # absorb W_UK
             qq = torch.cat([q_lat, qr], dim=-1).transpose(1, 2)  # [B, H, Tq, L + r]
             kk = torch.cat([lat, krope], dim=-1)[:, None]  # [B, 1, S, L + r]
             o_lat = sdpa(qq, kk, lat[:, None], mask, cfg.softmax_scale)  # [B, H, Tq, L]
-            o = torch.einsum("bhtl,hvl->bthv", o_lat, w_kv[:, nope:])  # apply W_UV
-        else:
-            kv = self.kv_b_proj(lat).view(*lat.shape[:2], H, nope + cfg.v_head_dim)
-            k = torch.cat([kv[..., :nope], krope[:, :, None].expand(-1, -1, H, -1)], dim=-1)
-            qq = torch.cat([qn, qr], dim=-1).transpose(1, 2)
-            o = sdpa(qq, k.transpose(1, 2), kv[..., nope:].transpose(1, 2), mask, cfg.softmax_scale)
-            o = o.transpose(1, 2)
-        o = batch.unpad_q(o)  # [T, H, v]
-        return self.o_proj(o.reshape(T, -1)), topk
+            return torch.einsum("bhtl,hvl->bthv", o_lat, w_kv[:, nope:])  # apply W_UV
+        kv = self.kv_b_proj(lat).view(*lat.shape[:2], H, nope + cfg.v_head_dim)
+        k = torch.cat([kv[..., :nope], krope[:, :, None].expand(-1, -1, H, -1)], dim=-1)
+        qq = torch.cat([qn, qr], dim=-1).transpose(1, 2)
+        return sdpa(qq, k.transpose(1, 2), kv[..., nope:].transpose(1, 2), mask, cfg.softmax_scale).transpose(1, 2)
