@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.moe import tuning
+from engine.moe.experts import pair_gemv
 from engine.moe.router import Routing
 from engine.quant.mx import MXSpec, MXTensor, dequantize_mx, packed_dim, qdq_mx, quantize_mx
 
@@ -317,9 +318,8 @@ def _gather(m: MXRoutedExperts, x: torch.Tensor, ids: torch.Tensor, weights: tor
             w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     T, K = ids.shape
     flat = ids.reshape(-1)
-    xs = m.qdq_act(x).repeat_interleave(K, dim=0).unsqueeze(-1)  # [T*K, H, 1]
-    h = torch.bmm(w13[flat], xs).squeeze(-1)  # [T*K, 2I]
-    y = torch.bmm(w2[flat], _swiglu(m, h).unsqueeze(-1)).squeeze(-1)  # [T*K, H]
+    h = pair_gemv(w13.index_select(0, flat), m.qdq_act(x).repeat_interleave(K, dim=0))  # [T*K, 2I]
+    y = pair_gemv(w2.index_select(0, flat), _swiglu(m, h))  # [T*K, H]
     return (y.view(T, K, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
 
 
