@@ -91,19 +91,24 @@ class DSAIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)  # kept fp32
 
-    def key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        k = self.k_norm(self.wk(x))  # [T, D]
+    def key(self, k_lin: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``k_lin = wk(x)`` [T, D] -> the cached indexer key (LayerNorm, RoPE on the first r dims)."""
+        k = self.k_norm(k_lin)  # [T, D]
         r = self.cfg.qk_rope_head_dim
         return torch.cat([apply_interleaved(k[:, :r], cos, sin), k[:, r:]], dim=-1)
 
-    def select(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def head_weights(self, w_lin: torch.Tensor) -> torch.Tensor:
+        """``w_lin = weights_proj(x)`` [T, H] -> w = w_lin * H^-0.5 in fp32."""
+        return w_lin.float() * self.cfg.index_n_heads ** -0.5
+
+    def select(self, w: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                keys: torch.Tensor, batch: ForwardBatch) -> "TopK":
-        """-> the top-k causal keys of every query (indices ``[B, Tq, k]`` + which of them are causal)."""
+        """-> the top-k causal keys of every query (indices ``[B, Tq, k]`` + which of them are causal).
+        ``w`` [T, H] from ``head_weights``."""
         cfg = self.cfg
-        T, H, D, r = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        T, H, D, r = q_resid.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
         q = self.wq_b(q_resid).view(T, H, D)
         q = torch.cat([apply_interleaved(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * H ** -0.5  # [T, H]
         qp, wp = batch.pad_q(q).float() * D ** -0.5, batch.pad_q(w)  # [B, Tq, H, D], [B, Tq, H]
         kt = keys.float().transpose(1, 2)  # [B, D, S]
         B, tq, S = qp.shape[0], qp.shape[1], kt.shape[2]
@@ -120,6 +125,8 @@ class DSAIndexer(nn.Module):
                 out.copy_(torch.bmm(w_blk, hs.view(B * t, H, S)).view(B, t, S))
         k = min(cfg.index_topk, S)
         c = batch.single_causal_start
+        if c is not None and tq == 1:  # one decoding request: S = c + 1 keys, none in the future
+            return TopK(scores.topk(k, dim=-1).indices, None)
         if c is not None:  # one causal request (S = c + tq): only the last tq keys can lie in the future
             scores[0, :, c:].masked_fill_(torch.ones(tq, tq, dtype=torch.bool, device=scores.device).triu_(1),
                                           float("-inf"))
@@ -136,14 +143,16 @@ class DSAIndexer(nn.Module):
 
 class TopK(NamedTuple):
     """DSA selection shared by the layers of one forward: ``idx [B, Tq, k]`` key positions, ``valid`` the
-    causal ones among them."""
+    causal ones among them (None: all of them, as for one decoding request with more than k keys)."""
     idx: torch.Tensor
-    valid: torch.Tensor
+    valid: torch.Tensor | None
 
     def mask(self, S: int) -> torch.Tensor:
         """The selection as a bool attention mask ``[B, 1, Tq, S]`` (for the dense-masked path)."""
         B, tq, _ = self.idx.shape
         sel = torch.zeros(B, tq, S, dtype=torch.bool, device=self.idx.device)
+        if self.valid is None:
+            return sel.scatter_(-1, self.idx, True).unsqueeze(1)
         return sel.scatter_(-1, self.idx, self.valid).unsqueeze(1)
 
 
@@ -172,19 +181,33 @@ def sparse_mla(q: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor], 
     """
     B, tq, H, D = q.shape
     k = topk.idx.shape[-1]
-    out = q.new_empty(B, tq, H, kv_lora_rank)
+    out = None
     step = max(1, SPARSE_BLOCK_ELEMS // max(1, B * k * D))
-    first = torch.arange(k, device=q.device) == 0
+    first = torch.arange(k, device=q.device) == 0 if topk.valid is not None else None
     for s in range(0, tq, step):
         e = min(tq, s + step)
         sel = gather(topk.idx[:, s:e])  # [B, t, k, L + r]
-        valid = topk.valid[:, s:e]
-        valid = valid | (~valid.any(-1, keepdim=True) & first)  # padding queries: no NaN rows
-        scores = torch.einsum("bthd,btkd->bthk", q[:, s:e], sel) * scale
-        scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+        scores = torch.matmul(q[:, s:e], sel.transpose(-1, -2)).mul_(scale)  # [B, t, H, k]
+        if first is not None:
+            valid = topk.valid[:, s:e]
+            valid = valid | (~valid.any(-1, keepdim=True) & first)  # padding queries: no NaN rows
+            scores.masked_fill_(~valid[:, :, None, :], float("-inf"))
         p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out[:, s:e] = torch.einsum("bthk,btkl->bthl", p, sel[..., :kv_lora_rank])
+        o = torch.matmul(p, sel[..., :kv_lora_rank])  # [B, t, H, L]
+        if e - s == tq:
+            return o
+        if out is None:
+            out = q.new_empty(B, tq, H, kv_lora_rank)
+        out[:, s:e] = o
     return out
+
+
+def head_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., H, a]``, ``w [H, a, b]`` -> ``[..., H, b]``: one bmm over heads, what einsum
+    ``...ha,hab->...hb`` runs, without its ~10 us of Python planning per call (4 calls per layer)."""
+    H, a = x.shape[-2], x.shape[-1]
+    y = torch.bmm(x.reshape(-1, H, a).transpose(0, 1), w)  # [H, N, b]
+    return y.transpose(0, 1).reshape(*x.shape[:-1], w.shape[-1])
 
 
 class MLAAttention(nn.Module):
@@ -209,15 +232,42 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(H * cfg.v_head_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.shares_topk = cfg.indexer_type(layer_idx) == "shared"
         self.indexer = None if self.shares_topk else DSAIndexer(cfg)
+        self._fused: tuple | None = None
+        self._fused_key: tuple | None = None
+
+    def _x_linears(self) -> list[nn.Linear]:
+        """The projections that read the layer input: q_a, kv_a, the indexer's wk and (when it has the
+        model's dtype) weights_proj."""
+        mods = [self.q_a_proj, self.kv_a_proj_with_mqa]
+        if self.indexer is not None:
+            mods.append(self.indexer.wk)
+            if self.indexer.weights_proj.weight.dtype == self.q_a_proj.weight.dtype:
+                mods.append(self.indexer.weights_proj)
+        return mods
+
+    def _project_x(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """All of ``_x_linears`` as one GEMM over a concatenated weight (rebuilt when a weight is replaced
+        or written in place): 1 call instead of 4 per layer. Outputs in ``_x_linears`` order."""
+        mods = self._x_linears()
+        key = tuple((m.weight.data_ptr(), m.weight._version, m.weight.device) for m in mods)
+        if self._fused_key != key:
+            w = torch.cat([m.weight.detach() for m in mods])
+            b = None
+            if any(m.bias is not None for m in mods):
+                b = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(m.out_features) for m in mods])
+            self._fused, self._fused_key = (w, b, [m.out_features for m in mods]), key
+        w, b, sizes = self._fused
+        return list(F.linear(x, w, b).split(sizes, dim=-1))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
                 topk_prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg, L = self.cfg, self.layer_idx
         T, H, nope = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        proj = self._project_x(x)
+        q_resid = self.q_a_layernorm(proj[0])
         q = self.q_b_proj(q_resid).view(T, H, cfg.qk_head_dim)
         q_nope, q_rot = q[..., :nope], q[..., nope:]
-        ckv = self.kv_a_proj_with_mqa(x)
+        ckv = proj[1]
         latent = self.kv_a_layernorm(ckv[:, :cfg.kv_lora_rank])  # [T, L]
         cos, sin = rope.lookup(batch.positions, x.dtype)
         q_rot = apply_interleaved(q_rot, cos, sin)  # [T, H, r]
@@ -225,7 +275,7 @@ class MLAAttention(nn.Module):
         pool.write(L, "latent", batch.out_slots, latent)
         pool.write(L, "rope", batch.out_slots, k_rot)
         if self.indexer is not None:
-            pool.write(L, "index", batch.out_slots, self.indexer.key(x, cos, sin))
+            pool.write(L, "index", batch.out_slots, self.indexer.key(proj[2], cos, sin))
         else:  # keep the slot defined (shipped and checked like any other component)
             pool.write(L, "index", batch.out_slots, torch.zeros(T, cfg.index_head_dim, dtype=x.dtype))
 
@@ -233,7 +283,9 @@ class MLAAttention(nn.Module):
         if batch.max_kv_len > cfg.index_topk:
             if self.indexer is not None:
                 keys = pool.read(L, "index", batch.kv_slots, x.dtype)
-                topk = self.indexer.select(x, q_resid, cos, sin, keys, batch)
+                idx = self.indexer
+                w_lin = proj[3] if len(proj) == 4 else idx.weights_proj(x.to(idx.weights_proj.weight.dtype))
+                topk = idx.select(idx.head_weights(w_lin), q_resid, cos, sin, keys, batch)
             else:
                 if topk_prev is None:
                     raise ValueError(f"layer {L} shares the DSA top-k but no previous layer produced one")
@@ -244,13 +296,13 @@ class MLAAttention(nn.Module):
         if sparse and (max_q <= MLA_ABSORB_MAX_Q or
                        batch.max_kv_len >= SPARSE_MIN_CONTEXT_RATIO * topk.idx.shape[-1]):
             # each query attends only to its selected keys, read straight from the pool by slot
-            q_lat = torch.einsum("bthn,hnl->bthl", qn, w_kv[:, :nope])  # absorb W_UK
+            q_lat = head_bmm(qn, w_kv[:, :nope])  # absorb W_UK
             def gather(idx: torch.Tensor) -> torch.Tensor:
                 slots = batch.kv_slots.gather(1, idx.reshape(idx.shape[0], -1)).view(idx.shape)  # [B, t, k]
                 return torch.cat([pool.read(L, "latent", slots, x.dtype), pool.read(L, "rope", slots, x.dtype)], -1)
             o_lat = sparse_mla(torch.cat([q_lat, qr], dim=-1), gather, cfg.kv_lora_rank, topk,
                                cfg.softmax_scale)  # [B, Tq, H, L]
-            o = torch.einsum("bthl,hvl->bthv", o_lat, w_kv[:, nope:])  # apply W_UV
+            o = head_bmm(o_lat, w_kv[:, nope:].transpose(1, 2))  # apply W_UV
         else:
             o = self._dense(qn, qr, w_kv, topk, batch, pool, x.dtype)
         o = batch.unpad_q(o)  # [T, H, v]
@@ -270,11 +322,11 @@ class MLAAttention(nn.Module):
         else:
             mask = batch.attn_mask & topk.mask(batch.max_kv_len)
         if max(batch.q_lens) <= MLA_ABSORB_MAX_Q:
-            q_lat = torch.einsum("bthn,hnl->bthl", qn, w_kv[:, :nope])  # absorb W_UK
+            q_lat = head_bmm(qn, w_kv[:, :nope])  # absorb W_UK
             qq = torch.cat([q_lat, qr], dim=-1).transpose(1, 2)  # [B, H, Tq, L + r]
             kk = torch.cat([lat, krope], dim=-1)[:, None]  # [B, 1, S, L + r]
             o_lat = sdpa(qq, kk, lat[:, None], mask, cfg.softmax_scale)  # [B, H, Tq, L]
-            return torch.einsum("bhtl,hvl->bthv", o_lat, w_kv[:, nope:])  # apply W_UV
+            return head_bmm(o_lat.transpose(1, 2), w_kv[:, nope:].transpose(1, 2))  # apply W_UV
         kv = self.kv_b_proj(lat).view(*lat.shape[:2], H, nope + cfg.v_head_dim)
         k = torch.cat([kv[..., :nope], krope[:, :, None].expand(-1, -1, H, -1)], dim=-1)
         qq = torch.cat([qn, qr], dim=-1).transpose(1, 2)
