@@ -10,6 +10,7 @@ from torch import nn
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kvcache.pool import KVPool
+from engine.layers.fused import FusedProjection
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryTable, apply_half, apply_interleaved
 
@@ -232,32 +233,17 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(H * cfg.v_head_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.shares_topk = cfg.indexer_type(layer_idx) == "shared"
         self.indexer = None if self.shares_topk else DSAIndexer(cfg)
-        self._fused: tuple | None = None
-        self._fused_key: tuple | None = None
+        self._fused_x = FusedProjection()
 
-    def _x_linears(self) -> list[nn.Linear]:
-        """The projections that read the layer input: q_a, kv_a, the indexer's wk and (when it has the
-        model's dtype) weights_proj."""
+    def _project_x(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """q_a, kv_a, the indexer's wk and (when it has the model's dtype) weights_proj: the projections
+        that read the layer input, as one GEMM (1 call instead of 4 per layer), in that order."""
         mods = [self.q_a_proj, self.kv_a_proj_with_mqa]
         if self.indexer is not None:
             mods.append(self.indexer.wk)
             if self.indexer.weights_proj.weight.dtype == self.q_a_proj.weight.dtype:
                 mods.append(self.indexer.weights_proj)
-        return mods
-
-    def _project_x(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """All of ``_x_linears`` as one GEMM over a concatenated weight (rebuilt when a weight is replaced
-        or written in place): 1 call instead of 4 per layer. Outputs in ``_x_linears`` order."""
-        mods = self._x_linears()
-        key = tuple((m.weight.data_ptr(), m.weight._version, m.weight.device) for m in mods)
-        if self._fused_key != key:
-            w = torch.cat([m.weight.detach() for m in mods])
-            b = None
-            if any(m.bias is not None for m in mods):
-                b = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(m.out_features) for m in mods])
-            self._fused, self._fused_key = (w, b, [m.out_features for m in mods]), key
-        w, b, sizes = self._fused
-        return list(F.linear(x, w, b).split(sizes, dim=-1))
+        return self._fused_x(x, [(m.weight, m.bias) for m in mods])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
                 topk_prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

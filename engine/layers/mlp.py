@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers.fused import FusedProjection
 from engine.moe.experts import RoutedExperts
 from engine.moe.router import TopkRouter
 
@@ -16,9 +17,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self._gate_up = FusedProjection()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_up(x)))
+
+    def gate_up_parts(self) -> list[tuple[torch.Tensor, None]]:
+        return [(self.gate_proj.weight, None), (self.up_proj.weight, None)]
+
+    def gate_up(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return self._gate_up(x, self.gate_up_parts())
+
+    @staticmethod
+    def act(gate_up: list[torch.Tensor]) -> torch.Tensor:
+        return F.silu(gate_up[0]) * gate_up[1]
 
 
 class MoE(nn.Module):
@@ -28,9 +40,15 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(cfg, moe_impl)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
+        self._x_proj = FusedProjection()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        se = self.shared_experts
+        if se is None:
+            return self.experts(x, self.gate(x))
+        if not self.gate.weight.dtype == se.gate_proj.weight.dtype == x.dtype:
+            return self.experts(x, self.gate(x)) + se(x)
+        # fp32 model: the router's logits and the shared expert's gate/up read x in one GEMM
+        logits, *gate_up = self._x_proj(x, [(self.gate.weight, None)] + se.gate_up_parts())
+        out = self.experts(x, self.gate.route(logits))
+        return out + se.down_proj(se.act(gate_up))

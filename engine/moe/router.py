@@ -32,9 +32,13 @@ class TopkRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> Routing:
+        return self.route(F.linear(x.float(), self.weight.float()))
+
+    def route(self, logits: torch.Tensor) -> Routing:
+        """Router logits ``x @ W_gate^T`` [T, E] (fp32) -> routing."""
         cfg = self.cfg
         E, G = cfg.n_routed_experts, cfg.n_group
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        scores = logits.float().sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias
         if G > 1:
             group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]

@@ -1,0 +1,40 @@
+"""Several projections of the same input as one GEMM.
+
+Small models are bound by per-op overhead (a decode step of the default model is ~650 torch ops), so
+projections that read the same activation run as one ``F.linear`` over their concatenated weights.
+The checkpoint layout is untouched: the concatenation is derived from the modules' own parameters and
+rebuilt whenever one is replaced or written in place (loading, quantization, tests poking weights).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class FusedProjection:
+    """``__call__(x, [(weight, bias), ...])`` -> one output per (weight, bias), from one GEMM.
+
+    Weights must share dtype and device (callers fuse only those that do)."""
+
+    __slots__ = ("_key", "_weight", "_bias", "_sizes")
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._weight = self._bias = None
+        self._sizes: list[int] = []
+
+    def __call__(self, x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+        if len(parts) == 1:
+            return [F.linear(x, parts[0][0], parts[0][1])]
+        key = tuple((w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
+                    for w, b in parts)
+        if key != self._key:
+            ws = [w.detach() for w, _ in parts]
+            self._weight = torch.cat(ws)
+            self._bias = None
+            if any(b is not None for _, b in parts):
+                self._bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, (_, b)
+                                        in zip(ws, parts)])
+            self._sizes = [w.shape[0] for w in ws]
+            self._key = key
+        return list(F.linear(x, self._weight, self._bias).split(self._sizes, dim=-1))
