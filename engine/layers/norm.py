@@ -14,4 +14,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch's fused rms_norm (one kernel instead of five; it is overhead that bounds small models)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # the weight inside the call: bitwise the same product, no cast or extra multiply (28 -> 19 us)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
