@@ -3,16 +3,22 @@
 A request walks through::
 
     add() ──> RUNNING ──step()...──> FINISHED (stop | length)
-                 │
-                 └──abort / deadline / pool exhausted──> ABORTED (finish_reason abort | error)
+               │   ▲
+     pool full │   │ pages free again: its KV recomputed (prompt + output so far)
+               ▼   │
+              PREEMPTED
+                 └──abort / deadline / needs more than the whole pool──> ABORTED (abort | error)
 
 A request joins once its KV has arrived (the server adds it after ``kvtransfer`` reports a complete,
 verified transfer into pages this worker reserved) and leaves when finished; every ``step()`` is one
 batched forward over all running requests (or one speculative draft+verify round when a
 ``spec`` decoder is attached): schedule -> forward -> sample -> postprocess. Tokens are emitted
 through each request's ``emit`` callback as they are produced. Pages grow one page at a time; when
-the pool runs out the youngest request is ended with a clear error (never a hang), and its pages
-are freed.
+the pool runs out, the youngest running request is preempted (vLLM's recompute preemption): its pages
+are freed, its tokens so far are kept, and once enough pages are free again its KV is recomputed from
+the prompt and the tokens it already produced (chunked, with the MTP layer's KV for speculation) and it
+continues as if nothing happened: the client sees a pause, not an error. A request that cannot fit
+even alone in the pool ends with a clear error (never a hang), and its pages are freed.
 """
 from __future__ import annotations
 
@@ -66,6 +72,9 @@ class DecodeTask:
     sampler: SamplerState | None = None
     steps: int = 0
     emitted: int = 0
+    arrival: int = 0
+    """Admission order: the youngest (largest) is preempted first."""
+    preemptions: int = 0
 
     def __post_init__(self) -> None:
         if self.sampler is None:
@@ -90,6 +99,12 @@ class DecodeScheduler:
         """Returns a truncated-text reason (``stop``) when a stop string appeared (needs a tokenizer)."""
         self.spec = spec
         self._running: list[DecodeTask] = []
+        self._preempted: list[DecodeTask] = []
+        """Waiting for pages, oldest preemption first; their pages are freed, their tokens kept."""
+        self._arrivals = 0
+        self.preemptions = 0
+        self.recompute_chunk = 2048
+        """Tokens per forward when a preempted request's KV is recomputed."""
         self._pending_prefill: list[DecodeTask] = []
         self._tasks: dict[str, DecodeTask] = {}
         self._cv = threading.Condition()
@@ -107,6 +122,8 @@ class DecodeScheduler:
             if len(self._running) >= self.max_running:
                 raise PoolExhausted(0, self.pool.allocator.num_free)
             self._tasks[task.req_id] = task
+            self._arrivals += 1
+            task.arrival = self._arrivals
             self._running.append(task)
             self._cv.notify()
         done = self._check_finished(task, task.output_ids[-1:] if task.output_ids else [])
@@ -128,6 +145,8 @@ class DecodeScheduler:
                 self.pool.allocator.decref(task.pages)
                 raise ValueError(f"duplicate request id {task.req_id!r}")
             self._tasks[task.req_id] = task
+            self._arrivals += 1
+            task.arrival = self._arrivals
             self._pending_prefill.append(task)
             self._cv.notify()
 
@@ -144,6 +163,10 @@ class DecodeScheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def num_preempted(self) -> int:
+        return len(self._preempted)
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="decode-scheduler", daemon=True)
         self._thread.start()
@@ -152,7 +175,7 @@ class DecodeScheduler:
         """Why this scheduler cannot serve (thread dead, or stalled with work pending), or ""."""
         if self._thread is None or self._stop:
             return ""
-        return self.heartbeat.problem(self._thread, bool(self._running or self._pending_prefill))
+        return self.heartbeat.problem(self._thread, bool(self._running or self._pending_prefill or self._preempted))
 
     def stop(self) -> None:
         with self._cv:
@@ -161,20 +184,22 @@ class DecodeScheduler:
         if self._thread:
             self._thread.join(timeout=30)
         with self._cv:
-            for t in list(self._running):
+            for t in self._running + self._preempted:
                 t.abort_reason = t.abort_reason or "shutdown"
             self._reap()
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._running and not self._pending_prefill:
+                while not self._stop and not self._running and not self._pending_prefill and not self._preempted:
                     self.heartbeat.beat()
                     self._cv.wait(timeout=0.5)
                 if self._stop:
                     return
             try:
-                self.step()
+                if not self.step():  # only preempted requests, waiting for pages: no busy loop
+                    with self._cv:
+                        self._cv.wait(timeout=0.05)
                 self.heartbeat.beat()
             except Exception:  # noqa: BLE001 - end the batch with an error, keep the worker alive
                 logger.exception("decode step failed")
@@ -195,10 +220,12 @@ class DecodeScheduler:
                 with self._cv:
                     for t in local:
                         self._finish(t, "error", "internal error in local prefill")
+        resumed = self._resume_preempted()
         with self._cv:
-            tasks = list(self._running)
-        if not tasks:
-            return bool(local)
+            before = len(self._running)
+            tasks = self._make_room()
+        if not tasks:  # progress: a local prefill, a resumed request, or one ended or preempted just now
+            return bool(local or resumed or before)
         t0 = time.perf_counter()
         if self.spec is not None:
             new_tokens = self.spec.step(tasks, self._ensure_pages)
@@ -230,6 +257,80 @@ class DecodeScheduler:
                     continue  # reaped (and its pages freed) at the next step
                 self._running.append(t)
                 self._deliver(t, [f])
+
+    # -- preemption --------------------------------------------------------------------------------
+    def _make_room(self) -> list[DecodeTask]:
+        """Give every running request the page its next token needs, oldest first, preempting the youngest
+        while the pool is short; -> the requests that run this step. Under ``_cv``."""
+        for task in sorted(self._running, key=lambda t: t.arrival):
+            while task in self._running:
+                try:
+                    self._ensure_pages(task, task.cached_len + 1)
+                    break
+                except PoolExhausted as e:
+                    victim = max(self._running, key=lambda t: t.arrival)
+                    if victim is task and len(self._running) == 1:  # it alone fills the pool
+                        self._finish(task, "error", f"decode KV pool exhausted: {e}; this request alone needs "
+                                                    f"more than the pool's {self.pool.num_pages} pages")
+                    else:
+                        self._preempt(victim)
+        return list(self._running)
+
+    def _preempt(self, task: DecodeTask) -> None:
+        self._running.remove(task)
+        if task.pages:
+            self.pool.allocator.decref(task.pages)
+            task.pages = []
+        task.cached_len = 0
+        task.preemptions += 1
+        self.preemptions += 1
+        self._preempted.append(task)
+        logger.info("preempted %s (%d tokens so far): KV pool full, %d running", task.req_id,
+                    len(task.prompt_ids) + len(task.output_ids), len(self._running))
+
+    def _resume_preempted(self) -> bool:
+        """Recompute the KV of the oldest preempted request once the pool can hold it (plus a page of
+        headroom per running request, so it is not preempted again at once)."""
+        with self._cv:
+            if not self._preempted:
+                return False
+            task = self._preempted[0]
+            n = len(task.prompt_ids) + len(task.output_ids) - 1  # the last output token is the next input
+            need = self.pool.pages_for(n + 1)
+            if need > self.pool.num_pages:
+                self._preempted.pop(0)
+                self._running.append(task)  # so that _finish sees it
+                self._finish(task, "error", f"decode KV pool exhausted: this request needs {need} pages, the "
+                                            f"pool has {self.pool.num_pages}")
+                return True
+            if self.pool.allocator.num_free < need + len(self._running):
+                return False
+            task.pages = self.pool.allocator.alloc(need, task.req_id)
+            self._preempted.pop(0)
+        try:
+            self._recompute(task, n)
+        except Exception:  # noqa: BLE001 - fail this request (pages freed, event sent), keep decoding
+            logger.exception("recomputing the KV of preempted %s failed", task.req_id)
+            with self._cv:
+                self._running.append(task)
+                self._finish(task, "error", "internal error while resuming a preempted request")
+            return True
+        with self._cv:
+            task.cached_len = n
+            self._running.append(task)
+        return True
+
+    def _recompute(self, task: DecodeTask, n: int) -> None:
+        """KV of the first ``n`` tokens of prompt + output into ``task.pages``, chunked; the MTP layer's too
+        (its pair i is token i+1 with the main model's hidden i), as a prefill worker ships it."""
+        seq = task.prompt_ids + task.output_ids
+        P, dev = self.pool.page_size, self.pool.device
+        for s in range(0, n, self.recompute_chunk):
+            e = min(n, s + self.recompute_chunk)
+            out = self.model(ForwardBatch.build([BatchRequest(task.pages, s, seq[s:e])], P, dev), self.pool)
+            if self.model.has_mtp:
+                self.model.forward_mtp(ForwardBatch.build([BatchRequest(task.pages, s, seq[s + 1:e + 1])], P, dev),
+                                       self.pool, out.hidden)
 
     def _ensure_pages(self, task: DecodeTask, num_tokens: int) -> None:
         need = self.pool.pages_for(num_tokens) - len(task.pages)
@@ -310,6 +411,10 @@ class DecodeScheduler:
 
     def _reap(self) -> None:
         now = time.monotonic()
+        for task in [t for t in self._preempted
+                     if t.abort_reason or (t.deadline is not None and now > t.deadline)]:
+            self._preempted.remove(task)
+            self._running.append(task)  # finished just below, like any running request
         for task in [t for t in self._pending_prefill if t.abort_reason]:
             self._pending_prefill.remove(task)
             self._running.append(task)

@@ -120,7 +120,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return generation_pb2.WorkerStatus(
             worker_id=self.worker_id, role="decode", address=self.address, kv_address=f"{host}:{port}",
             healthy=not problem, running=self.sched.num_running, pages_total=st.num_pages, pages_free=st.num_free,
-            tokens_per_s=tps, model_hash=self.mhash, info={**self.info, "unhealthy": problem} if problem else self.info)
+            tokens_per_s=tps, model_hash=self.mhash,
+            info={**self.info, "preempted": str(self.sched.num_preempted), "preemptions": str(self.sched.preemptions),
+                  **({"unhealthy": problem} if problem else {})})
 
 
 def stop_checker(tok: Tokenizer | None):

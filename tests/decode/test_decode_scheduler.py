@@ -48,12 +48,19 @@ class CopySink(KVSink):
         pass
 
 
-def pd_generate(tiny, prompts, params, dec_pages=64, max_running=64):
+def pd_generate(tiny, prompts, params, dec_pages=64, max_running=64, spec=None, recompute_chunk=None):
     model, cfg = tiny
     layout = KVLayout.for_model(cfg, P, "float32")
     ppool, dpool = KVPool(layout, 64), KVPool(layout, dec_pages)
     pre = PrefillScheduler(model, ppool, PrefillConfig(chunk_size=32, max_batch_tokens=64))
-    dec = DecodeScheduler(model, dpool, cfg.eos_token_ids, max_running=max_running)
+    speculator = None
+    if spec:
+        from engine.spec import SpecConfig
+        from engine.spec.worker import MTPSpeculator
+        speculator = MTPSpeculator(model, cfg, dpool, SpecConfig.parse(spec))
+    dec = DecodeScheduler(model, dpool, cfg.eos_token_ids, max_running=max_running, spec=speculator)
+    if recompute_chunk:
+        dec.recompute_chunk = recompute_chunk
     events = {}
     for i, ids in enumerate(prompts):
         rid = f"r{i}"
@@ -71,6 +78,7 @@ def pd_generate(tiny, prompts, params, dec_pages=64, max_running=64):
     for _ in range(500):
         if not dec.step():
             break
+    pd_generate.last = dec
     return events, dpool
 
 
@@ -148,3 +156,43 @@ def test_failed_local_prefill_ends_its_requests_and_frees_their_pages(tiny, monk
     while dec.step():
         pass
     assert ok[-1].finish_reason == "length" and len(tokens(ok)) == 4 and pool.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("spec", [None, "3/1/4"])
+def test_full_pool_preempts_and_recomputes_losslessly(tiny, spec):
+    """Three requests that fit one at a time but not together: the youngest are preempted when the pool
+    fills, resume once pages free up (KV recomputed from prompt + output, the MTP layer's too), and every
+    greedy stream equals an unconstrained run token for token; no error, every page back."""
+    model, cfg = tiny
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (40, 30, 50)]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    ref = Engine(model, cfg, page_size=P, num_pages=64).generate(prompts, params)
+    # 13 pages = 208 slots < 3 x ~105 tokens; recompute in chunks of 24 tokens
+    events, dpool = pd_generate(tiny, prompts, params, dec_pages=13, spec=spec, recompute_chunk=24)
+    dec = pd_generate.last
+    assert dec.preemptions >= 1 and dec.num_preempted == 0
+    for i, r in enumerate(ref):
+        ev = events[f"r{i}"]
+        assert ev[-1].finish_reason == "length", ev[-1]
+        assert r.token_ids[1:] == tokens(ev)
+    assert dpool.allocator.num_used == 0
+
+
+def test_preempted_request_can_be_aborted(tiny):
+    model, cfg = tiny
+    pool = KVPool(KVLayout.for_model(cfg, P, "float32"), 8)
+    dec = DecodeScheduler(model, pool, cfg.eos_token_ids)
+    evs = {k: [] for k in "ab"}
+    for k, n in (("a", 40), ("b", 40)):
+        dec.add_local(DecodeTask(k, list(range(3, 3 + n)), [], SamplingParams(max_tokens=200, ignore_eos=True), [],
+                                 0, emit=evs[k].append))
+    while dec.num_preempted == 0:
+        assert dec.step()
+    victim = dec._preempted[0].req_id
+    assert victim == "b" and dec.abort(victim, "client went away")
+    dec.step()
+    assert evs[victim][-1].finish_reason == "abort" and dec.num_preempted == 0
+    dec.abort("a")
+    dec.step()
+    assert evs["a"][-1].finish_reason == "abort" and pool.allocator.num_used == 0
