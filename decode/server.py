@@ -95,6 +95,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             while True:
                 ev = await queue.get()
+                while not ev.finish_reason and not queue.empty():  # the stream fell behind: one message
+                    nxt = queue.get_nowait()
+                    ev = TokenEvent(ev.token_ids + nxt.token_ids, nxt.finish_reason, nxt.message,
+                                    ev.logprobs + nxt.logprobs, nxt.accept_len)
                 yield worker_pb2.DecodeChunk(token_ids=ev.token_ids, finish_reason=ev.finish_reason,
                                              accept_len=ev.accept_len,
                                              logprobs=[logprob_to_proto(x) for x in ev.logprobs])
