@@ -25,6 +25,9 @@ def register(sub) -> None:
     s.add_argument("--num-pages", type=int, default=None, help="KV pages per worker (default: the worker's)")
     s.add_argument("--speculative", default="5/1/6", help="MTP speculation STEPS/TOPK/DRAFT_TOKENS")
     s.add_argument("--no-speculative", action="store_true")
+    s.add_argument("--decode-weights", default="mxfp4",
+                   help="decode workers' routed experts: mxfp4 (default) / mxfp6_e2m3 / mxfp6_e3m2 / mxfp8 (the model "
+                        "quantized once, cached), 'model' (the checkpoint as is), or a quantized copy's directory")
     s.add_argument("--api-key", default=None, help="require 'authorization: Bearer KEY' on the public port")
     s.add_argument("--routing", default="cache_aware", choices=["cache_aware", "round_robin", "least_load", "random"])
     s.add_argument("--local-prefill-below", type=int, default=0,
@@ -76,7 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = LocalClusterConfig(
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
         dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size, num_pages=args.num_pages,
-        speculative=None if args.no_speculative else args.speculative, api_key=args.api_key, routing=args.routing,
+        speculative=None if args.no_speculative else args.speculative, decode_weights=args.decode_weights,
+        api_key=args.api_key, routing=args.routing,
         local_prefill_below=args.local_prefill_below, max_failovers=args.max_failovers,
         decode_stall_timeout_s=args.decode_stall_timeout, fault_injection=args.fault_injection, shm=not args.no_shm,
         stall_after_s=args.stall_after,
@@ -87,7 +91,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         cluster = LocalCluster(cfg)
         print(f"pdserve: run directory {cluster.run_dir} (logs); starting {cfg.num_prefill} prefill + "
-              f"{cfg.num_decode} decode workers for {cluster.model}", flush=True)
+              f"{cfg.num_decode} decode workers for {cluster.model} (decode weights: "
+              f"{cluster.decode_weights or 'as in the model'})", flush=True)
         cluster.start()
         print(f"pdserve: listening on {cluster.router_address}", flush=True)
         for ch in cluster.children:

@@ -16,6 +16,7 @@ import ctypes
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,6 +56,11 @@ class LocalClusterConfig:
     """KV pages per worker (None: the worker default)."""
     speculative: str | None = "5/1/6"
     """MTP speculation STEPS/TOPK/DRAFT_TOKENS for the decode workers; None: off."""
+    decode_weights: str = "mxfp4"
+    """What the decode workers' routed experts run in: an MX format (``mxfp4``, ``mxfp6_e2m3``, ...: the
+    model quantized once and cached under ``$PDSERVE_HOME/quantized``), ``model`` (the checkpoint as it
+    is), or a directory holding a quantized copy of the model (e.g. a Quark export). A model that is already
+    quantized is served as it is."""
     api_key: str | None = None
     """Require this bearer token on the router's public port."""
     routing: str = "cache_aware"
@@ -150,6 +156,8 @@ class LocalCluster:
         self.run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="pdserve-run-")
         os.makedirs(self.run_dir, exist_ok=True)
         self.model = cfg.model or _default_model()
+        self.decode_weights = resolve_decode_weights(self.model, cfg.decode_weights)
+        """The checkpoint decode workers load (None: ``self.model``)."""
         self.secret = rpc.cluster_secret() or secrets.token_hex(16)
         self.env = {**os.environ, rpc.SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1"}
         self.workers: list[Child] = []
@@ -177,6 +185,7 @@ class LocalCluster:
             cmd += ["--fault-injection"]
         if role == "decode":
             cmd += ["--kv-port", "0"] + (["--shm"] if c.shm else [])
+            cmd += ["--quantized-model", self.decode_weights] if self.decode_weights else []
             cmd += ["--speculative", c.speculative] if c.speculative else ["--no-speculative"]
         return cmd + list(c.extra_worker_args)
 
@@ -256,6 +265,47 @@ def _wait_all(children: list[Child], timeout_s: float) -> None:
             ch.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+
+
+MX_FORMATS = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8")
+
+
+def resolve_decode_weights(model_dir: str, spec: str) -> str | None:
+    """``LocalClusterConfig.decode_weights`` -> the checkpoint directory decode workers load, or None for
+    ``model_dir`` itself. An MX format quantizes ``model_dir``'s routed experts once (``pdserve quantize``)
+    into a cache keyed by the model's hash, so later starts reuse it."""
+    from engine.quant.quark import QuarkConfig
+    if spec == "model" or not os.path.exists(os.path.join(model_dir, "config.json")):
+        return None  # (no model there: the workers fail to start and say why)
+    if spec not in MX_FORMATS:
+        if not os.path.exists(os.path.join(spec, "config.json")):
+            raise ValueError(f"decode weights {spec!r}: not 'model', one of {list(MX_FORMATS)}, or a checkpoint "
+                             f"directory")
+        from engine.config import ModelConfig
+        a, b = ModelConfig.from_model_dir(model_dir), ModelConfig.from_model_dir(spec)
+        if (a.model_type, a.num_hidden_layers, a.hidden_size, a.vocab_size) != \
+                (b.model_type, b.num_hidden_layers, b.hidden_size, b.vocab_size):
+            raise ValueError(f"decode weights {spec} are not a copy of {model_dir} (model type, layers, hidden "
+                             f"size or vocabulary differ)")
+        return spec
+    if QuarkConfig.for_model_dir(model_dir) is not None:
+        return None  # already quantized: serve it as it is
+    from engine.defaults import PDSERVE_HOME
+    from engine.loader import model_hash
+    out = os.path.join(PDSERVE_HOME, "quantized", f"{model_hash(model_dir)}-{spec}")
+    if not os.path.exists(os.path.join(out, ".complete")):
+        from engine.quant.quantize import quantize_checkpoint
+        logger.warning("decode weights: quantizing %s to %s once (cached at %s)", model_dir, spec, out)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(out))
+        try:
+            quantize_checkpoint(model_dir, tmp, spec, progress=False)
+            open(os.path.join(tmp, ".complete"), "w").close()
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def _default_model() -> str:

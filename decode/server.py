@@ -166,6 +166,9 @@ async def amain(args: argparse.Namespace) -> None:
     info = worker_main.model_info(cfg, model_dir, args.page_size)
     info["speculative"] = args.speculative if spec is not None else "off"
     info["local_prefill"] = "1"
+    from engine.quant.prepare import quantized_experts
+    mx = sorted({m.spec.fmt.name for m in quantized_experts(model).values()})
+    info["routed_experts"] = ",".join(mx) if mx else args.dtype
     servicer = DecodeServicer(sched, receiver, cfg, info, args.worker_id or f"decode-{port}", address, mhash)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])

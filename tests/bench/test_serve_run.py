@@ -85,3 +85,16 @@ def test_cli_bench_discovers_vocab_from_the_cluster(served):
     s = result["steps"][0]
     assert s["label"] == "conc 2" and s["num_ok"] >= 1 and s["success_rate"] == 1.0
     assert "conc 2" in run.stdout
+
+
+def test_decode_workers_serve_mxfp4_by_default(served):
+    """``pdserve serve`` without ``--decode-weights``: the decode worker's routed experts are MXFP4 (the model
+    quantized once into the cache), the prefill worker's are the checkpoint's own."""
+    import grpc
+    from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+    address, d = served
+    with grpc.insecure_channel(address) as ch:
+        st = generation_pb2_grpc.AdminStub(ch).GetClusterStatus(generation_pb2.GetClusterStatusRequest(), timeout=30)
+    dec = [w for w in st.workers if w.role == "decode"]
+    assert dec and all(w.info["routed_experts"] == "mxfp4" for w in dec), [dict(w.info) for w in dec]
+    assert "decode weights: " in (d / "serve.out").read_text() and "quantized" in (d / "serve.out").read_text()

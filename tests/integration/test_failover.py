@@ -28,7 +28,7 @@ STALL_S = 2.0
 def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("failover")
     sp = ServeProcess(["--model", SHIPPED_DEFAULT, "--prefill", "1", "--decode", "3", "--port", "0",
-                       "--dtype", "float32", "--num-pages", "400", "--local-prefill-below", "0",
+                       "--dtype", "float32", "--decode-weights", "model", "--num-pages", "400", "--local-prefill-below", "0",
                        "--no-speculative", "--decode-stall-timeout", str(STALL_S), "--fault-injection",
                        "--run-dir", str(d / "run")], str(d / "serve.out"))
     try:

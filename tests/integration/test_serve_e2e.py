@@ -35,7 +35,10 @@ NUM_PAGES = 200
 def served(tiny_dirs, tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
     model = model_with_tokenizer(tiny_dirs["dsa"], str(d / "model"), vocab_size=128)
+    # decode runs the checkpoint's own weights: its tokens are compared with transformers' (MXFP4, the default,
+    # is served by the bench and demo tests)
     sp = ServeProcess(["--model", model, "--prefill", "2", "--decode", "1", "--port", "0", "--dtype", "float32",
+                       "--decode-weights", "model",
                        "--api-key", API_KEY, "--num-pages", str(NUM_PAGES), "--local-prefill-below", "16",
                        "--run-dir", str(d / "run")], str(d / "serve.out"))
     try:
