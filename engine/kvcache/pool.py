@@ -171,7 +171,8 @@ class KVPool:
             self.flat(layer, name).view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
             self.flat_scale(layer, name).index_copy_(0, slots, scale)
         else:
-            self.flat(layer, name).index_copy_(0, slots, values.to(self.layout.torch_dtype))
+            dt = self.layout.torch_dtype
+            self.flat(layer, name).index_copy_(0, slots, values if values.dtype == dt else values.to(dt))
 
     def read(self, layer: int, name: str, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gather ``slots`` (any shape) -> ``[*slots.shape, *component shape]`` in ``dtype``.
@@ -183,7 +184,8 @@ class KVPool:
             out = flat.view(torch.uint8).index_select(0, idx).view(torch.float8_e4m3fn)
             scale = self.flat_scale(layer, name).index_select(0, idx)
             return (out.to(dtype) * scale.unsqueeze(-1).to(dtype)).view(*slots.shape, *flat.shape[1:])
-        return flat.index_select(0, idx).view(*slots.shape, *flat.shape[1:]).to(dtype)
+        out = flat.index_select(0, idx).view(*slots.shape, *flat.shape[1:])
+        return out if out.dtype == dtype else out.to(dtype)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
