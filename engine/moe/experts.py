@@ -90,6 +90,20 @@ def grouped_padding(routing: Routing, num_experts: int) -> float:
     return float(num_experts * counts.max()) / max(1, routing.ids.numel())
 
 
+PAIR_COPY_MAX_BYTES = 4 << 20
+"""Above this many bytes per expert matrix the ``gather`` path stops copying weights per pair (GLM-5's
+w13 is 48 MB in bf16: 8 pairs would move ~600 MB per layer per decode step) and runs one GEMV per pair
+straight from the stacked weights instead (a Python loop over <= GATHER_MAX_PAIRS pairs; on a GPU each is
+one kernel). Which of the two runs depends only on the model's shapes, never on T, so decode and verify
+still round alike."""
+
+
+def pair_gemvs_uncopied(w: torch.Tensor, ids: list[int], x: torch.Tensor) -> torch.Tensor:
+    """``w [E, R, C]`` stacked weights, ``ids`` the expert of each pair, ``x [P, C]`` -> ``[P, R]``: one GEMV
+    per pair (the same call whatever P is), no weight copy."""
+    return torch.stack([F.linear(x[p], w[e]) for p, e in enumerate(ids)])
+
+
 def pair_gemv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``w [P, R, C]`` (a fresh per-pair weight copy: overwritten), ``x [P, C]`` -> ``[P, R]``, each pair's
     rows dotted with its input.
@@ -108,8 +122,14 @@ def moe_gather(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Ro
     T, K = routing.ids.shape
     flat = routing.ids.reshape(-1)
     I = w2.shape[2]
-    h = pair_gemv(w13.index_select(0, flat), x.repeat_interleave(K, dim=0))  # [T*K, 2I]
-    y = pair_gemv(w2.index_select(0, flat), F.silu(h[:, :I]) * h[:, I:])  # [T*K, H]
+    xs = x.repeat_interleave(K, dim=0)
+    if w13[0].numel() * w13.element_size() > PAIR_COPY_MAX_BYTES:
+        ids = flat.tolist()
+        h = pair_gemvs_uncopied(w13, ids, xs)
+        y = pair_gemvs_uncopied(w2, ids, F.silu(h[:, :I]) * h[:, I:])
+    else:
+        h = pair_gemv(w13.index_select(0, flat), xs)  # [T*K, 2I]
+        y = pair_gemv(w2.index_select(0, flat), F.silu(h[:, :I]) * h[:, I:])  # [T*K, H]
     y = y.view(T, K, -1) * routing.weights.unsqueeze(-1).to(y.dtype)
     return y.sum(dim=1)
 

@@ -138,3 +138,25 @@ def test_moe_strategies_agree(impl):
             h = w13[ids[t, k]] @ x[t]
             ref[t] += r.weights[t, k] * (w2[ids[t, k]] @ (torch.nn.functional.silu(h[:I]) * h[I:]))
     assert (MOE_IMPLS[impl](x, w13, w2, r) - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("copy_max", [None, 0])
+def test_moe_gather_is_batch_invariant(copy_max, monkeypatch):
+    """The decode/verify MoE path gives each token the same bits whether it runs alone or among 8 (what
+    lossless greedy speculation relies on), with per-pair weight copies (small experts) and without
+    (``PAIR_COPY_MAX_BYTES`` exceeded, as GLM-5's are); both match the definition."""
+    from engine.moe import experts
+    from engine.moe.router import Routing
+    if copy_max is not None:
+        monkeypatch.setattr(experts, "PAIR_COPY_MAX_BYTES", copy_max)
+    g = torch.Generator().manual_seed(1)
+    E, H, I, T, K = 8, 48, 24, 8, 2
+    x, w13, w2 = torch.randn(T, H, generator=g), torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    r = Routing(ids, torch.rand(T, K, generator=g))
+    together = experts.moe_gather(x, w13, w2, r)
+    for t in range(T):
+        alone = experts.moe_gather(x[t:t + 1], w13, w2, Routing(ids[t:t + 1], r.weights[t:t + 1]))
+        assert torch.equal(alone[0], together[t])
+    ref = experts.moe_sorted(x, w13, w2, r)
+    assert (together - ref).abs().max() < 1e-5 * ref.abs().max()

@@ -56,6 +56,18 @@ def test_all_strategies_match_the_dense_reference(fmt, act):
         assert rel < {"mxfp4": 0.45 if act else 0.3, "mxfp6_e3m2": 0.15}.get(fmt, 0.1), (fmt, act, rel)
 
 
+def test_gather_without_per_pair_copies_matches(monkeypatch):
+    """GLM-5-sized experts take the no-copy per-pair GEMVs (PAIR_COPY_MAX_BYTES exceeded): same result."""
+    import engine.moe.mx_experts as mxe
+    m, w13, w2 = make_experts("mxfp4")
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(5))
+    routing = random_routing(3, E, K, seed=5)
+    ref = MX_MOE_IMPLS["mx_gather"](m, x, routing)
+    monkeypatch.setattr(mxe, "PAIR_COPY_MAX_BYTES", 0)
+    for name in ("mx_gather", "cached_gather"):
+        torch.testing.assert_close(MX_MOE_IMPLS[name](m, x, routing), ref, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_bf16_compute_matches_fp32_within_bf16_rounding():
     m, _, _ = make_experts("mxfp4")
     x = torch.randn(24, H)
