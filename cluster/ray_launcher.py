@@ -78,6 +78,9 @@ class RayLaunchConfig:
     """KV pages per worker (default: the worker's)."""
     speculative: str = "5/1/6"
     """MTP speculation STEPS/TOPK/DRAFT_TOKENS of the decode workers, or off."""
+    decode_weights: str | None = None
+    """A quantized copy of the model (e.g. `pdserve quantize --format mxfp4` output, or a Quark export) at a path
+    every node can read: decode workers load its weights (MXFP4 routed experts). Default: the model's own."""
     threads: int = 0
     """torch threads per worker (0: the CPUs of its bundle)."""
     max_restarts: int = 5
@@ -215,9 +218,17 @@ def _make_spec(cfg: RayLaunchConfig) -> dict:
         mhash = model_hash(model)
     else:
         mhash = cfg.model_hash
+    decode_weights = None
+    if cfg.decode_weights:
+        from cluster.local import resolve_decode_weights
+        if not os.path.isdir(cfg.decode_weights):
+            raise ValueError(f"--decode-weights {cfg.decode_weights!r}: give a directory holding a quantized copy of "
+                             f"the model that every node can read (make one with `pdserve quantize`)")
+        decode_weights = resolve_decode_weights(model, os.path.abspath(cfg.decode_weights))
     notes = [f"tensor parallelism is not implemented in the engine yet: each {role} worker reserves "
              f"{cfg.tp(role)} bundles on one node and runs on the first" for role in ROLES if cfg.tp(role) > 1]
     return {**dataclasses.asdict(cfg), "model": model, "model_hash": mhash, "notes": notes,
+            "decode_weights": decode_weights,
             "secret": rpc.cluster_secret() or secrets.token_hex(16)}
 
 
@@ -236,6 +247,7 @@ def _worker_args(spec: dict, role: str, name: str) -> list[str]:
         args += ["--num-pages", str(spec["num_pages"])]
     if role == "decode":
         args += ["--kv-port", "0", "--speculative", spec["speculative"] or "off"]
+        args += ["--quantized-model", spec["decode_weights"]] if spec.get("decode_weights") else []
         args += [] if spec["no_shm"] else ["--shm"]  # used by prefill workers on the same node
     return args
 

@@ -31,3 +31,10 @@ def test_router_args():
     assert flags == {"--host": "127.0.0.1", "--port": "0", "--routing": "round_robin", "--model": "/m",
                      "--startup-timeout-s": "300.0", "--max-failovers": "0", "--decode-stall-timeout-s": "30.0",
                      "--api-key": "k"}
+
+
+def test_decode_weights_reach_decode_workers_only():
+    dec = _worker_args(spec(decode_weights="/q"), "decode", "decode-0")
+    assert dict(zip(dec[::2], dec[1::2]))["--quantized-model"] == "/q"
+    assert "--quantized-model" not in _worker_args(spec(decode_weights="/q"), "prefill", "prefill-0")
+    assert "--quantized-model" not in _worker_args(spec(), "decode", "decode-0")
