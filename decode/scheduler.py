@@ -75,6 +75,10 @@ class DecodeTask:
     arrival: int = 0
     """Admission order: the youngest (largest) is preempted first."""
     preemptions: int = 0
+    spec_rounds: int = 0
+    spec_tokens: int = 0
+    spec_off: bool = False
+    """Speculation stopped paying for this request (see ``DecodeScheduler.spec_fallback``): plain steps."""
 
     def __post_init__(self) -> None:
         if self.sampler is None:
@@ -88,6 +92,9 @@ class Speculator(Protocol):
 
     def accept_len(self, task: DecodeTask) -> float: ...
 
+    @property
+    def last_verify_s(self) -> float: ...
+
 
 class DecodeScheduler:
     def __init__(self, model: GlmForCausalLM, pool: KVPool, eos_ids: tuple[int, ...] = (),
@@ -98,6 +105,15 @@ class DecodeScheduler:
         self.stop_checker = stop_checker
         """Returns a truncated-text reason (``stop``) when a stop string appeared (needs a tokenizer)."""
         self.spec = spec
+        self.spec_fallback = True
+        """Switch a request to plain decoding once its speculation costs more than it gains: after
+        ``spec_probe_rounds`` rounds, if its tokens per round are below the round's cost in plain steps
+        (round time / its verify forward's time, both measured here). Greedy output is unchanged; the
+        request's MTP KV is no longer kept, so the switch is for the rest of the request."""
+        self.spec_probe_rounds = 8
+        self.spec_fallbacks = 0
+        self._round_cost = 0.0
+        """EMA of a speculative round's time over its verify forward's time (~ plain steps per round)."""
         self._running: list[DecodeTask] = []
         self._preempted: list[DecodeTask] = []
         """Waiting for pages, oldest preemption first; their pages are freed, their tokens kept."""
@@ -228,7 +244,7 @@ class DecodeScheduler:
             return bool(local or resumed or before)
         t0 = time.perf_counter()
         if self.spec is not None:
-            new_tokens = self.spec.step(tasks, self._ensure_pages)
+            new_tokens = self._spec_and_plain_step(tasks)
         else:
             new_tokens = self._plain_step(tasks)
         self.busy_s += time.perf_counter() - t0
@@ -257,6 +273,39 @@ class DecodeScheduler:
                     continue  # reaped (and its pages freed) at the next step
                 self._running.append(t)
                 self._deliver(t, [f])
+
+    def _spec_and_plain_step(self, tasks: list[DecodeTask]) -> list[list[int]]:
+        """One speculative round for the requests it pays for, one plain step for the others."""
+        spec = [t for t in tasks if not t.spec_off]
+        plain = [t for t in tasks if t.spec_off]
+        out: dict[str, list[int]] = {}
+        if spec:
+            t0 = time.perf_counter()
+            toks = self.spec.step(spec, self._ensure_pages)
+            dt, verify = time.perf_counter() - t0, self.spec.last_verify_s
+            if verify > 0:
+                ratio = dt / verify
+                self._round_cost = ratio if not self._round_cost else 0.8 * self._round_cost + 0.2 * ratio
+            for t, tk in zip(spec, toks):
+                out[t.req_id] = tk
+                if tk:
+                    t.spec_rounds += 1
+                    t.spec_tokens += len(tk)
+                    self._maybe_fall_back(t)
+        if plain:
+            for t, tk in zip(plain, self._plain_step(plain)):
+                out[t.req_id] = tk
+        return [out.get(t.req_id, []) for t in tasks]
+
+    def _maybe_fall_back(self, task: DecodeTask) -> None:
+        if not self.spec_fallback or task.spec_rounds < self.spec_probe_rounds or not self._round_cost:
+            return
+        per_round = task.spec_tokens / task.spec_rounds
+        if per_round < self._round_cost:
+            task.spec_off = True
+            self.spec_fallbacks += 1
+            logger.info("%s: speculation off (%.2f tokens per round, a round costs %.2f plain steps)",
+                        task.req_id, per_round, self._round_cost)
 
     # -- preemption --------------------------------------------------------------------------------
     def _make_room(self) -> list[DecodeTask]:
@@ -377,7 +426,9 @@ class DecodeScheduler:
         self.tokens_out += len(out)
         lp = getattr(task, "_pending_logprobs", [])
         task._pending_logprobs = []
-        acc = self.spec.accept_len(task) if self.spec is not None else 0.0
+        acc = 0.0
+        if self.spec is not None:  # a request that stopped speculating reports its rounds' figure
+            acc = task.spec_tokens / task.spec_rounds if task.spec_off else self.spec.accept_len(task)
         if reason:
             self._finish(task, reason, new_tokens=out, logprobs=lp, accept_len=acc)
         else:

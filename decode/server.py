@@ -126,6 +126,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             healthy=not problem, running=self.sched.num_running, pages_total=st.num_pages, pages_free=st.num_free,
             tokens_per_s=tps, model_hash=self.mhash,
             info={**self.info, "preempted": str(self.sched.num_preempted), "preemptions": str(self.sched.preemptions),
+                  "spec_fallbacks": str(self.sched.spec_fallbacks),
                   **({"unhealthy": problem} if problem else {})})
 
 
@@ -160,6 +161,7 @@ async def amain(args: argparse.Namespace) -> None:
     sched = DecodeScheduler(model, pool, cfg.eos_token_ids, max_running=args.max_running,
                             stop_checker=stop_checker(Tokenizer.from_model_dir(model_dir)), spec=spec)
     sched.heartbeat = worker_main.Heartbeat(args.stall_after)
+    sched.spec_fallback = not args.no_spec_fallback
     server = rpc.make_server(secret)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = f"{args.host}:{port}"
@@ -219,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--speculative", default="5/1/6", help="STEPS/TOPK/DRAFT_TOKENS, or 'off'")
     p.add_argument("--no-speculative", action="store_true")
+    p.add_argument("--no-spec-fallback", action="store_true",
+                   help="keep speculating for every request even when its drafts are rarely accepted (default: a "
+                        "request whose tokens per round stay below a round's cost in plain steps decodes plainly)")
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--quantized-model", default=None, help="serve these (e.g. MXFP4) weights instead")
     p.add_argument("--shm", action="store_true", help="put the KV pool in shared memory (same-host transfers)")

@@ -19,6 +19,7 @@ Pages are returned by whoever owns the request when it finishes.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -80,6 +81,8 @@ class SpecDecoder:
         self.eos_token_ids = tuple(eos_token_ids)
         self.ensure_pages = ensure_pages or self.grow_pages
         self.metrics = metrics or SpecMetrics()
+        self.last_verify_s = 0.0
+        """Seconds of the last round's target (verify) forward: about one plain decode step's cost."""
 
     def grow_pages(self, seq: SpecSeq, num_tokens: int) -> None:
         """The default ``ensure_pages``: allocate from the pool, owned by ``seq.req_id``."""
@@ -111,7 +114,9 @@ class SpecDecoder:
         trees = [DraftTree.chain(s.last_token, []) for s in seqs]  # no draft state / no room: plain step
         for i, tree in zip(drafting, self.proposer.propose([seqs[i] for i in drafting]) if drafting else []):
             trees[i] = tree
+        t0 = time.perf_counter()
         logits, hidden, offsets = self._verify_forward(seqs, trees)
+        self.last_verify_s = time.perf_counter() - t0
         logits, verdicts = self._accept(seqs, trees, logits, offsets)
         self._commit_kv(seqs, trees, verdicts)
         results, live, live_ids, live_hidden = [], [], [], []

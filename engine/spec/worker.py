@@ -85,6 +85,10 @@ class MTPSpeculator:
             out[t.req_id] = r.token_ids
         return [out.get(t.req_id, []) for t in tasks]
 
+    @property
+    def last_verify_s(self) -> float:
+        return self.decoder.last_verify_s
+
     def accept_len(self, task: Any) -> float:
         """This request's tokens per verify step so far (1 + mean accepted drafts)."""
         d = self._drafts.get(task.req_id)

@@ -196,3 +196,35 @@ def test_preempted_request_can_be_aborted(tiny):
     dec.abort("a")
     dec.step()
     assert evs["a"][-1].finish_reason == "abort" and pool.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_speculation_that_does_not_pay_falls_back_to_plain_losslessly(tiny, fallback):
+    """A random-weight model's MTP layer guesses almost nothing (about 1 token per round) while a round costs
+    several plain steps: after ``spec_probe_rounds`` rounds each request decodes plainly. Greedy tokens equal
+    the plain engine's either way; with the fallback off every round stays speculative."""
+    model, cfg = tiny
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (40, 25)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = Engine(model, cfg, page_size=P, num_pages=64).generate(prompts, params)
+    real_init = DecodeScheduler.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        self.spec_fallback = fallback
+    DecodeScheduler.__init__ = init
+    try:
+        events, dpool = pd_generate(tiny, prompts, params, spec="3/1/4")
+    finally:
+        DecodeScheduler.__init__ = real_init
+    dec = pd_generate.last
+    for i, r in enumerate(ref):
+        assert r.token_ids[1:] == tokens(events[f"r{i}"]) and events[f"r{i}"][-1].finish_reason == "length"
+    tasks_rounds = dec.spec.metrics.num_verify_steps
+    if fallback:
+        assert dec.spec_fallbacks == 2 and dec._round_cost > 1.5
+        assert tasks_rounds <= 2 * dec.spec_probe_rounds + 2  # speculation stopped after the probe rounds
+    else:
+        assert dec.spec_fallbacks == 0 and tasks_rounds > 2 * dec.spec_probe_rounds + 2
+    assert dpool.allocator.num_used == 0
