@@ -1,0 +1,82 @@
+"""Served single-stream decode: what a client of ``pdserve serve`` sees, per cluster configuration.
+
+    .venv/bin/python bench/bench_served_decode.py [--configs "default;--no-speculative"] [--requests 4]
+                                                  [--max-tokens 200]
+
+For each configuration (``pdserve serve`` flags, ``;``-separated; ``default`` = none) a local cluster is
+started, ``--requests`` greedy requests are sent one at a time over gRPC with held-out text as the prompt
+(CPython's ``asyncio/events.py``, not in the default model's training split) and the stream rate after the
+first token is printed per request, with the decode workers' speculation fallbacks. Configurations run
+one after another on the same machine: compare them within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import grpc  # noqa: E402
+
+from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
+
+
+def run(flags: list[str], prompts: list[str], max_tokens: int) -> tuple[list[float], str]:
+    with tempfile.TemporaryDirectory() as d:
+        out_path = os.path.join(d, "serve.out")
+        with open(out_path, "wb") as log:
+            p = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", "0",
+                                  "--run-dir", os.path.join(d, "run"), *flags],
+                                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not (m := re.search(r"listening on (\S+)", open(out_path).read())):
+                if p.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"pdserve serve did not start:\n{open(out_path).read()[-3000:]}")
+                time.sleep(0.3)
+            with grpc.insecure_channel(m.group(1)) as ch:
+                stub, rates = generation_pb2_grpc.GenerationStub(ch), []
+                for text in prompts:
+                    req = generation_pb2.GenerateRequest(text=text, sampling=generation_pb2.SamplingParams(
+                        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+                    t0, n = None, 0
+                    for r in stub.Generate(req, timeout=600):
+                        if t0 is None:
+                            t0 = time.perf_counter()
+                        else:
+                            n += len(r.token_ids)
+                    rates.append(n / (time.perf_counter() - t0))
+                st = generation_pb2_grpc.AdminStub(ch).GetClusterStatus(generation_pb2.GetClusterStatusRequest(),
+                                                                        timeout=30)
+            fb = ",".join(w.info.get("spec_fallbacks", "-") for w in st.workers if w.role == "decode")
+            return rates, fb
+        finally:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="default;--no-speculative")
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=200)
+    args = ap.parse_args()
+    text = open(os.path.join(sysconfig.get_paths()["stdlib"], "asyncio", "events.py")).read()
+    prompts = [text[3000 + 200 * i:4500] for i in range(args.requests)]
+    for cfg in args.configs.split(";"):
+        flags = [] if cfg.strip() == "default" else cfg.split()
+        rates, fb = run(flags, prompts, args.max_tokens)
+        print(f"{cfg:<24} tok/s per request after the first token: {', '.join(f'{r:.0f}' for r in rates)}"
+              f"  (decode workers' speculation fallbacks: {fb})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
