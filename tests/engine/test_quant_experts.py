@@ -109,7 +109,9 @@ def test_tuned_table_nearest_key_and_last_impl(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(tuning, "TABLE_DIRS", [str(tmp_path)])
     tuning._read_table.cache_clear()
     with caplog.at_level(logging.WARNING, logger="engine.moe.tuning"):
-        for T, want in ((1, "mx_dense"), (6, "mx_dense"), (12, "mx_grouped"), (100, "mx_grouped"), (5000, "cached_sorted")):
+        # up to FALLBACK_GATHER_MAX_PAIRS pairs (decode, verify) a batch-invariant gather whatever the table says
+        for T, want in ((1, "cached_gather"), (6, "cached_gather"), (12, "mx_grouped"), (100, "mx_grouped"),
+                        (5000, "cached_sorted")):
             x = torch.randn(T, H)
             m(x, random_routing(T, E, K, seed=T))
             assert m.last_impl == want, (T, m.last_impl)
@@ -127,7 +129,7 @@ def test_untuned_shape_warns_once_and_falls_back(monkeypatch, caplog, tmp_path):
         for T in (1, 8, 64):
             for layer in layers:
                 layer(torch.randn(T, H), random_routing(T, E, K))
-                assert layer.last_impl == ("mx_gather" if T * K <= tuning.FALLBACK_GATHER_MAX_PAIRS else "mx_sorted")
+                assert layer.last_impl == ("cached_gather" if T * K <= tuning.FALLBACK_GATHER_MAX_PAIRS else "mx_sorted")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     msg = warnings[0].getMessage()
@@ -164,3 +166,18 @@ def test_shipped_tables_name_registered_impls():
     shipped = {f.split(",device_name=")[0] for f in files}
     for name in ("tiny", "peer"):
         assert tuning.NAMED_SHAPES[name].key("x").split(",device_name=")[0] in shipped, name
+
+
+def test_decode_and_verify_round_alike_with_mx_experts(tmp_path, monkeypatch):
+    """A token's MoE output is bitwise the same alone (decode) and among 6 (verify), even when a tuning table
+    names a strategy that rounds differently at each T (the shipped CPU tables say cached_dense there)."""
+    m, _, _ = make_experts("mxfp4")
+    (tmp_path / m.shape.file_name(tuning.device_name("cpu"))).write_text(json.dumps({"1": "cached_dense"}))
+    monkeypatch.setattr(tuning, "TABLE_DIRS", [str(tmp_path)])
+    tuning._read_table.cache_clear()
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(9))
+    r = random_routing(6, E, K, seed=9)
+    together = m(x, r)
+    for t in range(6):
+        alone = m(x[t:t + 1], type(r)(r.ids[t:t + 1], r.weights[t:t + 1]))
+        assert torch.equal(alone[0], together[t]), t
