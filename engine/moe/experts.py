@@ -98,10 +98,13 @@ one kernel). Which of the two runs depends only on the model's shapes, never on 
 still round alike."""
 
 
-def pair_gemvs_uncopied(w: torch.Tensor, ids: list[int], x: torch.Tensor) -> torch.Tensor:
-    """``w [E, R, C]`` stacked weights, ``ids`` the expert of each pair, ``x [P, C]`` -> ``[P, R]``: one GEMV
-    per pair (the same call whatever P is), no weight copy."""
-    return torch.stack([F.linear(x[p], w[e]) for p, e in enumerate(ids)])
+def gather_gemv(w: torch.Tensor, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``w [E, R, C]`` stacked weights, ``flat [P]`` the expert of each pair, ``x [P, C]`` -> ``[P, R]``: each
+    pair's expert matrix times its input, the same computation whatever P is. Small experts: a per-pair
+    weight copy and ``pair_gemv``; above ``PAIR_COPY_MAX_BYTES``: one GEMV per pair, no copy."""
+    if w[0].numel() * w.element_size() > PAIR_COPY_MAX_BYTES:
+        return torch.stack([F.linear(x[p], w[e]) for p, e in enumerate(flat.tolist())])
+    return pair_gemv(w.index_select(0, flat), x)
 
 
 def pair_gemv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -122,14 +125,8 @@ def moe_gather(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Ro
     T, K = routing.ids.shape
     flat = routing.ids.reshape(-1)
     I = w2.shape[2]
-    xs = x.repeat_interleave(K, dim=0)
-    if w13[0].numel() * w13.element_size() > PAIR_COPY_MAX_BYTES:
-        ids = flat.tolist()
-        h = pair_gemvs_uncopied(w13, ids, xs)
-        y = pair_gemvs_uncopied(w2, ids, F.silu(h[:, :I]) * h[:, I:])
-    else:
-        h = pair_gemv(w13.index_select(0, flat), xs)  # [T*K, 2I]
-        y = pair_gemv(w2.index_select(0, flat), F.silu(h[:, :I]) * h[:, I:])  # [T*K, H]
+    h = gather_gemv(w13, flat, x.repeat_interleave(K, dim=0))  # [T*K, 2I]
+    y = gather_gemv(w2, flat, F.silu(h[:, :I]) * h[:, I:])  # [T*K, H]
     y = y.view(T, K, -1) * routing.weights.unsqueeze(-1).to(y.dtype)
     return y.sum(dim=1)
 

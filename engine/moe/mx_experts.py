@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.moe import tuning
-from engine.moe.experts import PAIR_COPY_MAX_BYTES, pair_gemv, pair_gemvs_uncopied
+from engine.moe.experts import gather_gemv
 from engine.moe.router import Routing
 from engine.quant.mx import MXSpec, MXTensor, dequantize_mx, packed_dim, qdq_mx, quantize_mx
 
@@ -324,14 +324,8 @@ def _gather(m: MXRoutedExperts, x: torch.Tensor, ids: torch.Tensor, weights: tor
             w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     T, K = ids.shape
     flat = ids.reshape(-1)
-    xs = m.qdq_act(x).repeat_interleave(K, dim=0)
-    if w13[0].numel() * w13.element_size() > PAIR_COPY_MAX_BYTES:  # GLM-5-sized experts: no per-pair copy
-        ids = flat.tolist()
-        h = pair_gemvs_uncopied(w13, ids, xs)
-        y = pair_gemvs_uncopied(w2, ids, _swiglu(m, h))
-    else:
-        h = pair_gemv(w13.index_select(0, flat), xs)  # [T*K, 2I]
-        y = pair_gemv(w2.index_select(0, flat), _swiglu(m, h))  # [T*K, H]
+    h = gather_gemv(w13, flat, m.qdq_act(x).repeat_interleave(K, dim=0))  # [T*K, 2I]
+    y = gather_gemv(w2, flat, _swiglu(m, h))  # [T*K, H]
     return (y.view(T, K, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
 
 

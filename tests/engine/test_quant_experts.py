@@ -58,12 +58,12 @@ def test_all_strategies_match_the_dense_reference(fmt, act):
 
 def test_gather_without_per_pair_copies_matches(monkeypatch):
     """GLM-5-sized experts take the no-copy per-pair GEMVs (PAIR_COPY_MAX_BYTES exceeded): same result."""
-    import engine.moe.mx_experts as mxe
+    from engine.moe import experts
     m, w13, w2 = make_experts("mxfp4")
     x = torch.randn(3, H, generator=torch.Generator().manual_seed(5))
     routing = random_routing(3, E, K, seed=5)
     ref = MX_MOE_IMPLS["mx_gather"](m, x, routing)
-    monkeypatch.setattr(mxe, "PAIR_COPY_MAX_BYTES", 0)
+    monkeypatch.setattr(experts, "PAIR_COPY_MAX_BYTES", 0)
     for name in ("mx_gather", "cached_gather"):
         torch.testing.assert_close(MX_MOE_IMPLS[name](m, x, routing), ref, rtol=1e-4, atol=1e-5, msg=name)
 
