@@ -33,6 +33,7 @@ from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
+from engine.spec.prefill import MTPChunk, mtp_prefill, mtp_prefill_batch
 from protos.worker_main import Heartbeat
 
 logger = logging.getLogger(__name__)
@@ -262,8 +263,9 @@ class DecodeScheduler:
                          self.pool)
         firsts = sample(out.logits, [t.sampler for t in tasks]).token_ids.tolist()
         if self.model.has_mtp:  # the draft layer's KV over the prompt, as a prefill worker would ship it
-            reqs = [BatchRequest(t.pages, 0, t.prompt_ids[1:] + [f]) for t, f in zip(tasks, firsts)]
-            self.model.forward_mtp(ForwardBatch.build(reqs, P, dev), self.pool, out.hidden)
+            hiddens = out.hidden.split([len(t.prompt_ids) for t in tasks])
+            mtp_prefill_batch(self.model, self.pool, [MTPChunk(t.pages, 0, t.prompt_ids, h, next_token=f)
+                                                      for t, h, f in zip(tasks, hiddens, firsts)])
         with self._cv:
             for t, f in zip(tasks, firsts):
                 t.cached_len = len(t.prompt_ids)
@@ -327,9 +329,7 @@ class DecodeScheduler:
 
     def _preempt(self, task: DecodeTask) -> None:
         self._running.remove(task)
-        if task.pages:
-            self.pool.allocator.decref(task.pages)
-            task.pages = []
+        self._release_pages(task)
         task.cached_len = 0
         task.preemptions += 1
         self.preemptions += 1
@@ -348,7 +348,6 @@ class DecodeScheduler:
             need = self.pool.pages_for(n + 1)
             if need > self.pool.num_pages:
                 self._preempted.pop(0)
-                self._running.append(task)  # so that _finish sees it
                 self._finish(task, "error", f"decode KV pool exhausted: this request needs {need} pages, the "
                                             f"pool has {self.pool.num_pages}")
                 return True
@@ -361,7 +360,6 @@ class DecodeScheduler:
         except Exception:  # noqa: BLE001 - fail this request (pages freed, event sent), keep decoding
             logger.exception("recomputing the KV of preempted %s failed", task.req_id)
             with self._cv:
-                self._running.append(task)
                 self._finish(task, "error", "internal error while resuming a preempted request")
             return True
         with self._cv:
@@ -377,9 +375,8 @@ class DecodeScheduler:
         for s in range(0, n, self.recompute_chunk):
             e = min(n, s + self.recompute_chunk)
             out = self.model(ForwardBatch.build([BatchRequest(task.pages, s, seq[s:e])], P, dev), self.pool)
-            if self.model.has_mtp:
-                self.model.forward_mtp(ForwardBatch.build([BatchRequest(task.pages, s, seq[s + 1:e + 1])], P, dev),
-                                       self.pool, out.hidden)
+            if self.model.has_mtp:  # the token after the chunk is known: no pair is deferred
+                mtp_prefill(self.model, self.pool, task.pages, s, seq[s:e], out.hidden, next_token=seq[e])
 
     def _ensure_pages(self, task: DecodeTask, num_tokens: int) -> None:
         need = self.pool.pages_for(num_tokens) - len(task.pages)
@@ -455,10 +452,13 @@ class DecodeScheduler:
         if task in self._running:
             self._running.remove(task)
         self._tasks.pop(task.req_id, None)
+        self._release_pages(task)
+        task.emit(TokenEvent(new_tokens or [], reason, message, logprobs or [], accept_len))
+
+    def _release_pages(self, task: DecodeTask) -> None:
         if task.pages:
             self.pool.allocator.decref(task.pages)
             task.pages = []
-        task.emit(TokenEvent(new_tokens or [], reason, message, logprobs or [], accept_len))
 
     def _reap(self) -> None:
         now = time.monotonic()

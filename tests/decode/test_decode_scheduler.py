@@ -228,3 +228,29 @@ def test_speculation_that_does_not_pay_falls_back_to_plain_losslessly(tiny, fall
     else:
         assert dec.spec_fallbacks == 0 and tasks_rounds > 2 * dec.spec_probe_rounds + 2
     assert dpool.allocator.num_used == 0
+
+
+def test_recompute_rebuilds_the_kv_of_both_the_model_and_its_mtp_layer(tiny):
+    """A preempted request's recompute (chunked) writes the same KV, MTP layer included, as one pass over
+    the sequence: main model over tokens 0..n-1, MTP pairs (token i+1, hidden i)."""
+    from engine.batch import BatchRequest, ForwardBatch
+    model, cfg = tiny
+    assert model.has_mtp
+    layout = KVLayout.for_model(cfg, P, "float32")
+    seq = torch.randint(2, 500, (90,), generator=torch.Generator().manual_seed(6)).tolist()
+    prompt, output, n = seq[:50], seq[50:], len(seq) - 1
+    ref_pool, pool = KVPool(layout, 16), KVPool(layout, 16)
+    pages = ref_pool.allocator.alloc(ref_pool.pages_for(n + 1), "ref")
+    out = model(ForwardBatch.build([BatchRequest(pages, 0, seq[:n])], P), ref_pool)
+    model.forward_mtp(ForwardBatch.build([BatchRequest(pages, 0, seq[1:n + 1])], P), ref_pool, out.hidden)
+    dec = DecodeScheduler(model, pool, cfg.eos_token_ids)
+    dec.recompute_chunk = 32  # 3 chunks
+    task = DecodeTask("r", prompt, output, SamplingParams(max_tokens=100), pool.allocator.alloc(len(pages), "r"), 0,
+                      emit=lambda ev: None)
+    assert task.pages == pages
+    dec._recompute(task, n)
+    slots = torch.arange(n)
+    for layer in range(layout.num_layers):  # the MTP layer is the last one
+        for c in layout.components:
+            torch.testing.assert_close(pool.flat(layer, c.name)[slots], ref_pool.flat(layer, c.name)[slots],
+                                       rtol=1e-5, atol=1e-5, msg=f"layer {layer} {c.name}")
