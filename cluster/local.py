@@ -267,13 +267,11 @@ def _wait_all(children: list[Child], timeout_s: float) -> None:
             pass
 
 
-MX_FORMATS = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8")
-
-
 def resolve_decode_weights(model_dir: str, spec: str) -> str | None:
     """``LocalClusterConfig.decode_weights`` -> the checkpoint directory decode workers load, or None for
     ``model_dir`` itself. An MX format quantizes ``model_dir``'s routed experts once (``pdserve quantize``)
     into a cache keyed by the model's hash, so later starts reuse it."""
+    from engine.quant.mx import MX_FORMATS
     from engine.quant.quark import QuarkConfig
     if spec == "model" or not os.path.exists(os.path.join(model_dir, "config.json")):
         return None  # (no model there: the workers fail to start and say why)
