@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    from engine.runtime import tune_malloc
+    from engine.defaults import tune_malloc
     tune_malloc()  # both sides of the comparison run with it
     torch.set_num_threads(args.threads)
     import transformers

@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default="glm4_moe,glm_moe_dsa")
     args = ap.parse_args()
-    from engine.runtime import tune_malloc
+    from engine.defaults import tune_malloc
     tune_malloc()  # both sides of the comparison run with it
     torch.set_num_threads(2)
     import transformers

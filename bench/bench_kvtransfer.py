@@ -128,7 +128,7 @@ class Prefill:
 
 
 def prefill_main(conn, layouts_: dict, tokens: int) -> None:
-    from engine.runtime import tune_malloc
+    from engine.defaults import tune_malloc
     tune_malloc()  # as a worker process runs
     torch.set_num_threads(1)
     p = Prefill(layouts_, tokens)
@@ -228,7 +228,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
-    from engine.runtime import tune_malloc
+    from engine.defaults import tune_malloc
     tune_malloc()  # as a worker process runs
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")

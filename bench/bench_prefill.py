@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved pairs behind each ratio (medians)")
     args = ap.parse_args()
-    from engine.runtime import tune_malloc
+    from engine.defaults import tune_malloc
     tune_malloc()  # both sides of the comparison run with it
     torch.set_num_threads(args.threads)
     from engine.defaults import default_model_dir

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    from engine.runtime import tune_malloc
+    from engine.defaults import tune_malloc
     tune_malloc()  # both sides of the comparison run with it
     torch.set_num_threads(args.threads)
 

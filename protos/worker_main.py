@@ -71,7 +71,7 @@ def apply_threads(n: int) -> None:
     """Process-wide CPU settings of a worker: intra-op threads and the malloc thresholds."""
     import torch
 
-    from engine.runtime import tune_malloc
+    from engine.defaults import tune_malloc
     tune_malloc()
     if n > 0:
         torch.set_num_threads(n)

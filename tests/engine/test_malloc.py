@@ -14,8 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = r"""
 import json, resource, torch
 torch.set_num_threads(1)
-from engine.runtime import Engine, Seq, load_model, tune_malloc
-from engine.defaults import default_model_dir
+from engine.runtime import Engine, Seq, load_model
+from engine.defaults import default_model_dir, tune_malloc
 from engine.batch import BatchRequest, ForwardBatch
 from engine.sampling import SamplerState, SamplingParams
 tuned = tune_malloc()
