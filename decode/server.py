@@ -94,11 +94,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {e}")
         try:
             while True:
-                ev = await queue.get()
-                while not ev.finish_reason and not queue.empty():  # the stream fell behind: one message
-                    nxt = queue.get_nowait()
-                    ev = TokenEvent(ev.token_ids + nxt.token_ids, nxt.finish_reason, nxt.message,
-                                    ev.logprobs + nxt.logprobs, nxt.accept_len)
+                ev = coalesce(await queue.get(), queue)
                 yield worker_pb2.DecodeChunk(token_ids=ev.token_ids, finish_reason=ev.finish_reason,
                                              accept_len=ev.accept_len,
                                              logprobs=[logprob_to_proto(x) for x in ev.logprobs])
@@ -128,6 +124,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             info={**self.info, "preempted": str(self.sched.num_preempted), "preemptions": str(self.sched.preemptions),
                   "spec_fallbacks": str(self.sched.spec_fallbacks),
                   **({"unhealthy": problem} if problem else {})})
+
+
+def coalesce(ev: TokenEvent, queue: asyncio.Queue) -> TokenEvent:
+    """``ev`` merged with the events queued behind it, up to the last one: when the stream fell behind
+    the scheduler, one message carries them all (the finishing event's reason and message, the newest
+    accept length)."""
+    while not ev.finish_reason and not queue.empty():
+        nxt = queue.get_nowait()
+        ev = TokenEvent(ev.token_ids + nxt.token_ids, nxt.finish_reason, nxt.message, ev.logprobs + nxt.logprobs,
+                        nxt.accept_len)
+    return ev
 
 
 def stop_checker(tok: Tokenizer | None):

@@ -97,4 +97,5 @@ def test_decode_workers_serve_mxfp4_by_default(served):
         st = generation_pb2_grpc.AdminStub(ch).GetClusterStatus(generation_pb2.GetClusterStatusRequest(), timeout=30)
     dec = [w for w in st.workers if w.role == "decode"]
     assert dec and all(w.info["routed_experts"] == "mxfp4" for w in dec), [dict(w.info) for w in dec]
+    assert all({"preempted", "preemptions", "spec_fallbacks"} <= set(w.info) for w in dec)
     assert "decode weights: " in (d / "serve.out").read_text() and "quantized" in (d / "serve.out").read_text()

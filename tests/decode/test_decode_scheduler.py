@@ -254,3 +254,26 @@ def test_recompute_rebuilds_the_kv_of_both_the_model_and_its_mtp_layer(tiny):
         for c in layout.components:
             torch.testing.assert_close(pool.flat(layer, c.name)[slots], ref_pool.flat(layer, c.name)[slots],
                                        rtol=1e-5, atol=1e-5, msg=f"layer {layer} {c.name}")
+
+
+def test_stream_coalesces_events_that_queued_behind_it():
+    """The Decode stream sends the events queued while it was behind as one chunk, stopping at the finishing
+    event (later ones stay queued), with the finishing reason, the logprobs in order, the newest accept len."""
+    import asyncio
+
+    from decode.server import coalesce
+
+    async def run():
+        q = asyncio.Queue()
+        for ev in (TokenEvent([2], logprobs=[(2, -0.1, [2], [-0.1])], accept_len=1.5),
+                   TokenEvent([3, 4], logprobs=[(3, -0.2, [3], [-0.2])], accept_len=2.0),
+                   TokenEvent([5], "length", "done", accept_len=2.5), TokenEvent([9])):
+            q.put_nowait(ev)
+        first = coalesce(await q.get(), q)
+        alone = coalesce(TokenEvent([7], "stop"), q)  # a finishing event is never merged with what follows
+        return first, alone, q.qsize()
+
+    first, alone, left = asyncio.run(run())
+    assert first.token_ids == [2, 3, 4, 5] and first.finish_reason == "length" and first.message == "done"
+    assert [lp[0] for lp in first.logprobs] == [2, 3] and first.accept_len == 2.5
+    assert alone.token_ids == [7] and left == 1
