@@ -228,8 +228,8 @@ class MXRoutedExperts(nn.Module):
         if num_tokens * self.topk <= tuning.FALLBACK_GATHER_MAX_PAIRS:
             # decode and speculative verify: a batch-invariant strategy whatever a table says, so a 1-token
             # decode and a 6-token verify round alike (lossless greedy speculation; a table's cached_dense
-            # rounds differently at each T). Also the fastest here since pair_gemv: default model, served
-            # decode 120 -> 160 tok/s against the shipped table's cached_dense.
+            # rounds differently at each T). Speed on the default model: no difference measurable here
+            # (bench/bench_decode_step.py --scheduler, alternating runs).
             return "cached_gather" if self.can_run("cached_gather", dtype, num_tokens) else "mx_gather"
         if not self._table_loaded:
             dev = tuning.device_name(self.w13_codes.device)
