@@ -81,6 +81,8 @@ class MTPProposer:
         spec, k = self.spec, self.spec.eagle_topk
         B = len(seqs)
         states = [s.sampler for s in seqs]
+        if spec.is_chain and all(st.params.greedy for st in states):
+            return self._propose_greedy_chain(seqs)
         logits = self.draft_logits(seqs)[:, None]                 # [B, F=1, V]
         hidden = torch.stack([s.draft_hidden for s in seqs])[:, None]  # [B, F=1, H]
         dev = logits.device
@@ -117,13 +119,33 @@ class MTPProposer:
             logits, hidden = self._forward_frontier(seqs, d, f_tok, f_hid, vis)
         return self._select(seqs, toks, pars, scores, qs)
 
+    def _propose_greedy_chain(self, seqs: Sequence[SpecSeq]) -> list[DraftTree]:
+        """Greedy chains (the common case): each depth's draft is the argmax of the draft logits, so
+        no log-probs, scores or frontier bookkeeping (what ``propose``'s general walk computes
+        for trees and sampling): ~25 fewer tensor ops per depth."""
+        B = len(seqs)
+        logits = self.draft_logits(seqs)  # [B, V]
+        hidden = torch.stack([s.draft_hidden for s in seqs])  # [B, H]
+        toks = []
+        for d in range(1, self.spec.num_steps + 1):
+            tok = logits.argmax(-1, keepdim=True)  # [B, 1]
+            toks.append(tok)
+            if d == self.spec.num_steps:
+                break
+            logits, hidden = self._forward_frontier(seqs, d, tok, hidden[:, None], None)
+            logits, hidden = logits[:, 0], hidden[:, 0]
+        drafts = torch.cat(toks, 1).tolist()
+        return [DraftTree.chain(s.last_token, drafts[b]) for b, s in enumerate(seqs)]
+
     def _forward_frontier(self, seqs: Sequence[SpecSeq], d: int, f_tok: torch.Tensor, f_hid: torch.Tensor,
-                          vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                          vis: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP over the depth-``d`` frontier ``f_tok [B, k]`` with parent hiddens ``f_hid [B, k, H]``
         -> (logits ``[B, k, V]``, hiddens ``[B, k, H]``) for depth ``d + 1``."""
         B, k = f_tok.shape
         eye = torch.eye(k, dtype=torch.bool) if k > 1 else None
-        reqs = [BatchRequest(s.pages, s.cached_len + (d - 1) * k, ids, positions=[s.cached_len + d - 1] * k,
+        # a chain's node sits at its own slot's position (the default); siblings share theirs
+        reqs = [BatchRequest(s.pages, s.cached_len + (d - 1) * k, ids,
+                             positions=[s.cached_len + d - 1] * k if k > 1 else None,
                              tree_mask=eye, num_logits=k) for s, ids in zip(seqs, f_tok.tolist())]
         batch = ForwardBatch.build(reqs, self.pool.page_size, self.pool.device)
         if k > 1 and d > 1:  # siblings share a position: each sees only its own ancestors' draft slots
