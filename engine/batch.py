@@ -148,18 +148,33 @@ class ForwardBatch:
             if r.tree_mask is not None and tuple(r.tree_mask.shape) != (n, n):
                 raise ValueError(f"tree_mask shape {tuple(r.tree_mask.shape)} != ({n}, {n})")
         tq, smax, T = max(q_lens), max(kv_lens), sum(q_lens)
-        # slot of sequence index j = page_table[j // page_size] * page_size + j % page_size; 0 past the end
-        pages = torch.tensor(flat_pages, dtype=torch.long).view(B, max_pages, 1)
-        kv_slots = (pages * page_size + torch.arange(page_size, dtype=torch.long)).view(B, -1)[:, :smax].contiguous()
-        if kv_lens.count(smax) != B:
-            kv_len_t = torch.tensor(kv_lens, dtype=torch.long)
-            kv_slots = kv_slots.masked_fill(torch.arange(smax)[None, :] >= kv_len_t[:, None], 0)
-        # sequence index of each new token: cached_len + i
-        ar = torch.arange(tq, dtype=torch.long)
-        seq_idx = torch.tensor(cached, dtype=torch.long)[:, None] + ar  # [B, tq]
         starts = [0] * B
         for b in range(1, B):
             starts[b] = starts[b - 1] + q_lens[b - 1]
+        logit_idx: list[int] = []
+        for r, s, n in zip(reqs, starts, q_lens):
+            k = min(max(r.num_logits, 1), n)
+            logit_idx.extend(range(s + n - k, s + n))
+        # the small integer inputs travel as ONE host tensor (each torch.tensor call costs ~5 us)
+        list_ids = all(isinstance(r.token_ids, (list, tuple)) for r in reqs)
+        ints = flat_pages + cached + logit_idx
+        if list_ids:
+            ints += [t for r in reqs for t in r.token_ids]
+        host = torch.tensor(ints, dtype=torch.long)
+        o = len(flat_pages)
+        pages, cached_t, logits_index = host[:o].view(B, max_pages, 1), host[o:o + B], host[o + B:o + B + len(logit_idx)]
+        if list_ids:
+            ids = host[o + B + len(logit_idx):]
+        else:
+            ids = torch.cat([torch.as_tensor(r.token_ids, dtype=torch.long).reshape(-1) for r in reqs])
+        # slot of sequence index j = page_table[j // page_size] * page_size + j % page_size; 0 past the end
+        kv_slots = (pages * page_size + torch.arange(page_size, dtype=torch.long)).view(B, -1)[:, :smax].contiguous()
+        if kv_lens.count(smax) != B:
+            kv_len_t = (cached_t + torch.tensor(q_lens, dtype=torch.long))[:, None]
+            kv_slots = kv_slots.masked_fill(torch.arange(smax)[None, :] >= kv_len_t, 0)
+        # sequence index of each new token: cached_len + i
+        ar = torch.arange(tq, dtype=torch.long)
+        seq_idx = cached_t[:, None] + ar  # [B, tq]
         if q_lens.count(tq) == B:  # decode steps, verification: no padding
             q_valid = torch.ones(B, tq, dtype=torch.bool)
             q_index = torch.arange(T, dtype=torch.long).view(B, tq)
@@ -175,17 +190,10 @@ class ForwardBatch:
         else:
             pos = torch.cat([seq_flat[s:s + n] if r.positions is None else torch.as_tensor(r.positions, dtype=torch.long)
                              for r, s, n in zip(reqs, starts, q_lens)])
-        if all(isinstance(r.token_ids, (list, tuple)) for r in reqs):
-            ids = torch.tensor([t for r in reqs for t in r.token_ids], dtype=torch.long)
-        else:
-            ids = torch.cat([torch.as_tensor(r.token_ids, dtype=torch.long).reshape(-1) for r in reqs])
-        logit_idx: list[int] = []
-        for r, s, n in zip(reqs, starts, q_lens):
-            k = min(max(r.num_logits, 1), n)
-            logit_idx.extend(range(s + n - k, s + n))
         dev = torch.device(device)
-        return cls(input_ids=ids.to(dev), positions=pos.to(dev), out_slots=out_slots.to(dev),
-                   kv_slots=kv_slots.to(dev), q_index=q_index.to(dev), q_valid=q_valid.to(dev),
-                   logits_index=torch.tensor(logit_idx, dtype=torch.long, device=dev),
-                   q_lens=q_lens, kv_lens=kv_lens, max_kv_len=smax,
+        if dev.type != "cpu":  # built on the host, moved once each
+            ids, pos, out_slots, kv_slots, q_index, q_valid, logits_index = (
+                t.to(dev) for t in (ids, pos, out_slots, kv_slots, q_index, q_valid, logits_index))
+        return cls(input_ids=ids, positions=pos, out_slots=out_slots, kv_slots=kv_slots, q_index=q_index,
+                   q_valid=q_valid, logits_index=logits_index, q_lens=q_lens, kv_lens=kv_lens, max_kv_len=smax,
                    cached_lens=cached, tree_masks=[r.tree_mask for r in reqs])
