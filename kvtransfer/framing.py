@@ -24,6 +24,12 @@ SCRATCH_BYTES = 128 * 1024
 _DISCARD = memoryview(bytearray(1 << 20))
 
 
+RCVLOWAT_MAX_BYTES = 1 << 20
+"""While a payload is due the socket wakes the loop only once this much (or the payload's rest) has
+arrived (``SO_RCVLOWAT``): a large payload then lands in ~1 MB reads instead of ~150 KB ones, so
+the Python work per read (``get_buffer`` / ``buffer_updated``) stops competing with the copy. At
+10 us of Python per read, 27 MB x 4 layers over loopback: 700 -> 93 reads, 2.5-3.1 -> 3.3-3.5 GiB/s."""
+
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
 """A peer host that vanished without closing (power loss, partition) is detected within ~60 s even
 on an idle connection: its slot and socket are released (its transfers fail sooner, by their own
@@ -123,10 +129,13 @@ class FrameReader(asyncio.BufferedProtocol):
         self._paused = False
         self._closed = False
         self.transport: asyncio.Transport | None = None
+        self._sock = None
+        self._lowat = 1
 
     # --- asyncio callbacks -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._sock = transport.get_extra_info("socket") if hasattr(socket, "SO_RCVLOWAT") else None
         self.handler.on_connected(self.transport)  # type: ignore[arg-type]
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -145,9 +154,12 @@ class FrameReader(asyncio.BufferedProtocol):
             self._sink.advance(nbytes)
             if self._sink.done:
                 sink, self._sink = self._sink, None
+                self._set_lowat(1)  # headers are small: wake on any byte
                 sink.on_done()
                 if not self._paused:
                     self._parse()
+            elif self._sink.remaining < self._lowat:
+                self._set_lowat(self._sink.remaining)
             return
         self._len += nbytes
         self._parse()
@@ -177,6 +189,19 @@ class FrameReader(asyncio.BufferedProtocol):
     def discard_current(self) -> None:
         if self._sink is not None:
             self._sink.discard()
+
+    def _set_lowat(self, nbytes: int) -> None:
+        """Wake for reads once ``nbytes`` (capped) are queued; the kernel signals at once if they already are."""
+        n = max(1, min(nbytes, RCVLOWAT_MAX_BYTES))
+        if n == self._lowat or self._sock is None or self._closed:
+            return
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+        except OSError as e:  # a platform without it: plain wakeups from now on
+            log.debug("kvtransfer: SO_RCVLOWAT unavailable (%s)", e)
+            self._sock = None
+        else:
+            self._lowat = n
 
     # --- parsing ---------------------------------------------------------------------------------
     def _parse(self) -> None:
@@ -213,6 +238,7 @@ class FrameReader(asyncio.BufferedProtocol):
                         sink.on_done()
                     else:
                         self._sink = sink
+                        self._set_lowat(sink.remaining)
         except ProtocolError as err:
             self.handler.on_fatal(err)
             self.close()

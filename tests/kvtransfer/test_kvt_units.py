@@ -308,3 +308,53 @@ def test_segments_of_killed_workers_are_reaped_and_no_others(tmp_path, monkeypat
         assert pool.segment_name in left and shm.NAME_RE.match(pool.segment_name)
     finally:
         pool.close()
+
+
+def test_payload_reads_wake_on_a_low_water_mark():
+    """While a payload is due the receiving socket wakes the loop only once min(rest of the payload,
+    RCVLOWAT_MAX_BYTES) bytes are queued (fewer, larger reads); between frames any byte wakes it, so
+    a header or the end of a payload is never left waiting."""
+    import socket
+
+    from kvtransfer.framing import RCVLOWAT_MAX_BYTES, FrameReader, PayloadSink
+    if not hasattr(socket, "SO_RCVLOWAT"):
+        pytest.skip("no SO_RCVLOWAT on this platform")
+    n = RCVLOWAT_MAX_BYTES + 1000
+    payload, dst, done = os.urandom(n), bytearray(n), []
+
+    class Handler:
+        max_header, max_payload = MAX_HEADER_BYTES, 1 << 30
+
+        def on_connected(self, transport):
+            pass
+
+        def on_frame(self, header, payload_len):
+            assert header.type is FrameType.LAYER and payload_len == n
+            return PayloadSink([memoryview(dst)], lambda: done.append(True))
+
+    with socket.socket() as sock:
+        class Transport:
+            def get_extra_info(self, key):
+                return sock if key == "socket" else None
+
+        lowat = lambda: sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)  # noqa: E731
+        reader = FrameReader(Handler())
+        reader.connection_made(Transport())
+        assert lowat() == 1
+        frame = encode_frame(FrameType.LAYER, {"rid": "r", "tid": "t", "l": 0, "ts": 0, "te": 1, "pg": b"\0" * 4,
+                                               "gn": b"\0" * 4, "crc": None}, n) + payload[:100]
+
+        def deliver(data: bytes) -> None:  # what the event loop does with each recv_into
+            while data:
+                buf = reader.get_buffer(-1)
+                k = min(len(buf), len(data))
+                buf[:k] = data[:k]
+                reader.buffer_updated(k)
+                data = data[k:]
+
+        deliver(frame)  # header + the payload's first 100 bytes
+        assert lowat() == RCVLOWAT_MAX_BYTES
+        deliver(payload[100:n - 500])
+        assert lowat() == 500  # only 500 bytes are still due: wake for exactly those
+        deliver(payload[n - 500:])
+        assert done and bytes(dst) == payload and lowat() == 1
