@@ -236,6 +236,14 @@ def checksum(kind: ChecksumKind, views: Iterable[memoryview]) -> int | None:
     return crc
 
 
+def crc_updater(kind: ChecksumKind) -> Callable[[memoryview, int], int] | None:
+    """``(data, crc) -> crc`` continuing the ``kind`` checksum over more bytes (None when checksums are off):
+    ``checksum(kind, views)`` equals folding it over the views, or over any split of their bytes."""
+    if kind is ChecksumKind.NONE:
+        return None
+    return crc32c.crc32c if kind is ChecksumKind.CRC32C else zlib.crc32
+
+
 # --- handshake compatibility --------------------------------------------------------------------
 
 def peer_info(layout_dict: dict, **extra: Any) -> dict[str, Any]:

@@ -40,7 +40,8 @@ from kvtransfer.errors import FailReason, ProtocolError, TransferError
 from kvtransfer.framing import FrameReader, PayloadSink, tune_socket
 from kvtransfer.payload import LayerCodec
 from kvtransfer.protocol import (MAX_HEADER_BYTES, PDSERVE_KV_PROTOCOL_VERSION, PREAUTH_MAX_HEADER_BYTES,
-                                 FrameType, Header, check_compatible, checksum, encode_frame, pages_digest)
+                                 FrameType, Header, check_compatible, checksum, crc_updater, encode_frame,
+                                 pages_digest)
 from kvtransfer.shm import ShmKVPool, pid_alive
 from kvtransfer.ticket import Reservation, TransferState
 
@@ -283,7 +284,11 @@ class RxConnection:
         views, finalize = self.codec.sink_views(self.rx.pool, f["l"], res.page_arr,  # type: ignore[union-attr]
                                                 f["ts"], f["te"], self._stage)
         self.current = res
-        return PayloadSink(views, lambda: self._verify(res, f, views, finalize, payload_len))
+        # the checksum runs over each piece as it lands (cache-hot), not over the whole payload afterwards
+        update = crc_updater(self.ck) if f["crc"] is not None else None
+        sink = PayloadSink(views, lambda: self._verify(res, f, views, finalize, payload_len,
+                                                       crc=sink.crc if update is not None else None), update)
+        return sink
 
     def _on_shm_open(self, f: dict[str, Any], payload_len: int) -> None:
         res = self._owned(f)
@@ -316,12 +321,14 @@ class RxConnection:
         self._verify(res, f, views, None, self.shm_codec.nbytes(f["te"] - f["ts"]), self.sck)
 
     def _verify(self, res: Reservation, f: dict[str, Any], views: list[memoryview],
-                finalize: Callable[[], None] | None, nbytes: int, kind: ChecksumKind | None = None) -> None:
+                finalize: Callable[[], None] | None, nbytes: int, kind: ChecksumKind | None = None,
+                crc: int | None = None) -> None:
         """The payload is in place: check its CRC, then account it.
 
-        Large payloads are checksummed on the receiver's CRC threads while this connection keeps
-        receiving the next frame (zlib releases the GIL): verification overlaps the transfer.
-        A FINISH waits until every pending check has passed.
+        TCP payloads arrive with their CRC already computed piece by piece (``crc``). Other large
+        payloads (shm copies) are checksummed on the receiver's CRC threads while this connection
+        keeps receiving (crc32c and zlib release the GIL). A FINISH waits until every pending check
+        has passed.
         """
         self.current = None
         if res.state is not TransferState.RECEIVING:
@@ -331,6 +338,8 @@ class RxConnection:
         kind = kind or self.ck
         if kind is ChecksumKind.NONE:  # a checksum the sender said it would not send
             return self._accept(res, f, finalize, nbytes, False)
+        if crc is not None:
+            return self._accept(res, f, finalize, nbytes, crc == f["crc"])
         if nbytes < OFFLOAD_CRC_BYTES:
             return self._accept(res, f, finalize, nbytes, checksum(kind, views) == f["crc"])
         self._verifying += 1
