@@ -4,7 +4,8 @@
                                          [--dtype float32] [--prompt TEXT | --prompt-len 32] [--json]
 
 Decode tok/s excludes prefill: each run is timed at ``max_tokens`` and at 1 token (prefill + first
-token), decode rate = (max_tokens - 1) / difference (best of ``--repeats``). Greedy, EOS ignored.
+token), decode rate = (max_tokens - 1) / difference (best of ``--repeats`` rounds, every contender
+once per round, interleaved). Greedy, EOS ignored.
 Reports, per speculative config, the accept length (tokens per verify step), the acceptance rate
 per draft depth and the speed ratio to plain decoding. The default model is
 ``engine.defaults.default_model_dir()``; a random-weight model's MTP layer guesses almost nothing,
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt", default="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
                     help="prompt text (used when the model has a tokenizer.json)")
     ap.add_argument("--prompt-len", type=int, default=32, help="random prompt length without a tokenizer")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (best of)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -69,38 +70,45 @@ def main(argv: list[str] | None = None) -> dict:
     def make():
         return Engine(model, cfg, kv_dtype=args.dtype, page_size=16, num_pages=pages)
 
-    def decode_rate(run) -> float:
-        t_full = best_time(lambda: run(args.max_tokens), args.repeats)
-        t_first = best_time(lambda: run(1), args.repeats)
-        return (args.max_tokens - 1) / max(t_full - t_first, 1e-9)
-
     def plain(n: int):
         return make().generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
 
+    specs = [SpecConfig.parse(text) for text in args.configs.split(",")]
+    last: dict[str, tuple] = {}
+
+    def speculative(n: int, spec: SpecConfig):
+        eng = SpecEngine(make(), spec)
+        out = eng.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
+        last[str(spec)] = (eng, out)
+        return out
+
+    runs = {"plain": plain, **{str(sp): (lambda n, sp=sp: speculative(n, sp)) for sp in specs}}
     plain(4)  # warm-up
-    base = decode_rate(plain)
+    # interleaved rounds: every contender once per round, best of --repeats; the machine's drift then
+    # hits plain decoding and each config alike instead of whichever happened to run during a slow spell
+    full = {k: float("inf") for k in runs}
+    first = dict(full)
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            full[name] = min(full[name], best_time(lambda: run(args.max_tokens), 1))
+            first[name] = min(first[name], best_time(lambda: run(1), 1))
+    rate = {k: (args.max_tokens - 1) / max(full[k] - first[k], 1e-9) for k in runs}
+    base = rate["plain"]
     ref = plain(args.max_tokens)[0].token_ids
     report = {"model": model_dir, "dtype": args.dtype, "prompt_tokens": len(ids), "max_tokens": args.max_tokens,
               "plain_tok_s": round(base, 1), "configs": {}}
     rows = [("plain", "-", base, 1.0, "")]
-    for text in args.configs.split(","):
-        spec = SpecConfig.parse(text)
-        last = {}
-
-        def speculative(n: int, spec=spec, last=last):
-            eng = SpecEngine(make(), spec)
-            out = eng.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
-            last["eng"], last["out"] = eng, out
-            return out
-
-        rate = decode_rate(speculative)
-        speculative(args.max_tokens)
-        m = last["eng"].metrics
-        same = last["out"][0].token_ids == ref
-        report["configs"][text] = {"decode_tok_s": round(rate, 1), "speedup": round(rate / base, 3),
+    for spec in specs:
+        text = str(spec)
+        speculative(args.max_tokens, spec)
+        eng, out = last[text]
+        m = eng.metrics
+        same = out[0].token_ids == ref
+        report["configs"][text] = {"decode_tok_s": round(rate[text], 1), "speedup": round(rate[text] / base, 3),
                                    "greedy_equals_plain": same, **m.as_dict(spec.num_steps)}
         rates = " ".join(f"{r:.2f}" for r in m.acceptance_rate(spec.num_steps))
-        rows.append((text, f"{m.accept_len:.2f}", rate, rate / base, rates + ("" if same else "  (!= plain)")))
+        rows.append((text, f"{m.accept_len:.2f}", rate[text], rate[text] / base,
+                     rates + ("" if same else "  (!= plain)")))
     if args.json:
         print(json.dumps(report))
     else:
