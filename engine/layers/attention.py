@@ -137,6 +137,8 @@ class DSAIndexer(nn.Module):
         causal = batch.attn_mask[:, 0]
         scores.masked_fill_(~causal, float("-inf"))
         idx = scores.topk(k, dim=-1).indices  # [B, Tq, k]
+        if tq == 1 and min(batch.kv_lens) >= k:  # decode steps: every query has >= k causal (finite) scores,
+            return TopK(idx, None)                 # so all it picks are causal: no validity mask to carry
         # a query with fewer than k causal keys also picks masked ones: they stay masked
         valid = causal.gather(-1, idx)
         return TopK(idx, valid)

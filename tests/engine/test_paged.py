@@ -69,6 +69,25 @@ def test_mixed_batch_equals_separate_requests(loaded):
     assert (mixed - torch.cat(alone)).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize("contexts", [(20, 37, 50), (9, 37, 50)])
+def test_batched_decode_step_equals_separate_requests(loaded, contexts):
+    """One decode token per request, batched: with every context past DSA's index_topk (16) the selection
+    carries no validity mask; with one shorter context it does. Both equal each request run alone."""
+    model, cfg = loaded
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(2, cfg.vocab_size, (n + 1,), generator=g).tolist() for n in contexts]
+    pool, ref = make_pool(cfg), make_pool(cfg)
+    pages = [pool.allocator.alloc(8, "b") for _ in seqs]
+    alone = []
+    for ids, n, pg in zip(seqs, contexts, pages):
+        run(model, pool, [BatchRequest(pg, 0, ids[:n])])
+        own = ref.allocator.alloc(8, "r")
+        run(model, ref, [BatchRequest(own, 0, ids[:n])])
+        alone.append(run(model, ref, [BatchRequest(own, n, ids[n:])]))
+    batched = run(model, pool, [BatchRequest(pg, n, ids[n:]) for ids, n, pg in zip(seqs, contexts, pages)])
+    assert (batched - torch.cat(alone)).abs().max().item() < TOL
+
+
 def test_mla_absorbed_equals_expanded(tiny_dirs, monkeypatch):
     model, cfg = load_model(tiny_dirs["dsa"], "float32", "cpu")
     ids = torch.randint(2, cfg.vocab_size, (40,)).tolist()
