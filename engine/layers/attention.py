@@ -258,8 +258,9 @@ class MLAAttention(nn.Module):
         ckv = proj[1]
         latent = self.kv_a_layernorm(ckv[:, :cfg.kv_lora_rank])  # [T, L]
         cos, sin = rope.lookup(batch.positions, x.dtype)
-        q_rot = apply_interleaved(q_rot, cos, sin)  # [T, H, r]
-        k_rot = apply_interleaved(ckv[:, cfg.kv_lora_rank:], cos, sin)  # [T, r]
+        # the query heads and the shared key rotate as one [T, H + 1, r] tensor (one rotation, same values)
+        rot = apply_interleaved(torch.cat([q_rot, ckv[:, None, cfg.kv_lora_rank:]], dim=1), cos, sin)
+        q_rot, k_rot = rot[:, :H], rot[:, H]  # [T, H, r], [T, r]
         pool.write(L, "latent", batch.out_slots, latent)
         pool.write(L, "rope", batch.out_slots, k_rot)
         if self.indexer is not None:
