@@ -80,8 +80,9 @@ class DSAIndexer(nn.Module):
     """DeepSeek Sparse Attention indexer (GLM-5 variant: interleaved RoPE).
 
     score(q_t, k_s) = sum_h w_h(t) * relu(q_{t,h} . k_s) * index_head_dim^-0.5, w = weights_proj(x) * H^-0.5;
-    each query keeps its ``index_topk`` best causal keys. The indexer key (LayerNorm'd, RoPE'd) is cached
-    as the ``index`` KV component.
+    each query keeps its ``index_topk`` best causal keys. The indexer key (LayerNorm'd, RoPE on its first
+    ``qk_rope_head_dim`` dims) is cached as the ``index`` KV component. ``MLAAttention`` rotates the indexer's
+    key and queries together with its own (one rotation per layer).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -92,24 +93,15 @@ class DSAIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)  # kept fp32
 
-    def key(self, k_lin: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``k_lin = wk(x)`` [T, D] -> the cached indexer key (LayerNorm, RoPE on the first r dims)."""
-        k = self.k_norm(k_lin)  # [T, D]
-        r = self.cfg.qk_rope_head_dim
-        return torch.cat([apply_interleaved(k[:, :r], cos, sin), k[:, r:]], dim=-1)
-
     def head_weights(self, w_lin: torch.Tensor) -> torch.Tensor:
         """``w_lin = weights_proj(x)`` [T, H] -> w = w_lin * H^-0.5 in fp32."""
         return w_lin.float() * self.cfg.index_n_heads ** -0.5
 
-    def select(self, w: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               keys: torch.Tensor, batch: ForwardBatch) -> "TopK":
+    def select(self, w: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, batch: ForwardBatch) -> "TopK":
         """-> the top-k causal keys of every query (indices ``[B, Tq, k]`` + which of them are causal).
-        ``w`` [T, H] from ``head_weights``."""
+        ``w`` [T, H] from ``head_weights``, ``q`` [T, H, D] the RoPE'd queries ``wq_b(q_resid)``."""
         cfg = self.cfg
-        T, H, D, r = q_resid.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-        q = self.wq_b(q_resid).view(T, H, D)
-        q = torch.cat([apply_interleaved(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+        H, D = cfg.index_n_heads, cfg.index_head_dim
         qp, wp = batch.pad_q(q).float() * D ** -0.5, batch.pad_q(w)  # [B, Tq, H, D], [B, Tq, H]
         kt = keys.float().transpose(1, 2)  # [B, D, S]
         B, tq, S = qp.shape[0], qp.shape[1], kt.shape[2]
@@ -258,23 +250,32 @@ class MLAAttention(nn.Module):
         ckv = proj[1]
         latent = self.kv_a_layernorm(ckv[:, :cfg.kv_lora_rank])  # [T, L]
         cos, sin = rope.lookup(batch.positions, x.dtype)
-        # the query heads and the shared key rotate as one [T, H + 1, r] tensor (one rotation, same values)
-        rot = apply_interleaved(torch.cat([q_rot, ckv[:, None, cfg.kv_lora_rank:]], dim=1), cos, sin)
+        # Every RoPE of the layer as ONE rotation of [T, H + 1 (+ 1 + Hi), r] (the same values as rotating
+        # each part alone): the query heads, the shared key, and the indexer's key and queries.
+        idx, r, need_topk = self.indexer, cfg.qk_rope_head_dim, batch.max_kv_len > cfg.index_topk
+        parts = [q_rot, ckv[:, None, cfg.kv_lora_rank:]]
+        if idx is not None:
+            k_idx = idx.k_norm(proj[2])  # [T, D]
+            parts.append(k_idx[:, None, :r])
+            if need_topk:
+                q_idx = idx.wq_b(q_resid).view(T, cfg.index_n_heads, cfg.index_head_dim)
+                parts.append(q_idx[..., :r])
+        rot = apply_interleaved(torch.cat(parts, dim=1), cos, sin)
         q_rot, k_rot = rot[:, :H], rot[:, H]  # [T, H, r], [T, r]
         pool.write(L, "latent", batch.out_slots, latent)
         pool.write(L, "rope", batch.out_slots, k_rot)
-        if self.indexer is not None:
-            pool.write(L, "index", batch.out_slots, self.indexer.key(proj[2], cos, sin))
+        if idx is not None:
+            pool.write(L, "index", batch.out_slots, torch.cat([rot[:, H + 1], k_idx[:, r:]], dim=-1))
         else:  # keep the slot defined (shipped and checked like any other component)
             pool.write(L, "index", batch.out_slots, torch.zeros(T, cfg.index_head_dim, dtype=x.dtype))
 
         topk = None
-        if batch.max_kv_len > cfg.index_topk:
-            if self.indexer is not None:
+        if need_topk:
+            if idx is not None:
                 keys = pool.read(L, "index", batch.kv_slots, x.dtype)
-                idx = self.indexer
                 w_lin = proj[3] if len(proj) == 4 else idx.weights_proj(x.to(idx.weights_proj.weight.dtype))
-                topk = idx.select(idx.head_weights(w_lin), q_resid, cos, sin, keys, batch)
+                q_idx = torch.cat([rot[:, H + 2:], q_idx[..., r:]], dim=-1)  # [T, Hi, D]
+                topk = idx.select(idx.head_weights(w_lin), q_idx, keys, batch)
             else:
                 if topk_prev is None:
                     raise ValueError(f"layer {L} shares the DSA top-k but no previous layer produced one")
