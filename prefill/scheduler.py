@@ -308,7 +308,7 @@ class PrefillScheduler:
             mtp_batch = ForwardBatch.build([BatchRequest(t.pages, s, n) for (t, s, _), n in zip(chunks, nxt)],
                                            P, self.pool.device)
             mtp_batch.on_layer_done = ship
-            self.model.forward_mtp(mtp_batch, self.pool, out.hidden)
+            self.model.mtp_kv(mtp_batch, self.pool, out.hidden)  # only its KV is shipped: no attention/MoE/head
         with self._cv:
             for t, s, e in chunks:
                 t.computed = e

@@ -52,6 +52,17 @@ class GQAAttention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
+    def write_kv(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable) -> None:
+        """Only the new tokens' K/V, as ``forward`` writes them, without attention (see ``MLAAttention``)."""
+        cfg = self.cfg
+        T = x.shape[0]
+        k = self.k_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.use_qk_norm:
+            k = self.k_norm(k)
+        cos, sin = rope.lookup(batch.positions, x.dtype)
+        pool.write(self.layer_idx, "k", batch.out_slots, apply_half(k, cos, sin))
+        pool.write(self.layer_idx, "v", batch.out_slots, self.v_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim))
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
                 topk_prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.cfg
@@ -238,6 +249,25 @@ class MLAAttention(nn.Module):
             if self.indexer.weights_proj.weight.dtype == self.q_a_proj.weight.dtype:
                 mods.append(self.indexer.weights_proj)
         return self._fused_x(x, [(m.weight, m.bias) for m in mods])
+
+    def write_kv(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable) -> None:
+        """Only the new tokens' KV (latent, rope key, indexer key), bit for bit what ``forward`` writes
+        (the same fused projection, norms and rotation), without the attention: for a pass whose output is
+        not read, only its cache (the MTP layer over a prompt in the prefill worker)."""
+        cfg, L, r = self.cfg, self.layer_idx, self.cfg.qk_rope_head_dim
+        proj = self._project_x(x)
+        ckv = proj[1]
+        cos, sin = rope.lookup(batch.positions, x.dtype)
+        parts = [ckv[:, None, cfg.kv_lora_rank:]]
+        if self.indexer is not None:
+            k_idx = self.indexer.k_norm(proj[2])
+            parts.append(k_idx[:, None, :r])
+        rot = apply_interleaved(torch.cat(parts, dim=1), cos, sin)
+        pool.write(L, "latent", batch.out_slots, self.kv_a_layernorm(ckv[:, :cfg.kv_lora_rank]))
+        pool.write(L, "rope", batch.out_slots, rot[:, 0])
+        index = (torch.cat([rot[:, 1], k_idx[:, r:]], dim=-1) if self.indexer is not None
+                 else torch.zeros(x.shape[0], cfg.index_head_dim, dtype=x.dtype))
+        pool.write(L, "index", batch.out_slots, index)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
                 topk_prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -101,6 +101,19 @@ class GlmForCausalLM(nn.Module):
         return ForwardResult(self.logits(sel), hidden)
 
     @torch.inference_mode()
+    def mtp_kv(self, batch: ForwardBatch, pool: KVPool, prev_hidden: torch.Tensor, k: int = 0) -> None:
+        """Write MTP layer ``k``'s KV for ``batch`` (inputs as ``forward_mtp``) and nothing else: the KV of a
+        position depends only on the layer's input there, so a prompt pass whose MTP outputs nobody reads
+        (the prefill worker's) skips the layer's attention, DSA indexer, MoE and LM head. Bit for bit the
+        KV ``forward_mtp`` writes."""
+        m = self.mtp[k]
+        e = m.enorm(self.model.embed_tokens(batch.input_ids))
+        x = m.eh_proj(torch.cat([e, m.hnorm(prev_hidden)], dim=-1))
+        m.block.self_attn.write_kv(m.block.input_layernorm(x), batch, pool, self.rope())
+        if batch.on_layer_done is not None:
+            batch.on_layer_done(m.block.layer_idx)
+
+    @torch.inference_mode()
     def forward_mtp(self, batch: ForwardBatch, pool: KVPool, prev_hidden: torch.Tensor, k: int = 0,
                     all_logits: bool = False) -> ForwardResult:
         """Run MTP layer ``k``: ``batch.input_ids`` are the *next* tokens t_{i+1}, ``prev_hidden`` [T, H]

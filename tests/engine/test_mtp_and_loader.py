@@ -89,6 +89,31 @@ def test_mtp_layer_matches_reference(tmp_path):
     assert (out.logits - ref[0]).abs().max().item() < 1e-4
     # its KV went to the MTP layer's own slot in the pool
     assert pool.buffers[cfg.num_hidden_layers]["latent"][pages[0]].abs().sum() > 0
+    # the prefill worker's KV-only MTP pass writes exactly that KV
+    full = {n: t.clone() for n, t in pool.buffers[cfg.num_hidden_layers].items()}
+    for t in pool.buffers[cfg.num_hidden_layers].values():
+        t.zero_()
+    model.mtp_kv(mtp_batch, pool, main.hidden)
+    assert all(torch.equal(pool.buffers[cfg.num_hidden_layers][n], t) for n, t in full.items())
+
+
+@pytest.mark.parametrize("kind", ["dsa", "gqa"])
+@pytest.mark.parametrize("cached", [0, 12])  # a fresh chunk, and one over a cached prefix
+def test_write_kv_writes_what_forward_writes(tiny_dirs, kind, cached):
+    """``write_kv`` (KV without attention) leaves every layer's cache bit for bit as ``forward`` does."""
+    model, cfg = load_model(tiny_dirs[kind], "float32", "cpu")
+    x = torch.randn(30, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    pool = KVPool(KVLayout.for_model(cfg, 8, "float32"), 16)
+    batch = ForwardBatch.build([BatchRequest(pool.allocator.alloc(6, "w"), cached, list(range(2, 32)))], 8)
+    for layer in model.model.layers:
+        with torch.inference_mode():
+            layer.self_attn(x, batch, pool, model.rope(), None)
+        want = {n: t.clone() for n, t in pool.buffers[layer.layer_idx].items()}
+        for t in pool.buffers[layer.layer_idx].values():
+            t.zero_()
+        with torch.inference_mode():
+            layer.self_attn.write_kv(x, batch, pool, model.rope())
+        assert all(torch.equal(pool.buffers[layer.layer_idx][n], t) for n, t in want.items()), layer.layer_idx
 
 
 def _rewrite(model_dir, fn):
