@@ -84,18 +84,29 @@ def _pairs(ch: MTPChunk) -> tuple[int, list[int], torch.Tensor]:
 
 
 def mtp_prefill_batch(model: GlmForCausalLM, pool: KVPool, chunks: Sequence[MTPChunk]) -> list[MTPPrefillResult]:
-    """One MTP forward for the chunks of several requests (pages must already cover the chunk)."""
+    """The MTP pass over the chunks of several requests (pages must already cover the chunk): a KV-only
+    pass, and one forward for the last pair of each chunk given its next token."""
     if not model.has_mtp:
         raise ValueError("the model has no MTP layer")
     plans = [_pairs(ch) for ch in chunks]
-    run = [i for i, (_, ids, _) in enumerate(plans) if ids]
-    rows: dict[int, int] = {}
+    # Only a chunk given its next token needs an MTP output, and only at its last pair: every other pair
+    # just writes its KV (``mtp_kv``, no attention / MoE / LM head), then one forward runs those last pairs.
+    kv_reqs, kv_hid, out_reqs, out_hid, rows = [], [], [], [], {}
+    for i, (start, ids, hid) in enumerate(plans):
+        n_kv = len(ids) - (chunks[i].next_token is not None)
+        if n_kv > 0:
+            kv_reqs.append(BatchRequest(chunks[i].pages, start, ids[:n_kv]))
+            kv_hid.append(hid[:n_kv])
+        if n_kv < len(ids):
+            rows[i] = len(out_reqs)
+            out_reqs.append(BatchRequest(chunks[i].pages, start + n_kv, ids[n_kv:]))
+            out_hid.append(hid[n_kv:])
+    if kv_reqs:
+        model.mtp_kv(ForwardBatch.build(kv_reqs, pool.page_size, pool.device), pool, torch.cat(kv_hid), MTP_LAYER)
     out = None
-    if run:
-        reqs = [BatchRequest(chunks[i].pages, plans[i][0], plans[i][1]) for i in run]
-        batch = ForwardBatch.build(reqs, pool.page_size, pool.device)
-        out = model.forward_mtp(batch, pool, torch.cat([plans[i][2] for i in run]), MTP_LAYER)
-        rows = {i: j for j, i in enumerate(run)}
+    if out_reqs:
+        batch = ForwardBatch.build(out_reqs, pool.page_size, pool.device)
+        out = model.forward_mtp(batch, pool, torch.cat(out_hid), MTP_LAYER)
         last = batch.logits_index
     results = []
     for i, ch in enumerate(chunks):
