@@ -16,8 +16,9 @@ what happens:
    reservation, the payload size matches the layout, a checksum is present when required;
    on the first frame and again at FINISH the allocator itself must agree that every page
    is still ours at the reserved generation -- else the *reservation* fails and is freed;
-4. after the payload arrived, its CRC (on a CRC thread for large payloads, overlapping
-   the next frame; FINISH waits for all of them) -- else the reservation fails (CORRUPT).
+4. after the payload arrived, its CRC (a TCP payload's is computed piece by piece as it lands;
+   a large shm copy's on a CRC thread, overlapping the next frame, and FINISH waits for
+   those) -- else the reservation fails (CORRUPT).
 
 A payload is written only into pages of the reservation it names, and only while that
 reservation is RECEIVING: if it fails mid-payload the rest is discarded, and staged
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 OFFLOAD_CRC_BYTES = 256 * 1024
-"""Payloads at least this large are checksummed on a CRC thread while the next frame arrives."""
+"""shm copies at least this large are checksummed on a CRC thread while the next frame arrives."""
 
 
 class ConnState(enum.Enum):
@@ -82,8 +83,6 @@ class RxConnection:
         self.current: Reservation | None = None
         """The reservation whose payload is arriving right now."""
         self._staging = torch.empty(0, dtype=torch.uint8)
-        self._staging_busy = False
-        """A checksum thread still reads ``_staging``: the next staged payload needs a new buffer."""
         self._verifying = 0
         self._deferred_finish: dict[str, Any] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -340,23 +339,17 @@ class RxConnection:
             return self._accept(res, f, finalize, nbytes, False)
         if crc is not None:
             return self._accept(res, f, finalize, nbytes, crc == f["crc"])
-        if nbytes < OFFLOAD_CRC_BYTES:
+        if nbytes < OFFLOAD_CRC_BYTES or finalize is not None:  # staged bytes: checked before the buffer is reused
             return self._accept(res, f, finalize, nbytes, checksum(kind, views) == f["crc"])
         self._verifying += 1
-        staged = self._staging if finalize is not None else None
-        if staged is not None:
-            self._staging_busy = True  # the next staged frame gets a fresh buffer
         fut = asyncio.get_running_loop().run_in_executor(self.rx.crc_pool, checksum, kind, views)
         fut.add_done_callback(lambda fu: self._verified(
-            res, f, finalize, nbytes, not fu.cancelled() and fu.exception() is None and fu.result() == f["crc"],
-            staged))
+            res, f, nbytes, not fu.cancelled() and fu.exception() is None and fu.result() == f["crc"]))
 
-    def _verified(self, res: Reservation, f: dict[str, Any], finalize: Callable[[], None] | None, nbytes: int,
-                  ok: bool, staged: torch.Tensor | None) -> None:
+    def _verified(self, res: Reservation, f: dict[str, Any], nbytes: int, ok: bool) -> None:
+        """A CRC thread's verdict on a payload written straight into the pages (an shm copy)."""
         self._verifying -= 1
-        if staged is not None and staged is self._staging:
-            self._staging_busy = False
-        self._accept(res, f, finalize, nbytes, ok)
+        self._accept(res, f, None, nbytes, ok)
         if self._verifying == 0 and self._deferred_finish is not None:
             deferred, self._deferred_finish = self._deferred_finish, None
             if not self.closed:
@@ -420,8 +413,7 @@ class RxConnection:
                 and (writer.peer_pid, writer.peer_start) == (self.peer_pid, self.peer_start))
 
     def _stage(self, nbytes: int) -> torch.Tensor:
-        if self._staging_busy or self._staging.numel() < nbytes:
-            self._staging_busy = False
+        if self._staging.numel() < nbytes:
             self._staging = torch.empty(nbytes, dtype=torch.uint8)
         return self._staging[:nbytes]
 
