@@ -23,7 +23,6 @@ import torch  # noqa: E402
 
 
 def engine_steps(model, cfg, batch: int):
-    from engine.batch import BatchRequest, ForwardBatch
     from engine.runtime import Engine, Seq
     from engine.sampling import SamplerState, SamplingParams
     prompts = torch.randint(2, cfg.vocab_size, (batch, 256), generator=torch.Generator().manual_seed(0)).tolist()
@@ -33,15 +32,7 @@ def engine_steps(model, cfg, batch: int):
     for s in seqs:
         eng._append([s], eng.prefill(s))
 
-    def step():
-        for s in seqs:
-            eng._ensure_pages(s, s.cached_len + 1)
-        b = ForwardBatch.build([BatchRequest(s.pages, s.cached_len, [s.output_ids[-1]]) for s in seqs], 16)
-        logits = model(b, eng.pool).logits
-        for s in seqs:
-            s.cached_len += 1
-        eng._append(seqs, logits)
-    return step
+    return lambda: eng.decode_step(seqs)
 
 
 def count_ops(step) -> int:

@@ -134,6 +134,17 @@ class Engine:
             s.sampler.output_ids.append(tok)
             s.finish_reason = self._finished(s, tok)
 
+    def decode_step(self, seqs: Sequence[Seq]) -> None:
+        """One batched decode step: each running request's last token through the model, then sample and
+        append the next one (sets ``finish_reason`` when a request ends)."""
+        for s in seqs:
+            self._ensure_pages(s, s.cached_len + 1)
+        reqs = [BatchRequest(s.pages, s.cached_len, [s.output_ids[-1]]) for s in seqs]
+        logits = self.model(ForwardBatch.build(reqs, self.pool.page_size, self.pool.device), self.pool).logits
+        for s in seqs:
+            s.cached_len += 1
+        self._append(seqs, logits)
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[GenerationResult]:
         seqs = [Seq(f"req-{i}", list(p), SamplerState(params, list(p))) for i, p in enumerate(prompts)]
         for s in seqs:
@@ -147,14 +158,7 @@ class Engine:
                 self._append([s], self.prefill(s))
             running = [s for s in seqs if not s.finish_reason]
             while running:
-                for s in running:
-                    self._ensure_pages(s, s.cached_len + 1)
-                reqs = [BatchRequest(s.pages, s.cached_len, [s.output_ids[-1]]) for s in running]
-                batch = ForwardBatch.build(reqs, self.pool.page_size, self.pool.device)
-                logits = self.model(batch, self.pool).logits
-                for s in running:
-                    s.cached_len += 1
-                self._append(running, logits)
+                self.decode_step(running)
                 running = [s for s in running if not s.finish_reason]
         finally:
             for s in seqs:

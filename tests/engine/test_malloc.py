@@ -16,7 +16,6 @@ import json, resource, torch
 torch.set_num_threads(1)
 from engine.runtime import Engine, Seq, load_model
 from engine.defaults import default_model_dir, tune_malloc
-from engine.batch import BatchRequest, ForwardBatch
 from engine.sampling import SamplerState, SamplingParams
 tuned = tune_malloc()
 model, cfg = load_model(default_model_dir(), "float32", "cpu")
@@ -27,19 +26,11 @@ params = SamplingParams(max_tokens=100, ignore_eos=True)
 seqs = [Seq(f"r{i}", p, SamplerState(params, p)) for i, p in enumerate(prompts)]
 for s in seqs:
     eng._append([s], eng.prefill(s))
-def step():  # Engine.generate's decode iteration
-    for s in seqs:
-        eng._ensure_pages(s, s.cached_len + 1)
-    batch = ForwardBatch.build([BatchRequest(s.pages, s.cached_len, [s.output_ids[-1]]) for s in seqs], 16)
-    logits = model(batch, eng.pool).logits
-    for s in seqs:
-        s.cached_len += 1
-    eng._append(seqs, logits)
 for _ in range(3):
-    step()
+    eng.decode_step(seqs)
 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(10):
-    step()
+    eng.decode_step(seqs)
 print(json.dumps({"tuned": tuned, "faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 10}))
 """
 
