@@ -54,28 +54,32 @@ class GQAAttention(nn.Module):
 
     def write_kv(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable) -> None:
         """Only the new tokens' K/V, as ``forward`` writes them, without attention (see ``MLAAttention``)."""
+        self._store_kv(x, batch, pool, *rope.lookup(batch.positions, x.dtype))
+
+    def _store_kv(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Project, normalise and rotate the new tokens' K/V, write them, return them ``[T, KVH, D]``."""
         cfg = self.cfg
         T = x.shape[0]
         k = self.k_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.use_qk_norm:
             k = self.k_norm(k)
-        cos, sin = rope.lookup(batch.positions, x.dtype)
-        pool.write(self.layer_idx, "k", batch.out_slots, apply_half(k, cos, sin))
-        pool.write(self.layer_idx, "v", batch.out_slots, self.v_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim))
+        k = apply_half(k, cos, sin)
+        v = self.v_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
+        pool.write(self.layer_idx, "k", batch.out_slots, k)
+        pool.write(self.layer_idx, "v", batch.out_slots, v)
+        return k, v
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
                 topk_prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.cfg
         T = x.shape[0]
         q = self.q_proj(x).view(T, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
-        v = self.v_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.use_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
         cos, sin = rope.lookup(batch.positions, x.dtype)
-        q, k = apply_half(q, cos, sin), apply_half(k, cos, sin)
-        pool.write(self.layer_idx, "k", batch.out_slots, k)
-        pool.write(self.layer_idx, "v", batch.out_slots, v)
+        q = apply_half(q, cos, sin)
+        k, v = self._store_kv(x, batch, pool, cos, sin)
         if batch.single_fresh and not pool.layout.is_fp8:
             o = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,
                      cfg.softmax_scale, causal=True)[0].transpose(0, 1)  # [T, H, D]
@@ -251,23 +255,30 @@ class MLAAttention(nn.Module):
         return self._fused_x(x, [(m.weight, m.bias) for m in mods])
 
     def write_kv(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable) -> None:
-        """Only the new tokens' KV (latent, rope key, indexer key), bit for bit what ``forward`` writes
-        (the same fused projection, norms and rotation), without the attention: for a pass whose output is
-        not read, only its cache (the MTP layer over a prompt in the prefill worker)."""
+        """Only the new tokens' KV (latent, rope key, indexer key), bit for bit what ``forward`` writes,
+        without the attention: for a pass whose output is not read, only its cache (the MTP layer over a
+        prompt)."""
+        self._store_kv(self._project_x(x), batch, pool, *rope.lookup(batch.positions, x.dtype), [])
+
+    def _store_kv(self, proj: list[torch.Tensor], batch: ForwardBatch, pool: KVPool, cos: torch.Tensor,
+                  sin: torch.Tensor, extra: list[torch.Tensor]) -> torch.Tensor:
+        """Write the new tokens' KV from ``_project_x``'s outputs. Every RoPE of the layer runs as ONE
+        rotation (the same values as rotating each part alone): the shared key, the indexer key, and the
+        ``extra`` ``[T, n, r]`` parts (the caller's queries), returned rotated as ``[T, sum n, r]``."""
         cfg, L, r = self.cfg, self.layer_idx, self.cfg.qk_rope_head_dim
-        proj = self._project_x(x)
         ckv = proj[1]
-        cos, sin = rope.lookup(batch.positions, x.dtype)
         parts = [ckv[:, None, cfg.kv_lora_rank:]]
         if self.indexer is not None:
-            k_idx = self.indexer.k_norm(proj[2])
+            k_idx = self.indexer.k_norm(proj[2])  # [T, D]
             parts.append(k_idx[:, None, :r])
-        rot = apply_interleaved(torch.cat(parts, dim=1), cos, sin)
+        rot = apply_interleaved(torch.cat(parts + extra, dim=1), cos, sin)
         pool.write(L, "latent", batch.out_slots, self.kv_a_layernorm(ckv[:, :cfg.kv_lora_rank]))
         pool.write(L, "rope", batch.out_slots, rot[:, 0])
-        index = (torch.cat([rot[:, 1], k_idx[:, r:]], dim=-1) if self.indexer is not None
-                 else torch.zeros(x.shape[0], cfg.index_head_dim, dtype=x.dtype))
-        pool.write(L, "index", batch.out_slots, index)
+        if self.indexer is not None:
+            pool.write(L, "index", batch.out_slots, torch.cat([rot[:, 1], k_idx[:, r:]], dim=-1))
+        else:  # keep the slot defined (shipped and checked like any other component)
+            pool.write(L, "index", batch.out_slots, torch.zeros(ckv.shape[0], cfg.index_head_dim, dtype=ckv.dtype))
+        return rot[:, len(parts):]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
                 topk_prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -276,35 +287,21 @@ class MLAAttention(nn.Module):
         proj = self._project_x(x)
         q_resid = self.q_a_layernorm(proj[0])
         q = self.q_b_proj(q_resid).view(T, H, cfg.qk_head_dim)
-        q_nope, q_rot = q[..., :nope], q[..., nope:]
-        ckv = proj[1]
-        latent = self.kv_a_layernorm(ckv[:, :cfg.kv_lora_rank])  # [T, L]
         cos, sin = rope.lookup(batch.positions, x.dtype)
-        # Every RoPE of the layer as ONE rotation of [T, H + 1 (+ 1 + Hi), r] (the same values as rotating
-        # each part alone): the query heads, the shared key, and the indexer's key and queries.
         idx, r, need_topk = self.indexer, cfg.qk_rope_head_dim, batch.max_kv_len > cfg.index_topk
-        parts = [q_rot, ckv[:, None, cfg.kv_lora_rank:]]
-        if idx is not None:
-            k_idx = idx.k_norm(proj[2])  # [T, D]
-            parts.append(k_idx[:, None, :r])
-            if need_topk:
-                q_idx = idx.wq_b(q_resid).view(T, cfg.index_n_heads, cfg.index_head_dim)
-                parts.append(q_idx[..., :r])
-        rot = apply_interleaved(torch.cat(parts, dim=1), cos, sin)
-        q_rot, k_rot = rot[:, :H], rot[:, H]  # [T, H, r], [T, r]
-        pool.write(L, "latent", batch.out_slots, latent)
-        pool.write(L, "rope", batch.out_slots, k_rot)
-        if idx is not None:
-            pool.write(L, "index", batch.out_slots, torch.cat([rot[:, H + 1], k_idx[:, r:]], dim=-1))
-        else:  # keep the slot defined (shipped and checked like any other component)
-            pool.write(L, "index", batch.out_slots, torch.zeros(T, cfg.index_head_dim, dtype=x.dtype))
+        queries = [q[..., nope:]]  # rotated with the layer's keys, in one call
+        if idx is not None and need_topk:
+            q_idx = idx.wq_b(q_resid).view(T, cfg.index_n_heads, cfg.index_head_dim)
+            queries.append(q_idx[..., :r])
+        rot = self._store_kv(proj, batch, pool, cos, sin, queries)
+        q_nope, q_rot = q[..., :nope], rot[:, :H]  # [T, H, nope], [T, H, r]
 
         topk = None
         if need_topk:
             if idx is not None:
                 keys = pool.read(L, "index", batch.kv_slots, x.dtype)
                 w_lin = proj[3] if len(proj) == 4 else idx.weights_proj(x.to(idx.weights_proj.weight.dtype))
-                q_idx = torch.cat([rot[:, H + 2:], q_idx[..., r:]], dim=-1)  # [T, Hi, D]
+                q_idx = torch.cat([rot[:, H:], q_idx[..., r:]], dim=-1)  # [T, Hi, D]
                 topk = idx.select(idx.head_weights(w_lin), q_idx, keys, batch)
             else:
                 if topk_prev is None:

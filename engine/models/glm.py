@@ -100,6 +100,11 @@ class GlmForCausalLM(nn.Module):
         sel = hidden if all_logits else hidden.index_select(0, batch.logits_index)
         return ForwardResult(self.logits(sel), hidden)
 
+    def _mtp_input(self, m: MTPLayer, batch: ForwardBatch, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]): the MTP block's input."""
+        e = m.enorm(self.model.embed_tokens(batch.input_ids))
+        return m.eh_proj(torch.cat([e, m.hnorm(prev_hidden)], dim=-1))
+
     @torch.inference_mode()
     def mtp_kv(self, batch: ForwardBatch, pool: KVPool, prev_hidden: torch.Tensor, k: int = 0) -> None:
         """Write MTP layer ``k``'s KV for ``batch`` (inputs as ``forward_mtp``) and nothing else: the KV of a
@@ -107,8 +112,7 @@ class GlmForCausalLM(nn.Module):
         (the prefill worker's) skips the layer's attention, DSA indexer, MoE and LM head. Bit for bit the
         KV ``forward_mtp`` writes."""
         m = self.mtp[k]
-        e = m.enorm(self.model.embed_tokens(batch.input_ids))
-        x = m.eh_proj(torch.cat([e, m.hnorm(prev_hidden)], dim=-1))
+        x = self._mtp_input(m, batch, prev_hidden)
         m.block.self_attn.write_kv(m.block.input_layernorm(x), batch, pool, self.rope())
         if batch.on_layer_done is not None:
             batch.on_layer_done(m.block.layer_idx)
@@ -120,9 +124,7 @@ class GlmForCausalLM(nn.Module):
         the hidden states h_i at the same positions. Returns logits for t_{i+2} and the layer's
         normed output (fed back as ``prev_hidden`` when chaining drafts)."""
         m = self.mtp[k]
-        e = m.enorm(self.model.embed_tokens(batch.input_ids))
-        x = m.eh_proj(torch.cat([e, m.hnorm(prev_hidden)], dim=-1))
-        x, _ = m.block(x, batch, pool, self.rope(), None)
+        x, _ = m.block(self._mtp_input(m, batch, prev_hidden), batch, pool, self.rope(), None)
         if batch.on_layer_done is not None:
             batch.on_layer_done(m.block.layer_idx)
         hidden = m.shared_head_norm(x)
