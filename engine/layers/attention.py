@@ -261,10 +261,11 @@ class MLAAttention(nn.Module):
         self._store_kv(self._project_x(x), batch, pool, *rope.lookup(batch.positions, x.dtype), [])
 
     def _store_kv(self, proj: list[torch.Tensor], batch: ForwardBatch, pool: KVPool, cos: torch.Tensor,
-                  sin: torch.Tensor, extra: list[torch.Tensor]) -> torch.Tensor:
+                  sin: torch.Tensor, extra: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
         """Write the new tokens' KV from ``_project_x``'s outputs. Every RoPE of the layer runs as ONE
         rotation (the same values as rotating each part alone): the shared key, the indexer key, and the
-        ``extra`` ``[T, n, r]`` parts (the caller's queries), returned rotated as ``[T, sum n, r]``."""
+        ``extra`` ``[T, n, r]`` parts (the caller's queries). Returns the rotation and the row where the
+        rotated ``extra`` parts begin (no slice op the caller does not need)."""
         cfg, L, r = self.cfg, self.layer_idx, self.cfg.qk_rope_head_dim
         ckv = proj[1]
         parts = [ckv[:, None, cfg.kv_lora_rank:]]
@@ -278,7 +279,7 @@ class MLAAttention(nn.Module):
             pool.write(L, "index", batch.out_slots, torch.cat([rot[:, 1], k_idx[:, r:]], dim=-1))
         else:  # keep the slot defined (shipped and checked like any other component)
             pool.write(L, "index", batch.out_slots, torch.zeros(ckv.shape[0], cfg.index_head_dim, dtype=ckv.dtype))
-        return rot[:, len(parts):]
+        return rot, len(parts)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
                 topk_prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -293,15 +294,15 @@ class MLAAttention(nn.Module):
         if idx is not None and need_topk:
             q_idx = idx.wq_b(q_resid).view(T, cfg.index_n_heads, cfg.index_head_dim)
             queries.append(q_idx[..., :r])
-        rot = self._store_kv(proj, batch, pool, cos, sin, queries)
-        q_nope, q_rot = q[..., :nope], rot[:, :H]  # [T, H, nope], [T, H, r]
+        rot, o = self._store_kv(proj, batch, pool, cos, sin, queries)
+        q_nope, q_rot = q[..., :nope], rot[:, o:o + H]  # [T, H, nope], [T, H, r]
 
         topk = None
         if need_topk:
             if idx is not None:
                 keys = pool.read(L, "index", batch.kv_slots, x.dtype)
                 w_lin = proj[3] if len(proj) == 4 else idx.weights_proj(x.to(idx.weights_proj.weight.dtype))
-                q_idx = torch.cat([rot[:, H:], q_idx[..., r:]], dim=-1)  # [T, Hi, D]
+                q_idx = torch.cat([rot[:, o + H:], q_idx[..., r:]], dim=-1)  # [T, Hi, D]
                 topk = idx.select(idx.head_weights(w_lin), q_idx, keys, batch)
             else:
                 if topk_prev is None:
