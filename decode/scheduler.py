@@ -33,7 +33,6 @@ from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
-from engine.spec.prefill import MTPChunk, mtp_prefill, mtp_prefill_batch
 from protos.worker_main import Heartbeat
 
 logger = logging.getLogger(__name__)
@@ -262,10 +261,9 @@ class DecodeScheduler:
         out = self.model(ForwardBatch.build([BatchRequest(t.pages, 0, t.prompt_ids) for t in tasks], P, dev),
                          self.pool)
         firsts = sample(out.logits, [t.sampler for t in tasks]).token_ids.tolist()
-        if self.model.has_mtp:  # the draft layer's KV over the prompt, as a prefill worker would ship it
-            hiddens = out.hidden.split([len(t.prompt_ids) for t in tasks])
-            mtp_prefill_batch(self.model, self.pool, [MTPChunk(t.pages, 0, t.prompt_ids, h, next_token=f)
-                                                      for t, h, f in zip(tasks, hiddens, firsts)])
+        if self.model.has_mtp:  # the draft layer's KV over the prompt, as a prefill worker ships it (KV only)
+            reqs = [BatchRequest(t.pages, 0, t.prompt_ids[1:] + [f]) for t, f in zip(tasks, firsts)]
+            self.model.mtp_kv(ForwardBatch.build(reqs, P, dev), self.pool, out.hidden)
         with self._cv:
             for t, f in zip(tasks, firsts):
                 t.cached_len = len(t.prompt_ids)
@@ -375,8 +373,9 @@ class DecodeScheduler:
         for s in range(0, n, self.recompute_chunk):
             e = min(n, s + self.recompute_chunk)
             out = self.model(ForwardBatch.build([BatchRequest(task.pages, s, seq[s:e])], P, dev), self.pool)
-            if self.model.has_mtp:  # the token after the chunk is known: no pair is deferred
-                mtp_prefill(self.model, self.pool, task.pages, s, seq[s:e], out.hidden, next_token=seq[e])
+            if self.model.has_mtp:  # the token after the chunk is known: no pair is deferred; KV only
+                self.model.mtp_kv(ForwardBatch.build([BatchRequest(task.pages, s, seq[s + 1:e + 1])], P, dev),
+                                  self.pool, out.hidden)
 
     def _ensure_pages(self, task: DecodeTask, num_tokens: int) -> None:
         need = self.pool.pages_for(num_tokens) - len(task.pages)
