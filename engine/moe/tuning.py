@@ -22,13 +22,17 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
+from engine.moe.experts import GATHER_MAX_PAIRS
+
 logger = logging.getLogger(__name__)
 
 TUNED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
 TABLE_DIRS: list[str] = [TUNED_DIR]
 """Where run-time lookups search, in order (the shipped tables)."""
-FALLBACK_GATHER_MAX_PAIRS = 16
-"""Untuned fallback: up to this many (token, expert) pairs run ``mx_gather``, more run ``mx_sorted``."""
+FALLBACK_GATHER_MAX_PAIRS = GATHER_MAX_PAIRS
+"""Untuned fallback: up to this many (token, expert) pairs run ``mx_gather``, more run ``mx_sorted``; the
+same bound as the dense experts' batch-invariant gather, and MX experts gather up to it whatever a table
+says (decode and speculative verify must round alike)."""
 DROP_FACTOR = 20.0
 """tune_shape stops timing a strategy at larger token counts once it is this many times the best."""
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
