@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from kvtransfer.errors import FailReason, ProtocolError
 from kvtransfer.protocol import PREFIX, FrameType, Header, decode_header, decode_prefix, encode_frame
@@ -51,20 +51,19 @@ def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
 class PayloadSink:
     """Destinations for one frame's payload, filled in order; ``on_done`` runs once when full.
 
-    With ``crc_update`` the payload's checksum is continued over each piece as it lands (``crc``): the
+    With ``digest`` (``protocol.new_digest``) the payload's checksum is continued over each piece as it lands: the
     bytes are still in cache from the kernel's copy, and no pass over the whole payload is left for
     after its last byte."""
 
     def __init__(self, views: list[memoryview], on_done: Callable[[], None],
-                 crc_update: Callable[[memoryview, int], int] | None = None) -> None:
+                 digest: Any = None) -> None:
         self._views = [v for v in views if v.nbytes]
         self._idx = 0
         self._pos = 0
         self.remaining = sum(v.nbytes for v in self._views)
         self.on_done = on_done
         self.discarded = False
-        self.crc_update = crc_update
-        self.crc = 0
+        self.digest = digest
 
     @classmethod
     def trash(cls, num_bytes: int) -> "PayloadSink":
@@ -87,8 +86,8 @@ class PayloadSink:
         self.remaining -= n
         if self.discarded:
             return
-        if self.crc_update is not None:
-            self.crc = self.crc_update(self._views[self._idx][self._pos:self._pos + n], self.crc)
+        if self.digest is not None:
+            self.digest.update(self._views[self._idx][self._pos:self._pos + n])
         self._pos += n
         while self._idx < len(self._views) and self._pos == self._views[self._idx].nbytes:
             self._idx += 1

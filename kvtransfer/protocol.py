@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import crc32c
 import msgpack
+import xxhash
 
 from kvtransfer.config import ChecksumKind
 from kvtransfer.errors import FailReason, ProtocolError, TransferError
@@ -51,6 +52,7 @@ NONCE_BYTES = 32
 PROOF_BYTES = 32  # HMAC-SHA256
 U32_MAX = 2**32 - 1
 U63_MAX = 2**63 - 1
+U64_MAX = 2**64 - 1
 
 
 def _pdserve_version() -> str:
@@ -128,7 +130,7 @@ def _map(v: Any) -> bool:
 _RID, _TID = _str(MAX_REQ_ID_LEN), _str(64)
 _TOKEN = _int(0, U32_MAX)
 _REQ = {"rid": _RID, "tid": _TID}
-_SPAN = {"l": _int(0, 65535), "ts": _TOKEN, "te": _TOKEN, "pg": _u32s, "gn": _u32s, "crc": _opt(_int(0, U32_MAX))}
+_SPAN = {"l": _int(0, 65535), "ts": _TOKEN, "te": _TOKEN, "pg": _u32s, "gn": _u32s, "crc": _opt(_int(0, U64_MAX))}
 _REASON = {"reason": _str(32), "detail": _text(MAX_DETAIL_LEN)}
 
 SCHEMAS: dict[FrameType, dict[str, Check]] = {
@@ -219,29 +221,43 @@ def pages_digest(page_bytes: bytes, gen_bytes: bytes) -> bytes:
     return hashlib.sha256(page_bytes + gen_bytes).digest()
 
 
+class _Crc:
+    """A CRC continued over pieces: ``update(data)``, ``intdigest()``, like xxhash's streaming objects."""
+
+    __slots__ = ("_fn", "_crc")
+
+    def __init__(self, fn: Callable[[Any, int], int]) -> None:
+        self._fn, self._crc = fn, 0
+
+    def update(self, data: memoryview) -> None:
+        self._crc = self._fn(data, self._crc)
+
+    def intdigest(self) -> int:
+        return self._crc
+
+
+def new_digest(kind: ChecksumKind) -> Any:
+    """A fresh streaming ``kind`` checksum (``update(data)`` over the payload's bytes in order, any split,
+    then ``intdigest()``), or None when checksums are off. All kinds release the GIL on large buffers."""
+    if kind is ChecksumKind.NONE:
+        return None
+    if kind is ChecksumKind.XXH3:
+        return xxhash.xxh3_64()
+    return _Crc(crc32c.crc32c if kind is ChecksumKind.CRC32C else zlib.crc32)
+
+
 def checksum(kind: ChecksumKind, views: Iterable[memoryview]) -> int | None:
-    """The ``kind`` checksum chained over the views in order (None when checksums are off).
-
-    Cost per core here: crc32c ~13 GiB/s, zlib.crc32 ~3.4 GiB/s; both release the GIL on large buffers.
-    """
-    if kind is ChecksumKind.NONE:
+    """The ``kind`` checksum over the views' bytes in order (None when checksums are off); see ``ChecksumKind``
+    for the cost of each."""
+    views = list(views)
+    if kind is ChecksumKind.XXH3 and len(views) == 1:
+        return xxhash.xxh3_64_intdigest(views[0])
+    digest = new_digest(kind)
+    if digest is None:
         return None
-    crc = 0
-    if kind is ChecksumKind.CRC32C:
-        for v in views:
-            crc = crc32c.crc32c(v, crc)
-        return crc
     for v in views:
-        crc = zlib.crc32(v, crc)
-    return crc
-
-
-def crc_updater(kind: ChecksumKind) -> Callable[[memoryview, int], int] | None:
-    """``(data, crc) -> crc`` continuing the ``kind`` checksum over more bytes (None when checksums are off):
-    ``checksum(kind, views)`` equals folding it over the views, or over any split of their bytes."""
-    if kind is ChecksumKind.NONE:
-        return None
-    return crc32c.crc32c if kind is ChecksumKind.CRC32C else zlib.crc32
+        digest.update(v)
+    return digest.intdigest()
 
 
 # --- handshake compatibility --------------------------------------------------------------------

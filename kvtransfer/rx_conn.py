@@ -41,7 +41,7 @@ from kvtransfer.errors import FailReason, ProtocolError, TransferError
 from kvtransfer.framing import FrameReader, PayloadSink, tune_socket
 from kvtransfer.payload import LayerCodec
 from kvtransfer.protocol import (MAX_HEADER_BYTES, PDSERVE_KV_PROTOCOL_VERSION, PREAUTH_MAX_HEADER_BYTES,
-                                 FrameType, Header, check_compatible, checksum, crc_updater, encode_frame,
+                                 FrameType, Header, check_compatible, checksum, encode_frame, new_digest,
                                  pages_digest)
 from kvtransfer.shm import ShmKVPool, pid_alive
 from kvtransfer.ticket import Reservation, TransferState
@@ -284,9 +284,9 @@ class RxConnection:
                                                 f["ts"], f["te"], self._stage)
         self.current = res
         # the checksum runs over each piece as it lands (cache-hot), not over the whole payload afterwards
-        update = crc_updater(self.ck) if f["crc"] is not None else None
+        digest = new_digest(self.ck) if f["crc"] is not None else None
         sink = PayloadSink(views, lambda: self._verify(res, f, views, finalize, payload_len,
-                                                       crc=sink.crc if update is not None else None), update)
+                                                       crc=None if digest is None else digest.intdigest()), digest)
         return sink
 
     def _on_shm_open(self, f: dict[str, Any], payload_len: int) -> None:
@@ -326,7 +326,7 @@ class RxConnection:
 
         TCP payloads arrive with their CRC already computed piece by piece (``crc``). Other large
         payloads (shm copies) are checksummed on the receiver's CRC threads while this connection
-        keeps receiving (crc32c and zlib release the GIL). A FINISH waits until every pending check
+        keeps receiving (every kind releases the GIL). A FINISH waits until every pending check
         has passed.
         """
         self.current = None

@@ -41,7 +41,7 @@ def _wait_failed(sender: KVSender, ticket: TransferTicket, timeout_s: float) -> 
 
 
 def run_prefill(conn, ticket: dict, secret: bytes | None = SECRET, transport: str = "auto", wire: str = "native",
-                checksum: str = "crc32c", chunks: list | None = None, layer_delay_s: float = 0.0,
+                checksum: str = "xxh3", chunks: list | None = None, layer_delay_s: float = 0.0,
                 stall_after: int | None = None, cancel_after: int | None = None, hang_after: int | None = None,
                 layout: dict | None = None, seed: int = 0, num_pages: int = 96, finish_timeout_s: float = 10.0,
                 send_timeout_s: float = 10.0) -> dict:

@@ -121,7 +121,7 @@ def _layer_frame(ticket, layer: int, ts: int, te: int, payload: bytes, crc: int 
             "pg": pack_u32(ticket.page_ids[span]), "gn": pack_u32((gens or ticket.generations)[span]), "crc": crc}
 
 
-@pytest.mark.parametrize("ck", [None, "crc32", "crc32c"])
+@pytest.mark.parametrize("ck", [None, "crc32", "crc32c", "xxh3"])
 def test_corrupt_payload_fails_only_its_request(prefill, ck):
     """Whichever checksum the sender announced (none announced: crc32, as older senders), a payload
     that does not match it fails its request alone."""

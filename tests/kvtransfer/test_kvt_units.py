@@ -247,15 +247,19 @@ def test_kv_sockets_keep_alive():
 
 
 def test_checksums_match_their_published_check_values():
-    """CRC-32C and CRC-32 of "123456789" are the standard check values (RFC 3720 B.4, ISO-HDLC), and both
-    chain over split views like one pass."""
+    """CRC-32C and CRC-32 of "123456789" are the standard check values (RFC 3720 B.4, ISO-HDLC), XXH3-64 of
+    the empty input is xxHash's published 0x2D06800538D394C2; every kind chains over split views like one
+    pass, which is what lets the receiver hash each piece as it lands."""
     from kvtransfer.config import ChecksumKind
     from kvtransfer.protocol import checksum
     data = memoryview(b"123456789")
     assert checksum(ChecksumKind.CRC32C, [data]) == 0xE3069283
     assert checksum(ChecksumKind.CRC32, [data]) == 0xCBF43926
-    for kind in (ChecksumKind.CRC32C, ChecksumKind.CRC32):
+    assert checksum(ChecksumKind.XXH3, [memoryview(b"")]) == 0x2D06800538D394C2
+    big = memoryview(os.urandom(5000))  # past XXH3's 240-byte short-input path and its 1 KiB stripes
+    for kind in (ChecksumKind.XXH3, ChecksumKind.CRC32C, ChecksumKind.CRC32):
         assert checksum(kind, [data[:4], data[4:7], data[7:]]) == checksum(kind, [data])
+        assert checksum(kind, [big[:1], big[1:1500], big[1500:4097], big[4097:]]) == checksum(kind, [big])
     assert checksum(ChecksumKind.NONE, [data]) is None
 
 
