@@ -51,13 +51,16 @@ def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
 class PayloadSink:
     """Destinations for one frame's payload, filled in order; ``on_done`` runs once when full.
 
-    With ``digest`` (``protocol.new_digest``) the payload's checksum is continued over each piece as it lands: the
-    bytes are still in cache from the kernel's copy, and no pass over the whole payload is left for
-    after its last byte."""
+    With ``digest`` (``protocol.new_digest``) the checksum is continued over each piece as it lands: the
+    bytes are still in cache from the kernel's copy, and no pass over the whole payload is left for after
+    its last byte. ``trailer`` receives the payload's last bytes (the sender's checksum), not hashed."""
 
-    def __init__(self, views: list[memoryview], on_done: Callable[[], None],
-                 digest: Any = None) -> None:
+    def __init__(self, views: list[memoryview], on_done: Callable[[], None], digest: Any = None,
+                 trailer: memoryview | None = None) -> None:
         self._views = [v for v in views if v.nbytes]
+        self._hashed = len(self._views) if digest is not None else 0  # views before this index are hashed
+        if trailer is not None:
+            self._views.append(trailer)
         self._idx = 0
         self._pos = 0
         self.remaining = sum(v.nbytes for v in self._views)
@@ -86,7 +89,7 @@ class PayloadSink:
         self.remaining -= n
         if self.discarded:
             return
-        if self.digest is not None:
+        if self._idx < self._hashed:
             self.digest.update(self._views[self._idx][self._pos:self._pos + n])
         self._pos += n
         while self._idx < len(self._views) and self._pos == self._views[self._idx].nbytes:

@@ -38,7 +38,7 @@ import xxhash
 from kvtransfer.config import ChecksumKind
 from kvtransfer.errors import FailReason, ProtocolError, TransferError
 
-PDSERVE_KV_PROTOCOL_VERSION = 1
+PDSERVE_KV_PROTOCOL_VERSION = 2
 MAGIC = b"PDKV"
 PREFIX = struct.Struct("!4sIQ")
 MAX_HEADER_BYTES = 64 * 1024
@@ -50,6 +50,8 @@ MAX_REQ_ID_LEN = 256
 MAX_DETAIL_LEN = 2048
 NONCE_BYTES = 32
 PROOF_BYTES = 32  # HMAC-SHA256
+TRAILER = struct.Struct("<Q")
+"""A LAYER payload's trailing checksum (little-endian u64; CRCs use its low 32 bits)."""
 U32_MAX = 2**32 - 1
 U63_MAX = 2**63 - 1
 U64_MAX = 2**64 - 1
@@ -79,7 +81,10 @@ class FrameType(enum.IntEnum):
     ERROR = 5
     """Connection-level failure (auth, handshake, framing); the sender of it closes the connection."""
     LAYER = 10
-    """TCP: one layer's rows for tokens [ts, te) of one request, payload attached."""
+    """TCP: one layer's rows for tokens [ts, te) of one request, payload attached. With ``tr`` the payload
+    ends in ``TRAILER`` (the checksum, of the kind announced at the handshake, of the bytes before it):
+    the sender hashes each piece just before its ``sendall``, while the piece is in cache, instead of
+    reading the whole frame once more before its header can go out."""
     SHM_OPEN = 11
     """shm: the sender asks for a write lease on a request's pages before copying into them
     (naming all of them and their generations by digest: ``pages_digest``)."""
@@ -119,6 +124,10 @@ def _u32s(v: Any) -> bool:
     return type(v) is bytes and 0 < len(v) <= 4 * MAX_PAGES_PER_FRAME and len(v) % 4 == 0
 
 
+def _bool(v: Any) -> bool:
+    return type(v) is bool
+
+
 def _opt(check: Check) -> Check:
     return lambda v: v is None or check(v)
 
@@ -130,7 +139,7 @@ def _map(v: Any) -> bool:
 _RID, _TID = _str(MAX_REQ_ID_LEN), _str(64)
 _TOKEN = _int(0, U32_MAX)
 _REQ = {"rid": _RID, "tid": _TID}
-_SPAN = {"l": _int(0, 65535), "ts": _TOKEN, "te": _TOKEN, "pg": _u32s, "gn": _u32s, "crc": _opt(_int(0, U64_MAX))}
+_SPAN = {"l": _int(0, 65535), "ts": _TOKEN, "te": _TOKEN, "pg": _u32s, "gn": _u32s}
 _REASON = {"reason": _str(32), "detail": _text(MAX_DETAIL_LEN)}
 
 SCHEMAS: dict[FrameType, dict[str, Check]] = {
@@ -139,10 +148,10 @@ SCHEMAS: dict[FrameType, dict[str, Check]] = {
     FrameType.AUTH: {"p": _bin(PROOF_BYTES, exact=True), "info": _map},
     FrameType.READY: {"info": _map},
     FrameType.ERROR: dict(_REASON),
-    FrameType.LAYER: {**_REQ, **_SPAN},
+    FrameType.LAYER: {**_REQ, **_SPAN, "tr": _bool},
     FrameType.SHM_OPEN: {**_REQ, "dg": _bin(32, exact=True)},
     FrameType.SHM_OPENED: dict(_REQ),
-    FrameType.SHM_LAYER: {**_REQ, **_SPAN},
+    FrameType.SHM_LAYER: {**_REQ, **_SPAN, "crc": _opt(_int(0, U64_MAX))},
     FrameType.FINISH: {**_REQ, "nt": _TOKEN},
     FrameType.DONE: {**_REQ, "nb": _int(0, U63_MAX)},
     FrameType.ABORT: {**_REQ, **_REASON},

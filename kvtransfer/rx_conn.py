@@ -41,8 +41,8 @@ from kvtransfer.errors import FailReason, ProtocolError, TransferError
 from kvtransfer.framing import FrameReader, PayloadSink, tune_socket
 from kvtransfer.payload import LayerCodec
 from kvtransfer.protocol import (MAX_HEADER_BYTES, PDSERVE_KV_PROTOCOL_VERSION, PREAUTH_MAX_HEADER_BYTES,
-                                 FrameType, Header, check_compatible, checksum, encode_frame, new_digest,
-                                 pages_digest)
+                                 TRAILER, FrameType, Header, check_compatible, checksum, encode_frame,
+                                 new_digest, pages_digest)
 from kvtransfer.shm import ShmKVPool, pid_alive
 from kvtransfer.ticket import Reservation, TransferState
 
@@ -271,11 +271,14 @@ class RxConnection:
             if res.shm_writer is not None:
                 raise ProtocolError(FailReason.BAD_FRAME, "TCP layer frame for a request leased over shm")
             self._check_span(res, f)
-            need = self.codec.nbytes(f["te"] - f["ts"])  # type: ignore[union-attr]
+            trailer = TRAILER.size if f["tr"] else 0
+            need = self.codec.nbytes(f["te"] - f["ts"]) + trailer  # type: ignore[union-attr]
             if payload_len != need:
                 raise ProtocolError(FailReason.BAD_FRAME, f"payload {payload_len} bytes, layout needs {need}")
-            if f["crc"] is None and self.cfg.require_checksum:
+            if not trailer and self.cfg.require_checksum:
                 raise ProtocolError(FailReason.BAD_FRAME, "payload without checksum (require_checksum=True)")
+            if trailer and self.ck is ChecksumKind.NONE:
+                raise ProtocolError(FailReason.BAD_FRAME, "checksum trailer, but the handshake announced none")
         except ProtocolError as err:
             return self._fail_res(res, err, payload_len)
         self._start(res)
@@ -283,11 +286,13 @@ class RxConnection:
         views, finalize = self.codec.sink_views(self.rx.pool, f["l"], res.page_arr,  # type: ignore[union-attr]
                                                 f["ts"], f["te"], self._stage)
         self.current = res
+        if not trailer:
+            return PayloadSink(views, lambda: self._verify(res, f, views, finalize, payload_len, None))
         # the checksum runs over each piece as it lands (cache-hot), not over the whole payload afterwards
-        digest = new_digest(self.ck) if f["crc"] is not None else None
-        sink = PayloadSink(views, lambda: self._verify(res, f, views, finalize, payload_len,
-                                                       crc=None if digest is None else digest.intdigest()), digest)
-        return sink
+        digest, tail = new_digest(self.ck), memoryview(bytearray(trailer))
+        return PayloadSink(views, lambda: self._verify(res, f, views, finalize, payload_len - trailer,
+                                                       TRAILER.unpack(tail)[0], crc=digest.intdigest()),
+                           digest, tail)
 
     def _on_shm_open(self, f: dict[str, Any], payload_len: int) -> None:
         res = self._owned(f)
@@ -317,14 +322,15 @@ class RxConnection:
         res.queued_upto[f["l"]] = f["te"]
         views = [] if f["crc"] is None else self.shm_codec.pool_views(self.rx.pool, f["l"], res.page_arr, f["ts"],
                                                                       f["te"])
-        self._verify(res, f, views, None, self.shm_codec.nbytes(f["te"] - f["ts"]), self.sck)
+        self._verify(res, f, views, None, self.shm_codec.nbytes(f["te"] - f["ts"]), f["crc"], self.sck)
 
     def _verify(self, res: Reservation, f: dict[str, Any], views: list[memoryview],
-                finalize: Callable[[], None] | None, nbytes: int, kind: ChecksumKind | None = None,
-                crc: int | None = None) -> None:
-        """The payload is in place: check its CRC, then account it.
+                finalize: Callable[[], None] | None, nbytes: int, expected: int | None,
+                kind: ChecksumKind | None = None, crc: int | None = None) -> None:
+        """The payload is in place: check it against the checksum the sender sent (``expected``; None: it
+        sent none), then account it.
 
-        TCP payloads arrive with their CRC already computed piece by piece (``crc``). Other large
+        TCP payloads arrive with their checksum already computed piece by piece (``crc``). Other large
         payloads (shm copies) are checksummed on the receiver's CRC threads while this connection
         keeps receiving (every kind releases the GIL). A FINISH waits until every pending check
         has passed.
@@ -332,19 +338,19 @@ class RxConnection:
         self.current = None
         if res.state is not TransferState.RECEIVING:
             return  # failed while the bytes arrived: they went to the discard buffer
-        if f["crc"] is None:
+        if expected is None:
             return self._accept(res, f, finalize, nbytes, True)
         kind = kind or self.ck
         if kind is ChecksumKind.NONE:  # a checksum the sender said it would not send
             return self._accept(res, f, finalize, nbytes, False)
         if crc is not None:
-            return self._accept(res, f, finalize, nbytes, crc == f["crc"])
+            return self._accept(res, f, finalize, nbytes, crc == expected)
         if nbytes < OFFLOAD_CRC_BYTES or finalize is not None:  # staged bytes: checked before the buffer is reused
-            return self._accept(res, f, finalize, nbytes, checksum(kind, views) == f["crc"])
+            return self._accept(res, f, finalize, nbytes, checksum(kind, views) == expected)
         self._verifying += 1
         fut = asyncio.get_running_loop().run_in_executor(self.rx.crc_pool, checksum, kind, views)
         fut.add_done_callback(lambda fu: self._verified(
-            res, f, nbytes, not fu.cancelled() and fu.exception() is None and fu.result() == f["crc"]))
+            res, f, nbytes, not fu.cancelled() and fu.exception() is None and fu.result() == expected))
 
     def _verified(self, res: Reservation, f: dict[str, Any], nbytes: int, ok: bool) -> None:
         """A CRC thread's verdict on a payload written straight into the pages (an shm copy)."""

@@ -3,9 +3,9 @@
 The prefill loop is synchronous; ``KVSender`` runs its connections on its own event loop
 thread (``LoopThread``, uvloop when installed) plus one blocking send thread per receiver,
 so ``send_layer`` only validates, pins the source pages and enqueues (blocking only when
-``max_pending_frames`` are already queued: backpressure). The loop thread gathers and
-checksums frame k+1 while the send thread writes frame k; shm copies run on the loop
-thread. Hooking it into a forward pass::
+``max_pending_frames`` are already queued: backpressure). The loop thread gathers frame
+k+1 while the send thread checksums and writes frame k piece by piece (the checksum trails
+the payload); shm copies run on the loop thread. Hooking it into a forward pass::
 
     sender = KVSender(pool, KVSenderConfig())
     ticket = TransferTicket.from_dict(ticket_dict)       # issued by the decode worker

@@ -28,8 +28,9 @@ from kvtransfer.config import ChecksumKind, TransportKind, WireDType
 from kvtransfer.errors import FailReason, ProtocolError, TransferError
 from kvtransfer.framing import read_frame, send_frame, tune_socket
 from kvtransfer.payload import LayerCodec, page_array
-from kvtransfer.protocol import (MAX_HEADER_BYTES, MAX_PAGES_PER_FRAME, PDSERVE_KV_PROTOCOL_VERSION, FrameType,
-                                 check_compatible, checksum, encode_frame, pack_u32, pages_digest, peer_info)
+from kvtransfer.protocol import (MAX_HEADER_BYTES, MAX_PAGES_PER_FRAME, PDSERVE_KV_PROTOCOL_VERSION, TRAILER,
+                                 FrameType, check_compatible, checksum, encode_frame, new_digest, pack_u32,
+                                 pages_digest, peer_info)
 from kvtransfer.shm import ShmAttachment, host_id, process_start_time
 from kvtransfer.ticket import TransferTicket
 
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 
 MAX_QUEUED_FRAMES = 2
 """Frames handed to the send thread but not yet written (one on the wire, one ready behind it)."""
+SEND_PIECE_BYTES = 256 << 10
+"""A checksummed payload goes out in pieces this large, each hashed just before its ``sendall``: half a
+Zen core's L2, so the kernel's copy reads what the hash just read from cache."""
 
 
 def _consume(fut: asyncio.Future) -> None:
@@ -267,21 +271,37 @@ class TxPeer:
     def _start_send_thread(self) -> None:
         """Bulk writes go through a blocking twin of the socket on one thread: ``sendall`` then loops
         in C without the GIL (like a raw socket), and the loop thread meanwhile prepares (gathers,
-        checksums) the next frame. One thread, FIFO: frames never interleave."""
+        quantizes) the next frame. The payload checksum is computed here too, piece by piece just before
+        each piece is sent. One thread, FIFO: frames never interleave."""
         self.wsock = self.sock.dup()  # type: ignore[union-attr]
         self.wsock.settimeout(self.cfg.send_timeout_s)  # a stalled receiver surfaces as TimeoutError
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtransfer-send")
 
-    def _blocking_send(self, bufs: tuple[bytes | memoryview, ...]) -> None:
+    def _blocking_send(self, bufs: tuple[bytes | memoryview, ...], payload: tuple[memoryview, ...] = (),
+                       kind: ChecksumKind = ChecksumKind.NONE) -> None:
+        """``bufs``, then ``payload`` followed by its ``kind`` checksum as the ``TRAILER`` (unless NONE).
+        Each piece is hashed just before its ``sendall``, so the kernel's copy reads it from cache."""
         for b in bufs:
             self.wsock.sendall(b)  # type: ignore[union-attr]
+        digest = new_digest(kind) if payload else None
+        for view in payload:
+            if digest is None:
+                self.wsock.sendall(view)  # type: ignore[union-attr]
+                continue
+            for i in range(0, view.nbytes, SEND_PIECE_BYTES):
+                piece = view[i:i + SEND_PIECE_BYTES]
+                digest.update(piece)
+                self.wsock.sendall(piece)  # type: ignore[union-attr]
+        if digest is not None:
+            self.wsock.sendall(TRAILER.pack(digest.intdigest()))  # type: ignore[union-attr]
 
-    async def _send(self, *bufs: bytes | memoryview) -> None:
-        """Queue one whole frame; returns once at most one earlier frame is still unsent (raising the
-        error of any write that failed)."""
+    async def _send(self, *bufs: bytes | memoryview, payload: tuple[memoryview, ...] = (),
+                    kind: ChecksumKind = ChecksumKind.NONE) -> None:
+        """Queue one whole frame (``payload`` and ``kind``: see ``_blocking_send``); returns once at most one
+        earlier frame is still unsent (raising the error of any write that failed)."""
         if self.closed or self._io is None:
             raise ConnectionError("connection closed")
-        self._writes.append(self.loop.run_in_executor(self._io, self._blocking_send, bufs))
+        self._writes.append(self.loop.run_in_executor(self._io, self._blocking_send, bufs, payload, kind))
         while len(self._writes) > MAX_QUEUED_FRAMES or (self._writes and self._writes[0].done()):
             await self._writes.popleft()
 
@@ -322,11 +342,10 @@ class TxPeer:
         step = max(1, min(self.cfg.max_frame_bytes // codec.bytes_per_token, (MAX_PAGES_PER_FRAME - 1) * page))
         return [(a, min(te, a + step)) for a in range(ts, te, step)]
 
-    def _span_fields(self, st: OutgoingTransfer, layer: int, a: int, b: int, crc: int | None) -> dict[str, Any]:
+    def _span_fields(self, st: OutgoingTransfer, layer: int, a: int, b: int) -> dict[str, Any]:
         span = st.ticket.page_span(a, b)
         return {"rid": st.ticket.req_id, "tid": st.ticket.ticket_id, "l": layer, "ts": a, "te": b,
-                "pg": st.page_bytes[4 * span.start:4 * span.stop], "gn": st.gen_bytes[4 * span.start:4 * span.stop],
-                "crc": crc}
+                "pg": st.page_bytes[4 * span.start:4 * span.stop], "gn": st.gen_bytes[4 * span.start:4 * span.stop]}
 
     async def _write_layer(self, item: LayerItem) -> None:
         st = item.send
@@ -337,11 +356,12 @@ class TxPeer:
             if st.failed:
                 return
             views = self.codec.source_views(pool, item.layer, item.src_pages, a, b)
-            crc = checksum(self.cfg.checksum, views)
-            nbytes = self.codec.nbytes(b - a)
-            header = encode_frame(FrameType.LAYER, self._span_fields(st, item.layer, a, b, crc), nbytes)
+            nbytes, kind = self.codec.nbytes(b - a), self.cfg.checksum
+            trailer = kind is not ChecksumKind.NONE
+            header = encode_frame(FrameType.LAYER, {**self._span_fields(st, item.layer, a, b), "tr": trailer},
+                                  nbytes + (TRAILER.size if trailer else 0))
             st.state = SendState.STREAMING
-            await self._send(header, *views)
+            await self._send(header, payload=tuple(views), kind=kind)
             await self._maybe_cut(st)
             st.num_bytes += nbytes
 
@@ -370,7 +390,7 @@ class TxPeer:
             st.state = SendState.STREAMING
             await self._maybe_cut(st)
             st.num_bytes += self.shm_codec.nbytes(b - a)
-            await self._send(encode_frame(FrameType.SHM_LAYER, self._span_fields(st, item.layer, a, b, crc)))
+            await self._send(encode_frame(FrameType.SHM_LAYER, {**self._span_fields(st, item.layer, a, b), "crc": crc}))
 
     async def _maybe_cut(self, st: OutgoingTransfer) -> None:
         """Fault injection: on a transfer's first frame, with a drop armed, shut the socket down under

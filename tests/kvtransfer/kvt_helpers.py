@@ -13,7 +13,8 @@ from engine.kvcache.layout import KVComponent, KVLayout
 from engine.kvcache.pool import KVPool
 from kvtransfer import KVReceiver, KVReceiverConfig, LoopThread, ShmKVPool
 from kvtransfer import auth
-from kvtransfer.protocol import PREFIX, FrameType, Header, decode_header, decode_prefix, encode_frame, peer_info
+from kvtransfer.protocol import (PDSERVE_KV_PROTOCOL_VERSION, PREFIX, FrameType, Header, decode_header, decode_prefix,
+                                 encode_frame, peer_info)
 from kvtransfer.shm import host_id
 
 SECRET = b"test-cluster-secret-0123456789"
@@ -115,7 +116,7 @@ class RawPeer:
                   ck: str | None = None) -> dict:
         """``ck``: the checksum kind to announce (None: announce none, as an older sender: crc32)."""
         nonce = auth.new_nonce()
-        self.frame(FrameType.HELLO, {"v": 1, "n": nonce})
+        self.frame(FrameType.HELLO, {"v": PDSERVE_KV_PROTOCOL_VERSION, "n": nonce})
         ch = self.expect(FrameType.CHALLENGE)
         extra = {} if ck is None else {"ck": ck}
         info = peer_info(layout.to_dict(), host_id=host_id(), pid=0, pid_start=0, wire=wire, **extra)  # pid 0: no shm

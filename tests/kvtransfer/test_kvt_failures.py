@@ -15,7 +15,7 @@ from kvt_helpers import SECRET, RawPeer, fragment, make_layout, make_pool, recei
 from kvtransfer import FailReason, KVSender, KVSenderConfig, SendState, TransferError, TransferState, TransferTicket
 from kvtransfer.config import ChecksumKind, TransportKind, WireDType
 from kvtransfer.payload import LayerCodec
-from kvtransfer.protocol import FrameType, checksum, pack_u32
+from kvtransfer.protocol import TRAILER, FrameType, checksum, pack_u32
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -115,10 +115,14 @@ def test_unused_ticket_expires_and_wait_times_out(prefill):
 
 # --- bad frames ---------------------------------------------------------------------------------
 
-def _layer_frame(ticket, layer: int, ts: int, te: int, payload: bytes, crc: int | None, gens=None) -> dict:
+def _layer_frame(ticket, layer: int, ts: int, te: int, payload: bytes, crc: int | None,
+                 gens=None) -> tuple[dict, bytes]:
+    """A LAYER header and its wire payload (``payload``, then ``crc`` as the trailer unless None)."""
     span = ticket.page_span(ts, te)
-    return {"rid": ticket.req_id, "tid": ticket.ticket_id, "l": layer, "ts": ts, "te": te,
-            "pg": pack_u32(ticket.page_ids[span]), "gn": pack_u32((gens or ticket.generations)[span]), "crc": crc}
+    fields = {"rid": ticket.req_id, "tid": ticket.ticket_id, "l": layer, "ts": ts, "te": te,
+              "pg": pack_u32(ticket.page_ids[span]), "gn": pack_u32((gens or ticket.generations)[span]),
+              "tr": crc is not None}
+    return fields, payload if crc is None else payload + TRAILER.pack(crc)
 
 
 @pytest.mark.parametrize("ck", [None, "crc32", "crc32c", "xxh3"])
@@ -135,7 +139,7 @@ def test_corrupt_payload_fails_only_its_request(prefill, ck):
         payload = os.urandom(LayerCodec(pool.layout, WireDType.NATIVE).nbytes(20))
         crc = checksum(ChecksumKind(ck or "crc32"), [memoryview(payload)])
         assert crc != checksum(ChecksumKind("crc32c" if ck != "crc32c" else "crc32"), [memoryview(payload)])
-        peer.frame(FrameType.LAYER, _layer_frame(bad, 0, 0, 20, payload, crc ^ 1), payload)
+        peer.frame(FrameType.LAYER, *_layer_frame(bad, 0, 0, 20, payload, crc ^ 1))
         abort = peer.expect(FrameType.ABORT)
         assert abort["rid"] == "bad" and abort["reason"] == FailReason.CORRUPT.value
         expect_failure(h, "bad", FailReason.CORRUPT)
@@ -149,9 +153,27 @@ def test_corrupt_payload_fails_only_its_request(prefill, ck):
     assert pool.allocator.num_used == start
 
 
+def test_checksum_trailer_on_a_connection_that_announced_none_is_refused():
+    """A sender that announced no checksum but sends a trailer (or a wrong length for one) fails that
+    request as a bad frame; nothing is written into its pages."""
+    pool = make_pool(make_layout(), 16)
+    with receiver(pool) as h:
+        t = h.rx.reserve("odd", 20)
+        peer = RawPeer(h.rx.address)
+        peer.handshake(pool.layout, ck="none")
+        payload = os.urandom(LayerCodec(pool.layout, WireDType.NATIVE).nbytes(20))
+        peer.frame(FrameType.LAYER, *_layer_frame(t, 0, 0, 20, payload, 5))
+        abort = peer.expect(FrameType.ABORT)
+        assert abort["reason"] == FailReason.BAD_FRAME.value and "announced none" in abort["detail"]
+        expect_failure(h, "odd", FailReason.BAD_FRAME)
+        assert all((pool.buffers[0][c.name] == 0).all() for c in pool.layout.components), "a page was written"
+        peer.close()
+    assert pool.allocator.num_used == 0
+
+
 def test_large_payloads_are_verified_off_the_loop_before_finish():
-    """Payloads >= 256 KiB are checksummed on CRC threads while the next frame arrives; FINISH waits
-    for every check: a good stream completes, one bad layer among good ones fails the request."""
+    """330 KB payloads, checksummed piece by piece as they land (several reads each): a good stream
+    completes, one bad layer among good ones fails the request."""
     lay = make_layout(latent=4096)  # 8 KiB per token per layer: 40 tokens = 330 KB frames
     pool = make_pool(lay, 32)
     codec = LayerCodec(lay, WireDType.NATIVE)
@@ -163,7 +185,7 @@ def test_large_payloads_are_verified_off_the_loop_before_finish():
             payloads = [os.urandom(codec.nbytes(40)) for _ in range(lay.num_layers)]
             for layer, payload in enumerate(payloads):
                 crc = zlib.crc32(payload) ^ (layer == bad_layer)
-                peer.frame(FrameType.LAYER, _layer_frame(ticket, layer, 0, 40, payload, crc), payload)
+                peer.frame(FrameType.LAYER, *_layer_frame(ticket, layer, 0, 40, payload, crc))
             peer.frame(FrameType.FINISH, {"rid": ticket.req_id, "tid": ticket.ticket_id, "nt": 40})
             if bad_layer is None:
                 assert peer.expect(FrameType.DONE)["nb"] == sum(map(len, payloads))
@@ -193,8 +215,7 @@ def test_frame_for_a_freed_and_reused_page_is_refused(prefill):
         peer = RawPeer(h.rx.address)
         peer.handshake(pool.layout)
         payload = b"\x01" * LayerCodec(pool.layout, WireDType.NATIVE).nbytes(20)
-        peer.frame(FrameType.LAYER, _layer_frame(new, 0, 0, 20, payload, zlib.crc32(payload), old.generations),
-                   payload)
+        peer.frame(FrameType.LAYER, *_layer_frame(new, 0, 0, 20, payload, zlib.crc32(payload), old.generations))
         assert peer.expect(FrameType.ABORT)["reason"] == FailReason.STALE_PAGE.value
         expect_failure(h, "new", FailReason.STALE_PAGE)
         assert all((pool.buffers[0][c.name] == 0).all() for c in pool.layout.components), "a page was written"

@@ -72,7 +72,7 @@ def hostile_layer_fields(draw, ticket):
             "l": draw(st.integers(-1, 70000)), "ts": draw(st.integers(-1, 30)), "te": draw(st.integers(-1, 2**33)),
             "pg": draw(st.sampled_from([pack_u32(ticket.page_ids[span]), b"\0\0\0", b"", pack_u32([63] * 5)])),
             "gn": draw(st.sampled_from([pack_u32(ticket.generations[span]), pack_u32([7] * 5)])),
-            "crc": draw(st.none() | st.integers(-1, 2**32))}
+            "tr": draw(st.booleans() | st.none() | st.integers(0, 1))}
 
 
 def _frame(header: bytes, payload_len: int) -> bytes:
@@ -89,7 +89,7 @@ def attacks(draw, ticket):
         return struct.pack("!4sIQ", magic, draw(st.integers(0, 2**32 - 1)), draw(st.integers(0, 2**64 - 1))) + \
             draw(st.binary(max_size=256))
     if kind == "msgpack":
-        obj = draw(st.dictionaries(st.sampled_from(["t", "rid", "tid", "l", "ts", "te", "pg", "gn", "crc", "x"]),
+        obj = draw(st.dictionaries(st.sampled_from(["t", "rid", "tid", "l", "ts", "te", "pg", "gn", "tr", "crc", "x"]),
                                    msgpack_values, max_size=9))
         if draw(st.booleans()):
             obj["t"] = draw(st.sampled_from([int(t) for t in FrameType] + [0, 99]))

@@ -346,7 +346,7 @@ def test_payload_reads_wake_on_a_low_water_mark():
         reader.connection_made(Transport())
         assert lowat() == 1
         frame = encode_frame(FrameType.LAYER, {"rid": "r", "tid": "t", "l": 0, "ts": 0, "te": 1, "pg": b"\0" * 4,
-                                               "gn": b"\0" * 4, "crc": None}, n) + payload[:100]
+                                               "gn": b"\0" * 4, "tr": False}, n) + payload[:100]
 
         def deliver(data: bytes) -> None:  # what the event loop does with each recv_into
             while data:
