@@ -133,18 +133,21 @@ def split_pages(pages: Sequence[int], page_size: int, token_start: int, token_en
     return PageSplit(head, mid, t - token_start, tail, full_end - token_start)
 
 
-def _page_records(rows: torch.Tensor, page_size: int) -> np.ndarray:
-    """``rows`` [num_slots, row_bytes] as a 1-D numpy array with one opaque record per page (a view).
+def _page_records(rows: np.ndarray, page_size: int) -> np.ndarray:
+    """``rows`` [num_slots, row_bytes] uint8 as a 1-D array with one opaque record per page (a view).
 
     numpy's fancy indexing moves such records with one memcpy each: ~10x faster than torch's
     per-row ``index_copy_`` / ``index_select`` on byte rows on this CPU.
     """
     width = page_size * rows.shape[1]
-    return rows.numpy().reshape(-1, width).view(np.dtype((np.void, width)))[:, 0]
+    return rows.reshape(-1, width).view(np.dtype((np.void, width)))[:, 0]
 
 
-def gather_rows(rows: torch.Tensor, pages: Sequence[int], page_size: int, token_start: int,
-                token_end: int) -> list[torch.Tensor]:
+# Byte rows are numpy arrays (``LayerCodec.byte_rows``): a numpy slice costs ~1 us where a torch view
+# costs ~10-20 us, and a small frame takes a dozen of them on each side; numpy copies as fast as torch.
+
+def gather_rows(rows: np.ndarray, pages: Sequence[int], page_size: int, token_start: int,
+                token_end: int) -> list[np.ndarray]:
     """Rows of [token_start, token_end) in token order, as pieces (views of ``rows`` where contiguous)."""
     sp = split_pages(pages, page_size, token_start, token_end)
     out = []
@@ -152,27 +155,27 @@ def gather_rows(rows: torch.Tensor, pages: Sequence[int], page_size: int, token_
         out.append(rows[sp.head.slot:sp.head.slot + sp.head.num_slots])
     if len(sp.mid_pages):
         recs = _page_records(rows, page_size)[sp.mid_pages]  # one gather, page records
-        out.append(torch.from_numpy(recs.view(np.uint8)).view(-1, rows.shape[1]))
+        out.append(recs.view(np.uint8).reshape(-1, rows.shape[1]))
     if sp.tail is not None:
         out.append(rows[sp.tail.slot:sp.tail.slot + sp.tail.num_slots])
     return out
 
 
-def scatter_rows(rows: torch.Tensor, src: torch.Tensor, pages: Sequence[int], page_size: int, token_start: int,
+def scatter_rows(rows: np.ndarray, src: np.ndarray, pages: Sequence[int], page_size: int, token_start: int,
                  token_end: int) -> None:
     """Write ``src`` [n, row_bytes] (token order) into the slots of [token_start, token_end)."""
     sp = split_pages(pages, page_size, token_start, token_end)
     if sp.head is not None:
-        rows[sp.head.slot:sp.head.slot + sp.head.num_slots].copy_(src[:sp.head.num_slots])
+        rows[sp.head.slot:sp.head.slot + sp.head.num_slots] = src[:sp.head.num_slots]
     if len(sp.mid_pages):
-        body = src[sp.mid_offset:sp.tail_offset].contiguous().numpy()
+        body = np.ascontiguousarray(src[sp.mid_offset:sp.tail_offset])
         _page_records(rows, page_size)[sp.mid_pages] = body.reshape(len(sp.mid_pages), -1).view(
             np.dtype((np.void, page_size * rows.shape[1])))[:, 0]
     if sp.tail is not None:
-        rows[sp.tail.slot:sp.tail.slot + sp.tail.num_slots].copy_(src[sp.tail_offset:])
+        rows[sp.tail.slot:sp.tail.slot + sp.tail.num_slots] = src[sp.tail_offset:]
 
 
-def copy_pages(s_rows: torch.Tensor, d_rows: torch.Tensor, src_pages: Sequence[int], dst_pages: Sequence[int],
+def copy_pages(s_rows: np.ndarray, d_rows: np.ndarray, src_pages: Sequence[int], dst_pages: Sequence[int],
                page_size: int, token_start: int, token_end: int) -> None:
     """Rows of [token_start, token_end) from ``src_pages`` into the same tokens' slots in ``dst_pages``,
     without staging them in token order: the two sides share the page split, so whole pages move as
@@ -181,7 +184,7 @@ def copy_pages(s_rows: torch.Tensor, d_rows: torch.Tensor, src_pages: Sequence[i
     ds = split_pages(dst_pages, page_size, token_start, token_end)
     for a, b in ((ss.head, ds.head), (ss.tail, ds.tail)):
         if a is not None:
-            d_rows[b.slot:b.slot + b.num_slots].copy_(s_rows[a.slot:a.slot + a.num_slots])
+            d_rows[b.slot:b.slot + b.num_slots] = s_rows[a.slot:a.slot + a.num_slots]
     sm, dm = ss.mid_pages, ds.mid_pages
     if not len(sm):
         return
@@ -250,11 +253,11 @@ class LayerCodec:
     def _views(self, pool: KVPool, layer: int, runs: list[Run]) -> list[memoryview]:
         out = []
         for part in self.parts:
-            rows = self._byte_rows(pool, layer, part)
+            rows = self.byte_rows(pool, layer, part)
             out += [memoryview(rows[r.slot:r.slot + r.num_slots].reshape(-1)) for r in runs]
         return out
 
-    def _byte_rows(self, pool: KVPool, layer: int, part: Part) -> np.ndarray:
+    def byte_rows(self, pool: KVPool, layer: int, part: Part) -> np.ndarray:
         """``rows()`` as a numpy array, made once per (pool, layer, part): slicing numpy costs ~1 us where
         the torch views cost ~20 us, and every frame takes 3+ views on each side (a 20k-token request
         ships ~50 frames). The pool's storage never moves, and the cache lives on the pool object."""
@@ -276,12 +279,12 @@ class LayerCodec:
         if runs is not None:
             return self._views(pool, layer, runs)
         if not self.quantized:
-            return [as_bytes(piece) for part in self.parts
-                    for piece in gather_rows(self.rows(pool, layer, part), pages, P, token_start, token_end)]
+            return [memoryview(piece.reshape(-1)) for part in self.parts
+                    for piece in gather_rows(self.byte_rows(pool, layer, part), pages, P, token_start, token_end)]
         data, scales = [], []
         for c in self.layout.components:
-            rows = torch.cat(gather_rows(self.rows(pool, layer, Part(c.name, False, 0)), pages, P, token_start,
-                                         token_end))
+            rows = torch.from_numpy(np.concatenate(gather_rows(self.byte_rows(pool, layer, Part(c.name, False, 0)),
+                                                               pages, P, token_start, token_end)))
             q, scale = quantize_fp8(rows.view(self.layout.torch_dtype).view(n, *c.shape))
             data.append(as_bytes(q))
             scales.append(as_bytes(scale.contiguous()))
@@ -296,29 +299,29 @@ class LayerCodec:
         runs = self.direct_runs(pages, P, token_start, token_end)
         if runs is not None:
             return self._views(pool, layer, runs), None
-        buf = staging(self.nbytes(n))
+        buf = staging(self.nbytes(n)).numpy()
         sections = self._sections(buf, n)
 
         def scatter() -> None:
             if not self.quantized:
                 for part in self.parts:
-                    scatter_rows(self.rows(pool, layer, part), sections[(part.name, part.is_scale)], pages, P,
+                    scatter_rows(self.byte_rows(pool, layer, part), sections[(part.name, part.is_scale)], pages, P,
                                  token_start, token_end)
                 return
             for c in self.layout.components:
-                q = sections[(c.name, False)].view(torch.float8_e4m3fn).view(n, *c.shape)
-                scale = sections[(c.name, True)].view(torch.float32).view(n, *c.scale_shape)
+                q = torch.from_numpy(sections[(c.name, False)]).view(torch.float8_e4m3fn).view(n, *c.shape)
+                scale = torch.from_numpy(sections[(c.name, True)]).view(torch.float32).view(n, *c.scale_shape)
                 values = (q.float() * scale.unsqueeze(-1)).to(self.layout.torch_dtype)
-                rows = self.rows(pool, layer, Part(c.name, False, 0))
-                scatter_rows(rows, values.reshape(n, -1).view(torch.uint8), pages, P, token_start, token_end)
+                rows = self.byte_rows(pool, layer, Part(c.name, False, 0))
+                scatter_rows(rows, values.reshape(n, -1).view(torch.uint8).numpy(), pages, P, token_start, token_end)
 
-        return [as_bytes(buf)], scatter
+        return [memoryview(buf)], scatter
 
-    def _sections(self, buf: torch.Tensor, n: int) -> dict[tuple[str, bool], torch.Tensor]:
+    def _sections(self, buf: np.ndarray, n: int) -> dict[tuple[str, bool], np.ndarray]:
         """Split a payload buffer [nbytes(n)] uint8 into per-part [n, row_bytes] views, in wire order."""
         out, off = {}, 0
         for part in self.parts:
-            out[(part.name, part.is_scale)] = buf[off:off + n * part.row_bytes].view(n, part.row_bytes)
+            out[(part.name, part.is_scale)] = buf[off:off + n * part.row_bytes].reshape(n, part.row_bytes)
             off += n * part.row_bytes
         return out
 
@@ -329,8 +332,8 @@ class LayerCodec:
         first, last = _span(P, token_start, token_end)
         breaks = _breaks(pages, first=first, last=last)
         if len(breaks) >= MAX_COPY_RUNS:  # fragmented: gather once per part
-            return [as_bytes(piece) for part in self.parts
-                    for piece in gather_rows(self.rows(pool, layer, part), pages, P, token_start, token_end)]
+            return [memoryview(piece.reshape(-1)) for part in self.parts
+                    for piece in gather_rows(self.byte_rows(pool, layer, part), pages, P, token_start, token_end)]
         return self._views(pool, layer, slot_runs(pages, P, token_start, token_end, breaks))
 
     # --- shared memory ---------------------------------------------------------------------------
@@ -344,19 +347,19 @@ class LayerCodec:
         breaks = _breaks(src_pages, dst_pages, first=first, last=last)
         runs = paired_runs(src_pages, dst_pages, P, token_start, token_end, breaks) \
             if len(breaks) < MAX_COPY_RUNS else None
-        views: list[torch.Tensor] = []
+        views: list[np.ndarray] = []
         for part in self.parts:
-            s_rows, d_rows = self.rows(src, layer, part), self.rows(dst, layer, part)
+            s_rows, d_rows = self.byte_rows(src, layer, part), self.byte_rows(dst, layer, part)
             if runs is not None:
                 for r in runs:
                     s = s_rows[r.src_slot:r.src_slot + r.num_slots]
-                    d_rows[r.dst_slot:r.dst_slot + r.num_slots].copy_(s)
+                    d_rows[r.dst_slot:r.dst_slot + r.num_slots] = s
                     views.append(s)
             elif want_views:  # fragmented, and the caller checksums the rows in payload order
                 pieces = gather_rows(s_rows, src_pages, P, token_start, token_end)
-                scatter_rows(d_rows, torch.cat(pieces) if len(pieces) > 1 else pieces[0], dst_pages, P,
+                scatter_rows(d_rows, np.concatenate(pieces) if len(pieces) > 1 else pieces[0], dst_pages, P,
                              token_start, token_end)
                 views.extend(pieces)
             else:  # fragmented: whole pages record to record (one numpy gather + scatter), partial ends direct
                 copy_pages(s_rows, d_rows, src_pages, dst_pages, P, token_start, token_end)
-        return [as_bytes(v) for v in views] if want_views else []
+        return [memoryview(v.reshape(-1)) for v in views] if want_views else []
