@@ -67,7 +67,8 @@ class PageAllocator:
         with self._lock:
             if n > len(self._free):
                 raise PoolExhausted(n, len(self._free))
-            pages = [self._free.pop() for _ in range(n)]
+            pages = self._free[len(self._free) - n:][::-1]  # the stack's top first
+            del self._free[len(self._free) - n:]
             for p in pages:
                 self._ref[p] = 1
                 self._owner[p] = owner
@@ -94,15 +95,18 @@ class PageAllocator:
         """Drop one reference from each page; returns how many pages became free."""
         with self._lock:
             self.check(pages)
-            freed = 0
+            freed = []
             for p in pages:
                 self._ref[p] -= 1
                 if self._ref[p] == 0:
                     self._gen[p] += 1
                     self._owner[p] = None
-                    self._free.append(p)
-                    freed += 1
-            return freed
+                    freed.append(p)
+            # pushed in reverse, so the next alloc pops them in the order they were freed: a request's
+            # ascending run of pages comes back as an ascending run (not reversed, which would break it into
+            # one-page runs, each a separate copy for the KV transfer and the attention gathers)
+            self._free.extend(reversed(freed))
+            return len(freed)
 
     free = decref
 

@@ -142,6 +142,24 @@ def test_pool_accounting_and_generations():
     assert a.owners() == {"r3": 4} and sorted(q) == [0, 1, 2, 3]
 
 
+def test_freed_runs_come_back_as_runs():
+    """A request's pages freed together are handed out again in the same ascending order, not reversed:
+    contiguous pages are one copy per KV transfer frame instead of one per page."""
+    from engine.kvcache.pool import PageAllocator
+    a = PageAllocator(64)
+    first = a.alloc(20, "r1")
+    assert first == list(range(20))
+    a.decref(first)
+    for _ in range(3):
+        again = a.alloc(20, "r2")
+        assert again == list(range(20))
+        a.decref(again)
+    b, c = a.alloc(8, "b"), a.alloc(8, "c")
+    a.decref(c)
+    a.decref(b)
+    assert a.alloc(16, "d") == b + c[:8] == list(range(16))
+
+
 @pytest.mark.parametrize("impl", ["sorted", "grouped", "gather", "dense"])
 def test_moe_strategies_agree(impl):
     from engine.moe.experts import MOE_IMPLS
