@@ -207,8 +207,9 @@ class KVSender:
                 raise st.error
             if st.finish_queued:
                 raise ValueError(f"send_layer({ticket.req_id!r}) after finish()")
-            new = [p for p in src_pages[first:need] if p not in st.pinned_set]
-            if new:
+            span = src_pages[first:need]
+            new = [] if st.pinned_set.issuperset(span) else [p for p in span if p not in st.pinned_set]
+            if new:  # (issuperset: the common case of a later layer of the same chunk, one C-level pass)
                 try:
                     self.pool.allocator.incref(new)
                 except PageError as e:
