@@ -8,7 +8,8 @@ A transfer, end to end (decode side states: ``TransferState``; prefill side: ``S
     prefill sender.send_layer(ticket, l, ...)  QUEUED     source pages pinned, frame queued (non-blocking)
             [connect, mutual HMAC, layout check]          once per receiver; wrong secret / layout -> error
             LAYER frame (TCP) or shm copy      STREAMING  each layer as soon as it is computed
-    decode  frame accepted                     RECEIVING  request, pages, generations, size, order, CRC
+    decode  frame accepted                     RECEIVING  request, pages, generations, size, order,
+                                                          checksum (XXH3 trailer)
                                                           checked; bytes land in the reserved pages
     prefill sender.finish(ticket)              FINISHING  FINISH frame
     decode  every layer x token verified       COMPLETE   DONE frame back to the sender

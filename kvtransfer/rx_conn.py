@@ -16,9 +16,10 @@ what happens:
    reservation, the payload size matches the layout, a checksum is present when required;
    on the first frame and again at FINISH the allocator itself must agree that every page
    is still ours at the reserved generation -- else the *reservation* fails and is freed;
-4. after the payload arrived, its CRC (a TCP payload's is computed piece by piece as it lands;
-   a large shm copy's on a CRC thread, overlapping the next frame, and FINISH waits for
-   those) -- else the reservation fails (CORRUPT).
+4. after the payload arrived, its checksum (a TCP payload's is computed piece by piece as it
+   lands and compared with the trailer that ends the payload; a large shm copy's on a CRC
+   thread, overlapping the next frame, and FINISH waits for those) -- else the reservation
+   fails (CORRUPT).
 
 A payload is written only into pages of the reservation it names, and only while that
 reservation is RECEIVING: if it fails mid-payload the rest is discarded, and staged
