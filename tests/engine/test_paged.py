@@ -140,6 +140,11 @@ def test_pool_accounting_and_generations():
     with pytest.raises(PageError, match="stale"):
         a.check([p[0]], [gens[0]])  # reused page: the old generation is rejected
     assert a.owners() == {"r3": 4} and sorted(q) == [0, 1, 2, 3]
+    with pytest.raises(PageError, match="page 9 is not allocated"):
+        a.check([q[0], 9])
+    with pytest.raises(PageError, match="3 generations for 4 pages"):
+        a.check(q, a.generations(q)[:3])
+    a.check(q, a.generations(q))
 
 
 def test_freed_runs_come_back_as_runs():
