@@ -220,8 +220,8 @@ CONTENDERS = {
     "tensor copy": lambda b: b.ask("copy", b.case),
     "kv shm": lambda b: b.kv("shm", TransportKind.SHM, ChecksumKind.NONE),
 }
-BASELINE = {"kv xxh3": "raw TCP", "kv crc32c": "raw TCP", "kv crc32": "raw TCP", "kv no-crc": "raw TCP", "kv frag no-crc": "raw TCP",
-            "kv shm": "tensor copy"}
+BASELINE = {"kv xxh3": "raw TCP", "kv crc32c": "raw TCP", "kv crc32": "raw TCP", "kv no-crc": "raw TCP",
+            "kv frag no-crc": "raw TCP", "kv shm": "tensor copy"}
 
 
 def main() -> None:

@@ -346,7 +346,7 @@ class RxConnection:
             return self._accept(res, f, finalize, nbytes, False)
         if crc is not None:
             return self._accept(res, f, finalize, nbytes, crc == expected)
-        if nbytes < OFFLOAD_CRC_BYTES or finalize is not None:  # staged bytes: checked before the buffer is reused
+        if nbytes < OFFLOAD_CRC_BYTES:  # (only shm copies get here: a TCP payload always brings ``crc``)
             return self._accept(res, f, finalize, nbytes, checksum(kind, views) == expected)
         self._verifying += 1
         fut = asyncio.get_running_loop().run_in_executor(self.rx.crc_pool, checksum, kind, views)

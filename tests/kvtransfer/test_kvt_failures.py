@@ -171,7 +171,7 @@ def test_checksum_trailer_on_a_connection_that_announced_none_is_refused():
     assert pool.allocator.num_used == 0
 
 
-def test_large_payloads_are_verified_off_the_loop_before_finish():
+def test_large_payloads_are_verified_before_finish():
     """330 KB payloads, checksummed piece by piece as they land (several reads each): a good stream
     completes, one bad layer among good ones fails the request."""
     lay = make_layout(latent=4096)  # 8 KiB per token per layer: 40 tokens = 330 KB frames
