@@ -129,7 +129,7 @@ def _run(coro):
 
 
 # -- overhead -------------------------------------------------------------------------------------------------
-async def time_requests(router_addr: str, router_pid: int, worker_addr: str, bare_addr: str, n: int,
+async def time_requests(router_addr: str, router_pid: int, worker_addr: str, bare_addr: str, bare_pid: int, n: int,
                         prompt_len: int, max_tokens: int):
     md = rpc.auth_metadata(SECRET)
     ids = list(range(2, 2 + prompt_len))
@@ -165,7 +165,7 @@ async def time_requests(router_addr: str, router_pid: int, worker_addr: str, bar
             await one_direct(i)
             await one_routed(i)
             await one_routed(i, bare_gen)
-        client_cpu = cpu_per_req = 0.0
+        client_cpu = cpu_per_req = bare_cpu = 0.0
         for i in range(n):
             c0 = time.process_time()
             direct.append(await one_direct(i))
@@ -173,10 +173,12 @@ async def time_requests(router_addr: str, router_pid: int, worker_addr: str, bar
             cpu0 = proc_cpu_s(router_pid)
             routed.append(await one_routed(i))
             cpu_per_req += proc_cpu_s(router_pid) - cpu0
+            cpu0 = proc_cpu_s(bare_pid)
             bare.append(await one_routed(i, bare_gen))
+            bare_cpu += proc_cpu_s(bare_pid) - cpu0
         cpu_per_req /= n
     # this process's CPU for the direct path (3 worker calls) sets the scale: what one client-side call costs here
-    return direct, routed, bare, cpu_per_req, client_cpu / n / 3
+    return direct, routed, bare, cpu_per_req, bare_cpu / n, client_cpu / n / 3
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -217,10 +219,10 @@ def bench_overhead(args) -> dict:
         holder = {}
 
         async def main():
-            holder["r"] = await time_requests(router_addr, router.pid, worker_addr, bare_addr, args.requests,
-                                              args.prompt_len, args.max_tokens)
+            holder["r"] = await time_requests(router_addr, router.pid, worker_addr, bare_addr, proxy.pid,
+                                              args.requests, args.prompt_len, args.max_tokens)
         _run(main())
-        direct, routed, bare, cpu_per_req, call_cpu = holder["r"]
+        direct, routed, bare, cpu_per_req, bare_cpu, call_cpu = holder["r"]
     finally:
         router.send_signal(signal.SIGTERM)
         router.wait(10)
@@ -234,6 +236,7 @@ def bench_overhead(args) -> dict:
                        "bare_proxy_ms": round(b, 3), "bare_overhead_ms": round(b - d, 3)}
     out["mean_overhead_ms"] = round((statistics.mean(routed) - statistics.mean(direct)) * 1e3, 3)
     out["router_cpu_ms_per_request"] = round(cpu_per_req * 1e3, 3)
+    out["bare_proxy_cpu_ms_per_request"] = round(bare_cpu * 1e3, 3)
     out["client_cpu_ms_per_grpc_call"] = round(call_cpu * 1e3, 3)
     out["load_avg_1m"] = os.getloadavg()[0]
     return out
@@ -306,7 +309,8 @@ def main(argv=None) -> int:
             print(f"  {q}: direct {o[q]['direct_ms']:.3f} ms, via router {o[q]['router_ms']:.3f} ms, "
                   f"added {o[q]['overhead_ms']:.3f} ms; a bare grpc.aio proxy making the same calls adds "
                   f"{o[q]['bare_overhead_ms']:.3f} ms")
-        print(f"  router CPU per request: {o['router_cpu_ms_per_request']:.3f} ms; for scale, one client-side gRPC "
+        print(f"  router CPU per request: {o['router_cpu_ms_per_request']:.3f} ms (the bare proxy: "
+              f"{o['bare_proxy_cpu_ms_per_request']:.3f} ms); for scale, one client-side gRPC "
               f"call costs {o['client_cpu_ms_per_grpc_call']:.3f} ms CPU here (the router makes 3 and serves 1); "
               f"1-min load average {o['load_avg_1m']:.1f} on {os.cpu_count()} cores")
         print("  goal: added p99 <= 1 ms")
