@@ -197,7 +197,8 @@ class RxConnection:
         try:
             check_compatible(self.rx.local_info, info)
             wire = WireDType(info.get("wire"))
-            # the sender's checksum kinds for TCP payloads and shm copies (older senders: crc32, none)
+            # the sender's checksum kinds for TCP payloads and shm copies; a sender that omits them gets the
+            # protocol's defaults, crc32 and none (pdserve's own senders always announce both)
             self.ck, self.sck = ChecksumKind(info.get("ck", "crc32")), ChecksumKind(info.get("sck", "none"))
             pid, start = info.get("pid"), info.get("pid_start")
             if type(pid) is not int or type(start) is not int:

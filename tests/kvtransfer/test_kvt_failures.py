@@ -127,7 +127,7 @@ def _layer_frame(ticket, layer: int, ts: int, te: int, payload: bytes, crc: int 
 
 @pytest.mark.parametrize("ck", [None, "crc32", "crc32c", "xxh3"])
 def test_corrupt_payload_fails_only_its_request(prefill, ck):
-    """Whichever checksum the sender announced (none announced: crc32, as older senders), a payload
+    """Whichever checksum the sender announced (none announced: the protocol default, crc32), a payload
     that does not match it fails its request alone."""
     pool = make_pool(make_layout(), 64)
     start = pool.allocator.num_used
