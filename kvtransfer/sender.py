@@ -208,8 +208,11 @@ class KVSender:
             if st.finish_queued:
                 raise ValueError(f"send_layer({ticket.req_id!r}) after finish()")
             span = src_pages[first:need]
-            new = [] if st.pinned_set.issuperset(span) else [p for p in span if p not in st.pinned_set]
-            if new:  # (issuperset: the common case of a later layer of the same chunk, one C-level pass)
+            if not st.pinned_set:  # the first layer: every page is new (no per-page set lookups)
+                new = list(span)
+            else:  # issuperset: the common case of a later layer of the same chunk, one C-level pass
+                new = [] if st.pinned_set.issuperset(span) else [p for p in span if p not in st.pinned_set]
+            if new:
                 try:
                     self.pool.allocator.incref(new)
                 except PageError as e:
