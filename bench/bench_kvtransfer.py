@@ -1,9 +1,11 @@
 """KV transfer throughput: kvtransfer TCP vs a raw socket, kvtransfer shm vs a plain tensor copy.
 
-One run, two layouts, 20k tokens each (synthetic pages, bf16):
+One run, three layouts, 20k tokens each (synthetic pages):
 
-* ``tiny``  MLA like the default tiny model: 5 layers (4 + MTP), latent 64, rope 16, index 32, page 16
-* ``glm5``  GLM-5-sized MLA layers: 4 layers, latent 512, rope 64, index 128, page 64
+* ``default``       the shipped default model's KV as ``pdserve serve`` keeps it by default: its 3 layers + MTP,
+                    latent 64, rope 16, index 32, page 16, fp32 (the serving dtype on CPU)
+* ``default-bf16``  the same with ``--kv-dtype bfloat16`` (half the bytes, the same per-transfer costs)
+* ``glm5``          GLM-5-sized MLA layers: 4 layers, latent 512, rope 64, index 128, page 64, bf16
 
 The decode side (receivers, raw socket server) runs in this process, the prefill side
 (senders, raw socket client, tensor copy) in a spawned process, as in deployment. Each
@@ -55,9 +57,14 @@ class Sample(NamedTuple):
 
 
 def layouts() -> dict[str, KVLayout]:
+    from engine.config import ModelConfig
+    from engine.defaults import default_model_dir
+    cfg = ModelConfig.from_model_dir(default_model_dir())  # its config only: no weights are read
+
     def mla(lat: int, rope: int, idx: int) -> tuple[KVComponent, ...]:
         return (KVComponent("latent", (lat,)), KVComponent("rope", (rope,)), KVComponent("index", (idx,)))
-    return {"tiny": KVLayout("glm_moe_dsa", 5, 16, "bfloat16", mla(64, 16, 32)),
+    return {"default": KVLayout.for_model(cfg, 16, "float32"),
+            "default-bf16": KVLayout.for_model(cfg, 16, "bfloat16"),
             "glm5": KVLayout("glm_moe_dsa", 4, 64, "bfloat16", mla(512, 64, 128))}
 
 
@@ -254,7 +261,7 @@ def main() -> None:
         conn.send(None)
         proc.join(30)
         lt.stop()
-    print(f"\nKV transfer of {args.tokens} tokens (bf16), best of {args.rounds} interleaved rounds; "
+    print(f"\nKV transfer of {args.tokens} tokens, best of {args.rounds} interleaved rounds; "
           "GiB/s (ratio to its baseline) | CPU ms per GiB, both processes")
     for case, runs in results.items():
         gib = lays[case].bytes_per_token_per_layer() * args.tokens * lays[case].num_layers / 2**30

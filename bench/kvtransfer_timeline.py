@@ -7,7 +7,7 @@ it prints the last transfer's events in ms from its first ``send_layer``, then a
 payload byte moves (validation, pinning, queueing, the shm lease), the payload phase, and after the last
 byte (FINISH -> DONE -> the sender's completion).
 
-    .venv/bin/python bench/kvtransfer_timeline.py [--layout tiny|glm5] [--transport tcp|shm]
+    .venv/bin/python bench/kvtransfer_timeline.py [--layout default|default-bf16|glm5] [--transport tcp|shm]
         [--checksum xxh3|crc32c|crc32|none] [--rounds 5]
 
 A diagnostic, not a benchmark: the wrappers add a few microseconds per event.
@@ -106,7 +106,7 @@ def summary(events: list[tuple[float, str]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layout", default="tiny", choices=("tiny", "glm5"))
+    ap.add_argument("--layout", default="default", choices=("default", "default-bf16", "glm5"))
     ap.add_argument("--transport", default="tcp", choices=("tcp", "shm"))
     ap.add_argument("--checksum", default="xxh3", choices=("xxh3", "crc32c", "crc32", "none"))
     ap.add_argument("--tokens", type=int, default=20000)
