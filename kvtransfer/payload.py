@@ -257,6 +257,14 @@ class LayerCodec:
             out += [memoryview(rows[r.slot:r.slot + r.num_slots].reshape(-1)) for r in runs]
         return out
 
+    def _gathered(self, pool: KVPool, layer: int, pages: Sequence[int], token_start: int,
+                  token_end: int) -> list[memoryview]:
+        """The rows of [token_start, token_end) as byte views in wire order, one page-granular gather per
+        part (for fragmented pages; long runs are viewed in place by ``_views``)."""
+        return [memoryview(piece.reshape(-1)) for part in self.parts
+                for piece in gather_rows(self.byte_rows(pool, layer, part), pages, pool.page_size, token_start,
+                                         token_end)]
+
     def byte_rows(self, pool: KVPool, layer: int, part: Part) -> np.ndarray:
         """``rows()`` as a numpy array, made once per (pool, layer, part): slicing numpy costs ~1 us where
         the torch views cost ~20 us, and every frame takes 3+ views on each side (a 20k-token request
@@ -279,8 +287,7 @@ class LayerCodec:
         if runs is not None:
             return self._views(pool, layer, runs)
         if not self.quantized:
-            return [memoryview(piece.reshape(-1)) for part in self.parts
-                    for piece in gather_rows(self.byte_rows(pool, layer, part), pages, P, token_start, token_end)]
+            return self._gathered(pool, layer, pages, token_start, token_end)
         data, scales = [], []
         for c in self.layout.components:
             rows = torch.from_numpy(np.concatenate(gather_rows(self.byte_rows(pool, layer, Part(c.name, False, 0)),
@@ -332,8 +339,7 @@ class LayerCodec:
         first, last = _span(P, token_start, token_end)
         breaks = _breaks(pages, first=first, last=last)
         if len(breaks) >= MAX_COPY_RUNS:  # fragmented: gather once per part
-            return [memoryview(piece.reshape(-1)) for part in self.parts
-                    for piece in gather_rows(self.byte_rows(pool, layer, part), pages, P, token_start, token_end)]
+            return self._gathered(pool, layer, pages, token_start, token_end)
         return self._views(pool, layer, slot_runs(pages, P, token_start, token_end, breaks))
 
     # --- shared memory ---------------------------------------------------------------------------
