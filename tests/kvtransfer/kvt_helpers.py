@@ -114,7 +114,7 @@ class RawPeer:
 
     def handshake(self, layout: KVLayout, secret: bytes | None = SECRET, wire: str = "native",
                   ck: str | None = None) -> dict:
-        """``ck``: the checksum kind to announce (None: announce none, as an older sender: crc32)."""
+        """``ck``: the checksum kind to announce (None: announce none; the receiver then assumes the protocol default, crc32)."""
         nonce = auth.new_nonce()
         self.frame(FrameType.HELLO, {"v": PDSERVE_KV_PROTOCOL_VERSION, "n": nonce})
         ch = self.expect(FrameType.CHALLENGE)
