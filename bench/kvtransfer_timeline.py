@@ -92,13 +92,12 @@ def prefill_main(conn, layouts: dict, tokens: int) -> None:
 
 
 def summary(events: list[tuple[float, str]]) -> str:
-    names = [n for _, n in events]
-    t0 = next(t for t, n in events if n == "P send.send_layer>")
-    end = next(t for t, n in reversed(events) if n == "P send.complete<")
     moves = [t for t, n in events if n in ("P send.shm_copy>", "P send.blocking_send>")]
     moved = [t for t, n in events if n in ("P send.shm_copy<", "P send.blocking_send<")]
-    if not moves or "P send.complete<" not in names:
-        return "(no payload events recorded)"
+    ends = [t for t, n in events if n == "P send.complete<"]
+    if not moves or not ends:
+        return "(no payload or completion events recorded)"
+    t0, end = next(t for t, n in events if n == "P send.send_layer>"), ends[-1]
     first, last = min(moves), max(moved)
     return (f"total {1e3 * (end - t0):.2f} ms: before the first payload byte {1e3 * (first - t0):.2f}, payload "
             f"{1e3 * (last - first):.2f}, after the last byte to the sender's completion {1e3 * (end - last):.2f}")
