@@ -33,6 +33,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import torch
 
 from engine.kvcache.pool import PageError
@@ -250,7 +251,7 @@ class RxConnection:
         """The allocator still has every page at the reserved generation (guards against a page of
         ours being freed behind our back; frames are checked against the reservation's copy)."""
         try:
-            self.rx.pool.allocator.check(list(res.ticket.page_ids), list(res.ticket.generations))
+            self.rx.pool.allocator.check(res.page_arr, np.frombuffer(res.gen_bytes, dtype="<u4"))
         except PageError as e:
             raise ProtocolError(FailReason.STALE_PAGE, str(e)) from None
 

@@ -306,7 +306,7 @@ class ReservationManager:
             del self._active[res.req_id]
             self._tombstone(res.ticket.ticket_id, FailReason.UNKNOWN_REQUEST)
             self._reserved_pages -= len(res.ticket.page_ids)
-            self.pool.allocator.set_owner(list(res.ticket.page_ids), res.req_id)
+            self.pool.allocator.set_owner(res.ticket.page_ids, res.req_id)
             return res.result()
 
     def due(self, now: float, stall_timeout_s: float,
@@ -330,7 +330,7 @@ class ReservationManager:
             return
         res.pages_freed = True
         self._reserved_pages -= len(res.ticket.page_ids)
-        self.pool.allocator.decref(list(res.ticket.page_ids))
+        self.pool.allocator.decref(res.page_arr)
 
     def _tombstone(self, tid: str, reason: FailReason) -> None:
         self._tombstones[tid] = reason

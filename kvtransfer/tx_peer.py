@@ -94,6 +94,9 @@ class OutgoingTransfer:
     page_bytes: bytes = b""
     gen_bytes: bytes = b""
     dst_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    src_head: list[int] = field(default_factory=list)
+    """The caller's source pages of the latest ``send_layer`` (from token 0) and, below, as read-only numpy."""
+    src_arr: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def __post_init__(self) -> None:
         self.future.set_running_or_notify_cancel()  # callers cancel with KVSender.cancel, not future.cancel

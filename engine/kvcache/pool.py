@@ -12,11 +12,14 @@ with a stale generation, raises: pages are freed exactly once.
 """
 from __future__ import annotations
 
+import array
 import numbers
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from engine.kvcache.layout import FP8_MAX, KVLayout
@@ -43,16 +46,38 @@ class PoolStats:
     page_size: int
 
 
+VECTOR_MIN = 48
+"""Page lists at least this long (and every numpy array of ids) take the allocator's vectorised paths:
+a 20k-token request's 1250 pages are checked, pinned and freed in ~10 us instead of ~100-200 us of
+per-page Python; shorter lists (decode's page-at-a-time growth) stay on the cheaper scalar paths."""
+
+
+def _ids(pages: Sequence[int] | np.ndarray) -> np.ndarray | None:
+    """Page ids as int64 numpy, or None when they are not all integers."""
+    if isinstance(pages, np.ndarray):
+        return pages.astype(np.int64, copy=False) if pages.dtype.kind in "iu" else None
+    try:
+        return np.fromiter(pages, np.int64, len(pages))
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
 class PageAllocator:
-    """Free-list allocator with refcounts and per-page generation counters. Thread-safe."""
+    """Free-list allocator with refcounts and per-page generation counters. Thread-safe.
+
+    Refcounts and generations live in ``array.array`` storage with numpy views on the same memory:
+    single pages are cheap Python indexing, long page lists are numpy passes (``VECTOR_MIN``). Every
+    method takes a list of page ids or an integer numpy array."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
-        self._ref = [0] * num_pages
-        self._gen = [0] * num_pages
+        self._ref = array.array("q", bytes(8 * num_pages))
+        self._gen = array.array("q", bytes(8 * num_pages))
+        self._ref_np = np.frombuffer(self._ref, dtype=np.int64)  # views: the arrays never resize
+        self._gen_np = np.frombuffer(self._gen, dtype=np.int64)
         self._owner: list[str | None] = [None] * num_pages
         self._lock = threading.Lock()
 
@@ -70,52 +95,102 @@ class PageAllocator:
                 raise PoolExhausted(n, len(self._free))
             pages = self._free[len(self._free) - n:][::-1]  # the stack's top first
             del self._free[len(self._free) - n:]
-            for p in pages:
-                self._ref[p] = 1
-                self._owner[p] = owner
+            own = self._owner
+            if n >= VECTOR_MIN:
+                self._ref_np[np.fromiter(pages, np.int64, n)] = 1
+                for p in pages:
+                    own[p] = owner
+            else:
+                ref = self._ref
+                for p in pages:
+                    ref[p] = 1
+                    own[p] = owner
             return pages
 
-    def generations(self, pages: list[int]) -> list[int]:
+    def generations(self, pages: Sequence[int] | np.ndarray) -> list[int]:
         return [self._gen[p] for p in pages]
 
-    def check(self, pages: list[int], generations: list[int] | None = None) -> None:
-        """Raise ``PageError`` unless every page is in use (and at the given generation).
-
-        The all-good case runs as C-level passes (``map`` over the lists): a 20k-token request's 1250
-        pages are checked on every pin, transfer frame and free, and a Python loop cost ~140 us."""
+    def check(self, pages: Sequence[int] | np.ndarray, generations: Sequence[int] | np.ndarray | None = None) -> None:
+        """Raise ``PageError`` unless every page is in use (and at the given generation)."""
         if generations is not None and len(generations) != len(pages):
             raise PageError(f"{len(generations)} generations for {len(pages)} pages")
-        if not pages:
+        if not len(pages):
             return
-        try:
-            ok = min(pages) >= 0 and all(map(self._ref.__getitem__, pages))
-        except (IndexError, TypeError):
-            ok = False
-        if ok and (generations is None or list(map(self._gen.__getitem__, pages)) == list(generations)):
+        if self._good(pages, generations):
             return
         for i, p in enumerate(pages):  # find the first bad page for the message
             if not isinstance(p, numbers.Integral) or not 0 <= p < self.num_pages or self._ref[p] == 0:
                 raise PageError(f"page {p} is not allocated")
             if generations is not None and self._gen[p] != generations[i]:
                 raise PageError(f"page {p} generation {generations[i]} is stale (now {self._gen[p]})")
+        raise PageError(f"{len(pages)} pages failed the check")  # unreachable unless the lists changed meanwhile
 
-    def incref(self, pages: list[int]) -> None:
+    def _good(self, pages: Sequence[int] | np.ndarray, generations: Sequence[int] | np.ndarray | None) -> bool:
+        """The all-good case, without a per-page Python loop (C-level ``map`` passes or numpy)."""
+        if isinstance(pages, np.ndarray) or len(pages) >= VECTOR_MIN:
+            idx = _ids(pages)
+            if idx is None or idx.min() < 0 or idx.max() >= self.num_pages or not self._ref_np[idx].all():
+                return False
+            if generations is None:
+                return True
+            want = _ids(generations)
+            return want is not None and bool(np.array_equal(self._gen_np[idx], want))
+        try:
+            ok = min(pages) >= 0 and all(map(self._ref.__getitem__, pages))
+        except (IndexError, TypeError):
+            return False
+        return ok and (generations is None or list(map(self._gen.__getitem__, pages)) == list(generations))
+
+    def incref(self, pages: Sequence[int] | np.ndarray) -> None:
         with self._lock:
             self.check(pages)
+            if isinstance(pages, np.ndarray) or len(pages) >= VECTOR_MIN:
+                np.add.at(self._ref_np, _ids(pages), 1)  # .at: a page listed twice gains two references
+                return
+            ref = self._ref
             for p in pages:
-                self._ref[p] += 1
+                ref[p] += 1
 
-    def decref(self, pages: list[int]) -> int:
+    def decref(self, pages: Sequence[int] | np.ndarray) -> int:
         """Drop one reference from each page; returns how many pages became free."""
         with self._lock:
             self.check(pages)
-            freed = []
-            for p in pages:
-                self._ref[p] -= 1
-                if self._ref[p] == 0:
-                    self._gen[p] += 1
-                    self._owner[p] = None
-                    freed.append(p)
+            if isinstance(pages, np.ndarray) or len(pages) >= VECTOR_MIN:
+                idx = _ids(pages)
+                np.subtract.at(self._ref_np, idx, 1)
+                left = self._ref_np[idx]
+                if (left < 0).any():  # listed more often than referenced: undo, refuse
+                    np.add.at(self._ref_np, idx, 1)
+                    raise PageError(f"page {int(idx[left < 0].min())} is freed more times than it is referenced")
+                hit = idx[left == 0]
+                if len(hit) > 1:  # a page listed twice frees once, at its last listing (as the loop below)
+                    uniq, last = np.unique(hit[::-1], return_index=True)
+                    if len(uniq) < len(hit):
+                        hit = hit[np.sort(len(hit) - 1 - last)]
+                self._gen_np[hit] += 1
+                freed = hit.tolist()
+                own = self._owner
+                for p in freed:
+                    own[p] = None
+            else:
+                ref, freed = self._ref, []
+                became_free = freed.append
+                over = None
+                for p in pages:
+                    left = ref[p] - 1
+                    ref[p] = left
+                    if not left:
+                        became_free(p)
+                    elif left < 0 and (over is None or p < over):
+                        over = p  # the lowest such page, as the numpy path reports
+                if over is not None:  # listed more often than referenced: undo, refuse
+                    for p in pages:
+                        ref[p] += 1
+                    raise PageError(f"page {over} is freed more times than it is referenced")
+                gen, own = self._gen, self._owner
+                for p in freed:
+                    gen[p] += 1
+                    own[p] = None
             # pushed in reverse, so the next alloc pops them in the order they were freed: a request's
             # ascending run of pages comes back as an ascending run (not reversed, which would break it into
             # one-page runs, each a separate copy for the KV transfer and the attention gathers)
@@ -127,10 +202,11 @@ class PageAllocator:
     def refcount(self, page: int) -> int:
         return self._ref[page]
 
-    def set_owner(self, pages: list[int], owner: str) -> None:
+    def set_owner(self, pages: Sequence[int] | np.ndarray, owner: str) -> None:
         with self._lock:
+            own = self._owner
             for p in pages:
-                self._owner[p] = owner
+                own[p] = owner
 
     def owners(self) -> dict[str, int]:
         """Pages in use per owner tag."""
