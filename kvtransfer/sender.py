@@ -301,8 +301,8 @@ class KVSender:
         """Under the lock: the source pages go back to the prefill pool exactly once."""
         if not st.unpinned:
             st.unpinned = True
-            if st.pinned:
-                self.pool.allocator.decref(st.pinned)
+            if st.pinned:  # the chunk's numpy ids when they are the pinned pages (the usual case): no conversion
+                self.pool.allocator.decref(st.src_arr if st.pinned == st.src_head else st.pinned)
 
     def _retire(self, st: OutgoingTransfer) -> None:
         """Forget a finished transfer but remember its (resolved) future for late calls."""
