@@ -72,6 +72,8 @@ def test_pd_over_real_workers_matches_in_process_engine(cluster):
     assert ds.pages_free == ds.pages_total  # every decode page back
     ps = status(pa, worker_pb2_grpc.PrefillWorkerStub)
     assert ps.info["pages_owned_by_requests"] == "0" and ps.pages_cached > 0
+    # both froze their start-up heap (modules, model, tables) out of the garbage collector's full passes
+    assert int(ps.info["gc_frozen_objects"]) > 20000 and int(ds.info["gc_frozen_objects"]) > 20000
 
 
 def test_internal_services_require_the_cluster_secret(cluster):
