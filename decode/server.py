@@ -150,7 +150,7 @@ def stop_checker(tok: Tokenizer | None):
 
 
 async def amain(args: argparse.Namespace) -> None:
-    from engine.defaults import default_model_dir, freeze_startup_heap
+    from engine.defaults import default_model_dir
     worker_main.apply_threads(args.threads)
     model_dir = args.model or default_model_dir()
     secret = rpc.cluster_secret(args.cluster_secret)
@@ -173,7 +173,7 @@ async def amain(args: argparse.Namespace) -> None:
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = f"{args.host}:{port}"
     info = worker_main.model_info(cfg, model_dir, args.page_size)
-    info["gc_frozen_objects"] = str(freeze_startup_heap())  # everything is loaded: full collections skip it
+    info["gc_frozen_objects"] = str(worker_main.freeze_startup_heap())  # everything is loaded: full collections skip it
     info["speculative"] = args.speculative if spec is not None else "off"
     info["local_prefill"] = "1"
     from engine.quant.prepare import quantized_experts

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ctypes
-import gc
 import logging
 import os
 import sys
@@ -60,22 +59,3 @@ def tune_malloc() -> bool:
     if not _malloc_tuned:
         logger.warning("mallopt refused the malloc thresholds: decode steps may page-fault on every temporary")
     return _malloc_tuned
-
-
-def freeze_startup_heap() -> int:
-    """Move every object alive after a worker's start-up (modules, the model, tokenizer tables, ...) into
-    the GC's permanent generation, as vLLM (``freeze_gc_heap`` after warm-up) and SGLang (``freeze_gc``) do.
-
-    A worker holds ~300k long-lived container objects (the default model's, after importing both worker
-    modules), so every full collection walks them all on whichever thread triggered it (a scheduler step,
-    the KV loop): 170-300 ms per collection measured here, ~0 ms once frozen; the router's ~26k objects
-    cost ~20 ms per collection on its event loop. Only cyclic garbage made of
-    start-up objects is never reclaimed (refcounting still frees the rest). ``PDSERVE_GC_FREEZE=0``
-    disables it. Returns how many objects are frozen."""
-    if os.environ.get("PDSERVE_GC_FREEZE", "1") == "0":
-        return 0
-    gc.collect()
-    gc.freeze()
-    n = gc.get_freeze_count()
-    logger.info("froze the start-up heap: %d objects are out of the garbage collector's reach", n)
-    return n

@@ -170,7 +170,7 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 async def amain(args: argparse.Namespace) -> None:
-    from engine.defaults import default_model_dir, freeze_startup_heap
+    from engine.defaults import default_model_dir
     worker_main.apply_threads(args.threads)
     model_dir = args.model or default_model_dir()
     secret = rpc.cluster_secret(args.cluster_secret)
@@ -189,7 +189,7 @@ async def amain(args: argparse.Namespace) -> None:
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = f"{args.host}:{port}"
     info = worker_main.model_info(cfg, model_dir, args.page_size)
-    info["gc_frozen_objects"] = str(freeze_startup_heap())  # everything is loaded: full collections skip it
+    info["gc_frozen_objects"] = str(worker_main.freeze_startup_heap())  # everything is loaded: full collections skip it
     servicer = PrefillServicer(sched, sender, cfg, info,
                                args.worker_id or f"prefill-{port}", address, mhash, args.fault_injection)
     sched.cache.on_event = servicer.publish

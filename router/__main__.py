@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 
+from protos import worker_main
 from router.config import RouterConfig, add_config_args, config_from_args
 from router.server import RouterServer
 
@@ -23,8 +24,7 @@ async def amain(cfg: RouterConfig) -> None:
     missing = await srv.core.registry.wait_first_poll(cfg.startup_timeout_s)
     if missing:
         logger.warning("workers not healthy yet (serving anyway, they join when healthy): %s", ", ".join(missing))
-    from engine.defaults import freeze_startup_heap  # no torch: engine.defaults imports only the stdlib
-    freeze_startup_heap()  # ~26k start-up objects out of every full collection (~10-20 ms each) on the loop
+    worker_main.freeze_startup_heap()  # ~26k start-up objects out of every full collection (~10-20 ms each) on the loop
     print(f"PDSERVE_READY router {srv.address}", flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
