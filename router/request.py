@@ -306,13 +306,19 @@ class GenerateRun:
         chunks, stall = call.__aiter__(), self.core.cfg.decode_stall_timeout_s
         try:
             while True:
+                left = self.remaining()
                 try:
-                    async with asyncio.timeout(min(stall, self.remaining())):  # no task per chunk, unlike wait_for
+                    async with asyncio.timeout(min(stall, left)):  # no task per chunk, unlike wait_for
                         chunk = await chunks.__anext__()
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:
-                    self.remaining()  # our own deadline first: DEADLINE_EXCEEDED
+                    if left <= stall:  # the request's deadline bound this wait, not the stall limit: the event
+                        # loop's timers may fire a little early (uvloop's are whole milliseconds), so do not ask
+                        # the clock again, and never suspend a healthy worker for the client's deadline
+                        call.cancel()
+                        raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                           "deadline exceeded before the request finished") from None
                     call.cancel()
                     self.core.registry.suspend(dw, f"a decode stream stalled {stall:g}s", seconds=stall)
                     self.core.spawn(self.core.registry.confirm_failure(dw, f"decode stream stalled {stall:g}s"))

@@ -4,6 +4,7 @@ The same paths run against real worker processes in tests/integration; these cov
 that are hard to provoke there (reservation refused, a prefill worker failing, health flapping).
 """
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -197,6 +198,27 @@ def test_deadline_is_propagated_and_pages_freed():
             await fc.wait_for(lambda: d.pages_free == d.pages_total and d.streams == 0, what="pages freed")
             await fc.wait_for(lambda: d.aborts and fc.prefills[0].aborts, what="aborts")
     run(go())
+
+
+def test_request_deadline_during_a_slow_decode_is_deadline_exceeded_not_a_stall():
+    """The router's own budget (request_timeout_s) ends while it waits for the next chunk. uvloop's timers
+    fire up to ~1 ms early (whole milliseconds), so the clock may still show time left when the wait
+    ends: that must still be DEADLINE_EXCEEDED, not a "stalled" decode worker suspended and failed over
+    (UNAVAILABLE). Before the fix ~1 in 5 of these requests came back UNAVAILABLE."""
+    import uvloop
+
+    async def go():
+        async with FakeCluster(1, 1, request_timeout_s=0.1, decode_stall_timeout_s=30.0) as fc:
+            d = fc.decodes[0]
+            d.b.delay_s = 5.0
+            w = fc.registry.workers[f"decode/{d.address}"]
+            for i in range(25):
+                fc.router.core.cfg = dataclasses.replace(fc.router.core.cfg, request_timeout_s=0.05 + 0.003 * i)
+                e = await rpc_error(fc.client.generate(token_ids=[5, 6, 7], max_tokens=50))
+                assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, (i, e.code(), e.details())
+                assert w.suspended_until == 0.0 and w.failures == 0 and w.healthy, (i, w.last_error)
+            await fc.wait_for(lambda: d.pages_free == d.pages_total and d.streams == 0, what="pages freed")
+    uvloop.run(asyncio.wait_for(go(), 60))
 
 
 def test_api_key_health_and_reflection():
