@@ -11,8 +11,11 @@ The decode side (receivers, raw socket server) runs in this process, the prefill
 (senders, raw socket client, tensor copy) in a spawned process, as in deployment. Each
 round runs every contender once (interleaved, so load from other processes hits all of
 them alike); a number is the best round. A transfer is timed on the prefill side from the
-first ``send_layer`` to the receiver's DONE; the raw socket from the first ``sendall`` of the
-same bytes (one buffer per layer) to the receiver's 1-byte ack; the tensor copy copies the
+first ``send_layer`` to the receiver's DONE, after ``KVSender.open`` has connected it (and, over
+shm, been granted the lease), as the prefill worker opens each transfer before the forward that
+computes its first layer (``kv shm unopened`` leaves the lease round trip to the first layer);
+the raw socket from the first ``sendall`` of the same bytes (one buffer per layer) to the
+receiver's 1-byte ack; the tensor copy copies the
 same rows between two private pools. ``frag`` rows put the decode pages in shuffled order
 (a long-running pool): the payload is then staged and scattered page by page.
 
@@ -113,7 +116,7 @@ class Prefill:
                 dst.buffers[layer][c.name].copy_(src.buffers[layer][c.name])
         return time.perf_counter() - t0, time.process_time() - c0
 
-    def kv(self, case: str, transport: str, checksum: str, ticket: dict) -> tuple[float, float]:
+    def kv(self, case: str, transport: str, checksum: str, ticket: dict, open_ahead: bool) -> tuple[float, float]:
         pool, pages = self.pools[case]
         key = (case, transport, checksum)
         if key not in self.senders:
@@ -121,6 +124,8 @@ class Prefill:
                                  checksum=ChecksumKind(checksum))
             self.senders[key] = KVSender(pool, cfg)
         sender, tk = self.senders[key], TransferTicket.from_dict(ticket)
+        if open_ahead:  # as the prefill worker does before the forward that computes the first layer
+            sender.open(tk).result(30)
         c0, t0 = time.process_time(), time.perf_counter()
         for layer in range(self.layouts[case].num_layers):
             sender.send_layer(tk, layer, pages, 0, self.tokens)
@@ -199,12 +204,12 @@ class Bench:
         th.join()
         return out
 
-    def kv(self, rx_name: str, transport: TransportKind, checksum: ChecksumKind) -> Sample:
+    def kv(self, rx_name: str, transport: TransportKind, checksum: ChecksumKind, open_ahead: bool = True) -> Sample:
         rx = self.rx[rx_name]
         self.n += 1
         c0 = time.process_time()
         ticket = rx.reserve(f"{self.case}-{self.n}", self.tokens)
-        seconds, child_cpu = self.ask("kv", self.case, transport.value, checksum.value, ticket.to_dict())
+        seconds, child_cpu = self.ask("kv", self.case, transport.value, checksum.value, ticket.to_dict(), open_ahead)
         res = self.lt.run(rx.wait_complete(ticket.req_id, 60))
         if res.transport is not transport:
             raise RuntimeError(f"expected {transport}, the transfer used {res.transport}")
@@ -226,9 +231,10 @@ CONTENDERS = {
     "kv frag no-crc": lambda b: b.kv("frag", TransportKind.TCP, ChecksumKind.NONE),
     "tensor copy": lambda b: b.ask("copy", b.case),
     "kv shm": lambda b: b.kv("shm", TransportKind.SHM, ChecksumKind.NONE),
+    "kv shm unopened": lambda b: b.kv("shm", TransportKind.SHM, ChecksumKind.NONE, open_ahead=False),
 }
 BASELINE = {"kv xxh3": "raw TCP", "kv crc32c": "raw TCP", "kv crc32": "raw TCP", "kv no-crc": "raw TCP",
-            "kv frag no-crc": "raw TCP", "kv shm": "tensor copy"}
+            "kv frag no-crc": "raw TCP", "kv shm": "tensor copy", "kv shm unopened": "tensor copy"}
 
 
 def main() -> None:

@@ -87,7 +87,8 @@ class FrameType(enum.IntEnum):
     reading the whole frame once more before its header can go out."""
     SHM_OPEN = 11
     """shm: the sender asks for a write lease on a request's pages before copying into them
-    (naming all of them and their generations by digest: ``pages_digest``)."""
+    (naming all of them and their generations by digest: ``pages_digest``); sent by ``KVSender.open``
+    when the prefill worker starts the request's forward, else by its first layer."""
     SHM_OPENED = 12
     SHM_LAYER = 13
     """shm: one layer's rows for [ts, te) were copied into the receiver's pages."""

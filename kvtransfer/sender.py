@@ -9,6 +9,7 @@ the payload); shm copies run on the loop thread. Hooking it into a forward pass:
 
     sender = KVSender(pool, KVSenderConfig())
     ticket = TransferTicket.from_dict(ticket_dict)       # issued by the decode worker
+    sender.open(ticket)                                  # optional, before the forward: the shm lease early
     hook = sender.hook([LayerSend(ticket, src_pages=req.page_ids, token_start=c0, token_end=c1)])
     model.forward(..., after_layer=hook)                 # hook(layer) right after layer's KV is written
     hook(num_hidden_layers)                              # the MTP layer is just another layer index
@@ -37,7 +38,8 @@ from kvtransfer.errors import FailReason, TransferError
 from kvtransfer.loop import LoopThread
 from kvtransfer.payload import page_array
 from kvtransfer.ticket import TOMBSTONES, TransferTicket
-from kvtransfer.tx_peer import AbortItem, FinishItem, LayerItem, OutgoingTransfer, SendResult, SendState, TxPeer
+from kvtransfer.tx_peer import (AbortItem, FinishItem, LayerItem, OpenItem, OutgoingTransfer, SendResult, SendState,
+                                TxPeer, resolve_future)
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,32 @@ class KVSender:
         self._release_tries: dict[tuple[str, int], int] = {}
 
     # --- prefill worker API (any thread) -----------------------------------------------------
+    def open(self, ticket: TransferTicket) -> concurrent.futures.Future:
+        """Announce a transfer before its first layer is computed (optional; the first ``send_layer`` does
+        it otherwise): connect to the receiver if needed and, over shm, ask for the lease now, so its round
+        trip overlaps the forward instead of delaying the first copy. Nothing is pinned. Once opened, the
+        transfer ends like any other: ``finish`` or ``cancel`` (a lease held by a transfer that never
+        finishes is released by the receiver's stall timeout, or by ``cancel``).
+
+        Returns a Future that resolves once the receiver would take a write now (shm: lease granted; TCP:
+        connection up) or raises the transfer's ``TransferError``; nobody has to wait for it. Opening a
+        transfer already under way (or over) changes nothing and returns that transfer's."""
+        self._validate(ticket, 0, (), 0, 0, opening=True)
+        tid = ticket.ticket_id
+        with self._lock:
+            if tid in self._ended:
+                done: concurrent.futures.Future = concurrent.futures.Future()
+                resolve_future(done, None, self._ended[tid].exception())
+                return done
+            st = self._sends.get(tid)
+            if st is not None:
+                return st.opened
+            if time.time() > ticket.expires_at_s:
+                raise TransferError(FailReason.EXPIRED, "ticket expired before the transfer opened", ticket.req_id)
+            st = self._sends[tid] = OutgoingTransfer(ticket, concurrent.futures.Future())
+        self._lt.call(self._enqueue, OpenItem(st))
+        return st.opened
+
     def send_layer(self, ticket: TransferTicket, layer: int, src_pages: Sequence[int], token_start: int,
                    token_end: int) -> None:
         """Queue ``layer``'s rows for tokens [token_start, token_end) (already written to ``src_pages``).
@@ -180,7 +208,8 @@ class KVSender:
             self._lt.stop()
 
     # --- internals (caller thread) -----------------------------------------------------------
-    def _validate(self, ticket: TransferTicket, layer: int, src_pages: Sequence[int], ts: int, te: int) -> None:
+    def _validate(self, ticket: TransferTicket, layer: int, src_pages: Sequence[int], ts: int, te: int,
+                  opening: bool = False) -> None:
         if self._closed:
             raise TransferError(FailReason.SHUTDOWN, "sender closed", ticket.req_id)
         lay = self.pool.layout
@@ -188,6 +217,8 @@ class KVSender:
             raise TransferError(FailReason.INCOMPATIBLE, f"ticket layout (page_size {ticket.layout.page_size}, "
                                 f"{ticket.layout.num_layers} layers) != ours ({lay.page_size}, {lay.num_layers})",
                                 ticket.req_id)
+        if opening:
+            return
         if not 0 <= layer < lay.num_layers:
             raise ValueError(f"layer {layer} outside [0, {lay.num_layers})")
         if not 0 <= ts < te <= ticket.num_tokens:
@@ -243,7 +274,7 @@ class KVSender:
         peer.sends[st.ticket.ticket_id] = st
         return peer
 
-    def _enqueue(self, item: LayerItem | FinishItem) -> None:
+    def _enqueue(self, item: LayerItem | FinishItem | OpenItem) -> None:
         st = item.send
         if st.failed:
             if isinstance(item, LayerItem):
@@ -276,6 +307,7 @@ class KVSender:
             st.lease.set_exception(err)
             st.lease.exception()  # retrieved here: the copy loop may no longer be waiting for it
         st.future.set_exception(err)
+        resolve_future(st.opened, error=err)
         self._retire(st)
         peer = st.peer
         if notify and peer is not None and not peer.closed:
@@ -295,6 +327,7 @@ class KVSender:
             st.finish_timer.cancel()
         st.future.set_result(SendResult(st.ticket.req_id, st.num_bytes, st.transport, st.started_at,
                                         time.monotonic()))
+        resolve_future(st.opened, None)
         self._retire(st)
 
     def _unpin(self, st: OutgoingTransfer) -> None:

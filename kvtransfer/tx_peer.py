@@ -49,6 +49,17 @@ SEND_PIECE_BYTES = 256 << 10
 Zen core's L2, so the kernel's copy reads what the hash just read from cache."""
 
 
+def resolve_future(fut: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """First outcome wins (any thread)."""
+    try:
+        if error is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 def _consume(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()  # a write failed after we gave up on the connection: nothing left to tell
@@ -97,6 +108,9 @@ class OutgoingTransfer:
     src_head: list[int] = field(default_factory=list)
     """The caller's source pages of the latest ``send_layer`` (from token 0) and, below, as read-only numpy."""
     src_arr: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    opened: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    """Resolves once the receiver would take a write now (shm: the lease is granted; TCP: the connection
+    is up), or with the transfer's error. Only ``KVSender.open`` callers look at it."""
 
     def __post_init__(self) -> None:
         self.future.set_running_or_notify_cancel()  # callers cancel with KVSender.cancel, not future.cancel
@@ -116,6 +130,12 @@ class LayerItem(NamedTuple):
     """Prefill page ids from token 0 (a private copy: the caller may grow its list meanwhile)."""
     token_start: int
     token_end: int
+
+
+class OpenItem(NamedTuple):
+    """``KVSender.open``: over shm, ask for the lease before the first layer exists."""
+
+    send: OutgoingTransfer
 
 
 class FinishItem(NamedTuple):
@@ -356,6 +376,11 @@ class TxPeer:
                                                        "receiver instance (restarted?)", st.ticket.req_id), False)
                 elif isinstance(item, LayerItem):
                     await self._write_layer(item)
+                elif isinstance(item, OpenItem):
+                    if self.transport is TransportKind.SHM and st.lease is None:
+                        await self._request_lease(st)
+                    if st.lease is None:
+                        resolve_future(st.opened, None)
                 else:
                     await self._write_finish(st)
             except (OSError, asyncio.TimeoutError) as e:
@@ -396,18 +421,11 @@ class TxPeer:
     async def _copy_layer_shm(self, item: LayerItem) -> None:
         st = item.send
         if st.lease is None:
-            st.transport = TransportKind.SHM
-            st.lease = self.loop.create_future()
-            await self._send(encode_frame(FrameType.SHM_OPEN, {"rid": st.ticket.req_id, "tid": st.ticket.ticket_id,
-                                                               "dg": pages_digest(st.page_bytes, st.gen_bytes)}))
-            try:
-                await asyncio.wait_for(asyncio.shield(st.lease), self.cfg.handshake_timeout_s)
-            except asyncio.TimeoutError:
-                self.sender.fail(st, TransferError(FailReason.TIMEOUT, "shm lease not granted within "
-                                                   f"{self.cfg.handshake_timeout_s}s", st.ticket.req_id))
-                return
-            except (TransferError, asyncio.CancelledError):
-                return  # the receiver refused; st already failed by the reader
+            await self._request_lease(st)
+        try:
+            await asyncio.shield(st.lease)  # type: ignore[arg-type]
+        except (TransferError, asyncio.CancelledError):
+            return  # refused, timed out or aborted: st already failed
         for a, b in self._chunks(self.shm_codec, item.token_start, item.token_end):
             if st.failed:  # checked before every copy: after an ABORT we never touch the pages again
                 return
@@ -419,6 +437,20 @@ class TxPeer:
             await self._maybe_cut(st)
             st.num_bytes += self.shm_codec.nbytes(b - a)
             await self._send(encode_frame(FrameType.SHM_LAYER, {**self._span_fields(st, item.layer, a, b), "crc": crc}))
+
+    async def _request_lease(self, st: OutgoingTransfer) -> None:
+        """Send SHM_OPEN; the reader resolves ``st.lease`` on SHM_OPENED (or fails ``st``). Sent by the first
+        layer or, earlier, by ``KVSender.open``, so that the round trip overlaps the first layer's compute."""
+        st.transport = TransportKind.SHM
+        st.lease = self.loop.create_future()
+        self.loop.call_later(self.cfg.handshake_timeout_s, self._lease_timed_out, st)
+        await self._send(encode_frame(FrameType.SHM_OPEN, {"rid": st.ticket.req_id, "tid": st.ticket.ticket_id,
+                                                           "dg": pages_digest(st.page_bytes, st.gen_bytes)}))
+
+    def _lease_timed_out(self, st: OutgoingTransfer) -> None:
+        if st.lease is not None and not st.lease.done():
+            self.sender.fail(st, TransferError(FailReason.TIMEOUT, "shm lease not granted within "
+                                               f"{self.cfg.handshake_timeout_s}s", st.ticket.req_id))
 
     async def _maybe_cut(self, st: OutgoingTransfer) -> None:
         """Fault injection: on a transfer's first frame, with a drop armed, shut the socket down under
@@ -500,6 +532,7 @@ class TxPeer:
         elif ftype is FrameType.SHM_OPENED:
             if st.lease is not None and not st.lease.done():
                 st.lease.set_result(None)
+                resolve_future(st.opened, None)
         elif ftype is FrameType.ABORT:
             err = TransferError(FailReason.from_wire(f["reason"]), f"receiver aborted: {f['detail']}",
                                 st.ticket.req_id)

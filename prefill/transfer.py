@@ -16,6 +16,11 @@ class TransferSink(KVSink):
 
     def start(self, pages: list[int], cached_len: int) -> None:
         self.pages, self.t0 = pages, time.monotonic()
+        try:  # over shm the lease round trip now overlaps the first layer's compute
+            self.sender.open(self.ticket)
+        except (TransferError, ValueError) as e:  # recorded; finish() reports it
+            self.error = e
+            return
         if cached_len:  # the cached prefix's KV ships first, every layer (MTP included)
             for layer in range(self.num_layers):
                 self.send(layer, 0, cached_len)

@@ -368,3 +368,131 @@ def test_inject_drop_needs_a_positive_count():
             sender.inject_drop(0)
     finally:
         sender.close()
+
+
+# --- KVSender.open: the transfer (and over shm its lease) before the first layer ----------------
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_open_before_the_first_layer_then_a_full_transfer(shm):
+    """``open`` pins nothing; over shm the receiver grants the lease before any layer is computed. The
+    transfer then goes through bit-identical and every page comes back; a second ``open`` is a no-op."""
+    lay = make_layout(num_layers=3)
+    dst, src = make_pool(lay, 64, shm=shm), make_pool(lay, 64)
+    d0 = dst.allocator.num_used
+    sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, transport=TransportKind.AUTO if shm
+                                          else TransportKind.TCP))
+    try:
+        with receiver(dst) as h:
+            t = h.rx.reserve("o", 30)
+            pages = src.allocator.alloc(8, "req")
+            s0 = src.allocator.num_used
+            opened = sender.open(t)
+            assert sender.open(t) is opened
+            assert opened.result(timeout=10) is None
+            if shm:  # the lease is granted: the reservation is under way before any layer exists
+                assert h.rx.manager.active()[0].state is TransferState.RECEIVING
+            assert src.allocator.num_used == s0 and sender.state(t) is SendState.QUEUED  # nothing pinned yet
+            _send_all(sender, src, t, pages, 30, seed=3)
+            sent = sender.finish(t).result(timeout=30)
+            assert sent.transport is (TransportKind.SHM if shm else TransportKind.TCP)
+            res = h.wait("o")
+            got, want = token_rows(dst, list(res.page_ids), 30), token_rows(src, pages, 30)
+            assert all(torch.equal(got[k], want[k]) for k in want)
+            assert sender.open(t).result(timeout=0) is None  # over: still a no-op
+            dst.allocator.decref(list(res.page_ids))
+            src.allocator.decref(pages)
+            assert dst.allocator.num_used == d0 and src.allocator.num_used == s0 - 8
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_opened_transfer_cancelled_before_any_layer_frees_both_sides(shm):
+    lay = make_layout()
+    dst, src = make_pool(lay, 64, shm=shm), make_pool(lay, 64)
+    d0, s0 = dst.allocator.num_used, src.allocator.num_used
+    sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, transport=TransportKind.AUTO if shm
+                                          else TransportKind.TCP))
+    try:
+        with receiver(dst) as h:
+            t = h.rx.reserve("oc", 30)
+            opened = sender.open(t)
+            opened.result(timeout=10)
+            sender.cancel(t, "client went away")
+            expect_failure(h, "oc", FailReason.CANCELLED)
+            h.wait_until(lambda: dst.allocator.num_used == d0 and h.rx.stats().num_draining == 0)
+            assert sender.state(t) is SendState.FAILED
+            with pytest.raises(TransferError):
+                sender.open(t).result(timeout=0)
+            with pytest.raises(TransferError) as exc:
+                sender.send_layer(t, 0, src.allocator.alloc(8, "late"), 0, 30)
+            assert exc.value.reason is FailReason.CANCELLED
+    finally:
+        sender.close()
+    assert src.allocator.num_used == s0 + 8, "only the test's own late pages are held"
+
+
+def test_opened_transfer_that_never_sends_a_layer_is_reaped_as_stalled():
+    """A prefill that opens and then never ships (hung, crashed without cancelling) holds the shm lease
+    only until the receiver's stall timeout: the receiver frees its pages and tells the sender."""
+    lay = make_layout()
+    dst, src = make_pool(lay, 64, shm=True), make_pool(lay, 64)
+    d0 = dst.allocator.num_used
+    sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, transport=TransportKind.AUTO))
+    try:
+        with receiver(dst, stall_timeout_s=0.5) as h:
+            t = h.rx.reserve("os", 30)
+            sender.open(t).result(timeout=10)
+            expect_failure(h, "os", FailReason.STALLED)
+            h.wait_until(lambda: dst.allocator.num_used == d0 and h.rx.stats().num_draining == 0)
+            h.wait_until(lambda: sender.state(t) is SendState.FAILED)
+    finally:
+        sender.close()
+
+
+def test_shm_lease_not_granted_in_time_fails_the_opened_transfer_and_frees_the_pages():
+    """The lease wait is timed from SHM_OPEN, also when nothing else is waiting for it (an opened
+    transfer). The receiver is made unresponsive by blocking its event loop."""
+    lay = make_layout()
+    dst, src = make_pool(lay, 64, shm=True), make_pool(lay, 64)
+    d0 = dst.allocator.num_used
+    sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, transport=TransportKind.AUTO,
+                                          handshake_timeout_s=0.3))
+    try:
+        with receiver(dst) as h:
+            warm, t = h.rx.reserve("warm", 4), h.rx.reserve("ol", 30)
+            pages = src.allocator.alloc(8, "req")
+            _send_all(sender, src, warm, pages, 4, seed=4)  # connection up, shm negotiated
+            sender.finish(warm).result(timeout=30)
+            dst.allocator.decref(list(h.wait("warm").page_ids))
+            h.lt.call(time.sleep, 1.5)  # the receiver hears nothing for 1.5 s
+            t0 = time.monotonic()
+            with pytest.raises(TransferError) as exc:
+                sender.open(t).result(timeout=1.2)
+            assert exc.value.reason is FailReason.TIMEOUT and time.monotonic() - t0 < 1.2
+            with pytest.raises(TransferError) as exc:
+                sender.send_layer(t, 0, pages, 0, 30)
+            assert exc.value.reason is FailReason.TIMEOUT and "shm lease" in str(exc.value)
+            expect_failure(h, "ol", FailReason.TIMEOUT)
+            h.wait_until(lambda: dst.allocator.num_used == d0 and h.rx.stats().num_draining == 0)
+            src.allocator.decref(pages)
+    finally:
+        sender.close()
+
+
+def test_open_rejects_an_incompatible_or_expired_ticket():
+    src = make_pool(make_layout(num_layers=3), 16)
+    sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET))
+    try:
+        with receiver(make_pool(make_layout(num_layers=4), 16)) as h:
+            with pytest.raises(TransferError) as exc:
+                sender.open(h.rx.reserve("x", 8))
+            assert exc.value.reason is FailReason.INCOMPATIBLE
+        with receiver(make_pool(make_layout(num_layers=3), 16), ticket_ttl_s=0.05) as h:
+            t = h.rx.reserve("y", 8)
+            time.sleep(0.1)
+            with pytest.raises(TransferError) as exc:
+                sender.open(t)
+            assert exc.value.reason is FailReason.EXPIRED
+    finally:
+        sender.close()

@@ -167,3 +167,40 @@ def test_long_request_spans_more_pages_than_one_frame_names(prefill, shm):
                                        chunks=[(0, 5000), (5000, 9000)])
     assert result.transport is (TransportKind.SHM if shm else TransportKind.TCP)
     assert_same_rows(rows, report["rows"])
+
+
+@pytest.mark.parametrize("cached", [0, 12])
+def test_prefill_transfer_sink_opens_the_shm_lease_before_its_first_layer(cached):
+    """The prefill worker's ``TransferSink.start`` opens the transfer: over shm the receiver has granted
+    the lease (the reservation is under way) before the first chunk's first layer is computed. The KV then
+    arrives bit-identical, cached prefix included, and both pools end where they started."""
+    from kvtransfer import TransferState
+    from prefill.transfer import TransferSink
+    lay = make_layout(num_layers=3)
+    dst, src = make_pool(lay, 64, shm=True), make_pool(lay, 64)
+    d0, s0 = dst.allocator.num_used, src.allocator.num_used
+    sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, transport=TransportKind.AUTO))
+    try:
+        with receiver(dst) as h:
+            ticket = h.rx.reserve("sink", 30)
+            pages = src.allocator.alloc(8, "req")
+            for layer in range(lay.num_layers if cached else 0):  # the cached prefix is already in the pool
+                write_layer(src, layer, pages, 0, cached, seed=5)
+            sink = TransferSink(sender, ticket, lay.num_layers, timeout_s=30)
+            sink.start(pages, cached)
+            if not cached:
+                h.wait_until(lambda: h.rx.manager.active()[0].state is TransferState.RECEIVING, timeout_s=10)
+                assert src.allocator.num_used == s0 + 8, "nothing pinned before the first layer"
+            for layer in range(lay.num_layers):
+                write_layer(src, layer, pages, cached, 30, seed=6)
+                sink.send(layer, cached, 30)
+            assert sink.finish().num_bytes > 0
+            res = h.wait("sink")
+            assert_same_rows(token_rows(dst, list(res.page_ids), 30), token_rows(src, pages, 30))
+            assert res.transport is TransportKind.SHM
+            dst.allocator.decref(list(res.page_ids))
+            src.allocator.decref(pages)
+            assert dst.allocator.num_used == d0
+    finally:
+        sender.close()
+    assert src.allocator.num_used == s0
