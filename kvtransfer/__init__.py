@@ -5,7 +5,9 @@ A transfer, end to end (decode side states: ``TransferState``; prefill side: ``S
     decode  receiver.reserve(req_id, n)        RESERVED   pages allocated, generation counters noted;
                                                           NO_CAPACITY raises here, nothing allocated
             ticket.to_dict() -> router -> prefill worker
-    prefill sender.send_layer(ticket, l, ...)  QUEUED     source pages pinned, frame queued (non-blocking)
+    prefill sender.open(ticket)  (optional)    QUEUED     before the forward: connect; over shm ask for the
+                                                          lease now (its round trip overlaps the compute)
+            sender.send_layer(ticket, l, ...)  QUEUED     source pages pinned, frame queued (non-blocking)
             [connect, mutual HMAC, layout check]          once per receiver; wrong secret / layout -> error
             LAYER frame (TCP) or shm copy      STREAMING  each layer as soon as it is computed
     decode  frame accepted                     RECEIVING  request, pages, generations, size, order,
