@@ -108,7 +108,7 @@ class KVSender:
         Returns a Future that resolves once the receiver would take a write now (shm: lease granted; TCP:
         connection up) or raises the transfer's ``TransferError``; nobody has to wait for it. Opening a
         transfer already under way (or over) changes nothing and returns that transfer's."""
-        self._validate(ticket, 0, (), 0, 0, opening=True)
+        self._check_ticket(ticket)
         tid = ticket.ticket_id
         with self._lock:
             if tid in self._ended:
@@ -118,9 +118,7 @@ class KVSender:
             st = self._sends.get(tid)
             if st is not None:
                 return st.opened
-            if time.time() > ticket.expires_at_s:
-                raise TransferError(FailReason.EXPIRED, "ticket expired before the transfer opened", ticket.req_id)
-            st = self._sends[tid] = OutgoingTransfer(ticket, concurrent.futures.Future())
+            st = self._new_transfer(ticket, "before the transfer opened")
         self._lt.call(self._enqueue, OpenItem(st))
         return st.opened
 
@@ -208,8 +206,7 @@ class KVSender:
             self._lt.stop()
 
     # --- internals (caller thread) -----------------------------------------------------------
-    def _validate(self, ticket: TransferTicket, layer: int, src_pages: Sequence[int], ts: int, te: int,
-                  opening: bool = False) -> None:
+    def _check_ticket(self, ticket: TransferTicket) -> None:
         if self._closed:
             raise TransferError(FailReason.SHUTDOWN, "sender closed", ticket.req_id)
         lay = self.pool.layout
@@ -217,8 +214,10 @@ class KVSender:
             raise TransferError(FailReason.INCOMPATIBLE, f"ticket layout (page_size {ticket.layout.page_size}, "
                                 f"{ticket.layout.num_layers} layers) != ours ({lay.page_size}, {lay.num_layers})",
                                 ticket.req_id)
-        if opening:
-            return
+
+    def _validate(self, ticket: TransferTicket, layer: int, src_pages: Sequence[int], ts: int, te: int) -> None:
+        self._check_ticket(ticket)
+        lay = self.pool.layout
         if not 0 <= layer < lay.num_layers:
             raise ValueError(f"layer {layer} outside [0, {lay.num_layers})")
         if not 0 <= ts < te <= ticket.num_tokens:
@@ -237,9 +236,7 @@ class KVSender:
                 raise self._ended[tid].exception() or ValueError(f"transfer of {ticket.req_id!r} already completed")
             st = self._sends.get(tid)
             if st is None:
-                if time.time() > ticket.expires_at_s:
-                    raise TransferError(FailReason.EXPIRED, "ticket expired before the first layer", ticket.req_id)
-                st = self._sends[tid] = OutgoingTransfer(ticket, concurrent.futures.Future())
+                st = self._new_transfer(ticket, "before the first layer")
             if st.error is not None:
                 raise st.error
             if st.finish_queued:
@@ -264,6 +261,13 @@ class KVSender:
                 st.pinned.extend(new)
                 st.pinned_set.update(new)
             return st, st.src_arr
+
+    def _new_transfer(self, ticket: TransferTicket, when: str) -> OutgoingTransfer:
+        """Under the lock: the record of a transfer that starts now (its ticket must not have expired)."""
+        if time.time() > ticket.expires_at_s:
+            raise TransferError(FailReason.EXPIRED, f"ticket expired {when}", ticket.req_id)
+        st = self._sends[ticket.ticket_id] = OutgoingTransfer(ticket, concurrent.futures.Future())
+        return st
 
     # --- internals (loop thread; also called by TxPeer) --------------------------------------
     def _route(self, st: OutgoingTransfer) -> TxPeer:

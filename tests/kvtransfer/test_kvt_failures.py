@@ -313,6 +313,14 @@ def test_admission_control_refuses_at_once():
 
 # --- injected connection drop (pdserve bench --fault drop-kv) -----------------------------------
 
+def _pools_and_sender(lay, shm: bool, **sender_cfg) -> tuple:
+    """A decode pool (in shared memory with ``shm``), a prefill pool, and a sender that takes shm when it can."""
+    dst, src = make_pool(lay, 64, shm=shm), make_pool(lay, 64)
+    sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, transport=TransportKind.AUTO if shm
+                                          else TransportKind.TCP, **sender_cfg))
+    return dst, src, sender
+
+
 def _send_all(sender: KVSender, src, ticket, pages: list[int], n: int, seed: int) -> None:
     for layer in range(src.layout.num_layers):
         write_layer(src, layer, pages, 0, n, seed=seed)
@@ -329,10 +337,8 @@ def test_dropped_connection_fails_its_transfers_frees_every_page_and_the_next_on
     would otherwise keep them until its process exits: the sender reconnects to release the lease. The
     next transfer to that receiver (a retry) takes a fresh connection and arrives bit-identical."""
     lay = make_layout(num_layers=4)
-    dst, src = make_pool(lay, 64, shm=shm), make_pool(lay, 64)
+    dst, src, sender = _pools_and_sender(lay, shm)
     d0, s0 = dst.allocator.num_used, src.allocator.num_used
-    sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, transport=TransportKind.AUTO if shm
-                                          else TransportKind.TCP))
     try:
         with receiver(dst) as h:
             cut = h.rx.reserve("cut", 40)
@@ -377,10 +383,8 @@ def test_open_before_the_first_layer_then_a_full_transfer(shm):
     """``open`` pins nothing; over shm the receiver grants the lease before any layer is computed. The
     transfer then goes through bit-identical and every page comes back; a second ``open`` is a no-op."""
     lay = make_layout(num_layers=3)
-    dst, src = make_pool(lay, 64, shm=shm), make_pool(lay, 64)
+    dst, src, sender = _pools_and_sender(lay, shm)
     d0 = dst.allocator.num_used
-    sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, transport=TransportKind.AUTO if shm
-                                          else TransportKind.TCP))
     try:
         with receiver(dst) as h:
             t = h.rx.reserve("o", 30)
@@ -409,10 +413,8 @@ def test_open_before_the_first_layer_then_a_full_transfer(shm):
 @pytest.mark.parametrize("shm", [False, True])
 def test_opened_transfer_cancelled_before_any_layer_frees_both_sides(shm):
     lay = make_layout()
-    dst, src = make_pool(lay, 64, shm=shm), make_pool(lay, 64)
+    dst, src, sender = _pools_and_sender(lay, shm)
     d0, s0 = dst.allocator.num_used, src.allocator.num_used
-    sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, transport=TransportKind.AUTO if shm
-                                          else TransportKind.TCP))
     try:
         with receiver(dst) as h:
             t = h.rx.reserve("oc", 30)
@@ -436,9 +438,8 @@ def test_opened_transfer_that_never_sends_a_layer_is_reaped_as_stalled():
     """A prefill that opens and then never ships (hung, crashed without cancelling) holds the shm lease
     only until the receiver's stall timeout: the receiver frees its pages and tells the sender."""
     lay = make_layout()
-    dst, src = make_pool(lay, 64, shm=True), make_pool(lay, 64)
+    dst, src, sender = _pools_and_sender(lay, shm=True)
     d0 = dst.allocator.num_used
-    sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, transport=TransportKind.AUTO))
     try:
         with receiver(dst, stall_timeout_s=0.5) as h:
             t = h.rx.reserve("os", 30)
@@ -454,10 +455,8 @@ def test_shm_lease_not_granted_in_time_fails_the_opened_transfer_and_frees_the_p
     """The lease wait is timed from SHM_OPEN, also when nothing else is waiting for it (an opened
     transfer). The receiver is made unresponsive by blocking its event loop."""
     lay = make_layout()
-    dst, src = make_pool(lay, 64, shm=True), make_pool(lay, 64)
+    dst, src, sender = _pools_and_sender(lay, shm=True, handshake_timeout_s=0.3)
     d0 = dst.allocator.num_used
-    sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, transport=TransportKind.AUTO,
-                                          handshake_timeout_s=0.3))
     try:
         with receiver(dst) as h:
             warm, t = h.rx.reserve("warm", 4), h.rx.reserve("ol", 30)
