@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per batch size (best of)")
+    ap.add_argument("--no-compile", action="store_true", help="pdserve's decode steps eager (no compiled graphs)")
     args = ap.parse_args()
     from engine.defaults import tune_malloc
     tune_malloc()  # both sides of the comparison run with it
@@ -34,10 +35,12 @@ def main() -> None:
 
     model_dir = args.model or default_model_dir()
     model, cfg = load_model(model_dir, "float32", "cpu")
+    model.compile_decode(not args.no_compile)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     g = torch.Generator().manual_seed(0)
-    print(f"model: {model_dir}; prompt {args.prompt_len} tokens, {args.new} new tokens, fp32, plain greedy")
+    print(f"model: {model_dir}; prompt {args.prompt_len} tokens, {args.new} new tokens, fp32, plain greedy, "
+          f"decode graphs {'eager' if args.no_compile else 'compiled'}")
     print(f"{'batch':>5} | {'pdserve tok/s':>13} | {'transformers tok/s':>18} | ratio (goal >= 3x)")
     for B in [int(x) for x in args.batches.split(",")]:
         prompts = torch.randint(2, cfg.vocab_size, (B, args.prompt_len), generator=g)
@@ -55,7 +58,7 @@ def main() -> None:
                             do_sample=False, pad_token_id=0)
             return time.perf_counter() - t0
 
-        ours(2), theirs(2)  # warm-up
+        ours(2), ours(4), theirs(2)  # warm-up (compiled graphs: one token, then several)
         # interleaved rounds, best of --repeats per side: drift of the machine hits both sides alike
         d_ours = d_hf = float("inf")
         for _ in range(args.repeats):

@@ -11,7 +11,7 @@ from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kvcache.pool import KVPool
 from engine.layers.fused import FusedProjection
-from engine.layers.norm import RMSNorm
+from engine.layers.norm import RMSNorm, rms_norm
 from engine.layers.rotary import RotaryTable, apply_half, apply_interleaved
 
 # Below this many queries per request MLA runs absorbed in the latent space (decode,
@@ -108,13 +108,14 @@ class DSAIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)  # kept fp32
 
-    def head_weights(self, w_lin: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def head_weights_of(w_lin: torch.Tensor, n_heads: int) -> torch.Tensor:
         """``w_lin = weights_proj(x)`` [T, H] -> w = w_lin * H^-0.5 in fp32."""
-        return w_lin.float() * self.cfg.index_n_heads ** -0.5
+        return w_lin.float() * n_heads ** -0.5
 
     def select(self, w: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, batch: ForwardBatch) -> "TopK":
         """-> the top-k causal keys of every query (indices ``[B, Tq, k]`` + which of them are causal).
-        ``w`` [T, H] from ``head_weights``, ``q`` [T, H, D] the RoPE'd queries ``wq_b(q_resid)``."""
+        ``w`` [T, H] from ``head_weights_of``, ``q`` [T, H, D] the RoPE'd queries ``wq_b(q_resid)``."""
         cfg = self.cfg
         H, D = cfg.index_n_heads, cfg.index_head_dim
         qp, wp = batch.pad_q(q).float() * D ** -0.5, batch.pad_q(w)  # [B, Tq, H, D], [B, Tq, H]
@@ -220,12 +221,84 @@ def head_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.transpose(0, 1).reshape(*x.shape[:-1], w.shape[-1])
 
 
+class MLADims(NamedTuple):
+    """The constants of one call of ``mla_tokenwise`` (fixed per model and batch kind; compiled graphs
+    specialise on them)."""
+    H: int             # attention heads
+    nope: int          # qk_nope_head_dim
+    r: int             # qk_rope_head_dim
+    L: int             # kv_lora_rank
+    Hi: int            # indexer heads (0: the layer has no indexer of its own)
+    Di: int            # index_head_dim
+    need_topk: bool    # the context outgrows index_topk: the indexer scores it
+    absorb: bool       # decode / verify: queries absorbed into the latent space
+
+
+class MLATokens(NamedTuple):
+    """What ``mla_tokenwise`` computes per token: the KV to store and the queries."""
+    latent: torch.Tensor           # [T, L] kv_a_layernorm(c_kv)
+    krope: torch.Tensor            # [T, r] RoPE'd shared key
+    index_key: torch.Tensor        # [T, Di] the indexer key (zeros for a layer without an indexer)
+    q_nope: torch.Tensor           # [T, H, nope]
+    q_rot: torch.Tensor            # [T, H, r] RoPE'd
+    q_lat: torch.Tensor | None     # [T, H, L + r]: W_UK-absorbed q_nope ++ q_rot (``absorb``)
+    q_index: torch.Tensor | None   # [T, Hi, Di] RoPE'd indexer queries (``need_topk`` with an indexer)
+    index_w: torch.Tensor | None   # [T, Hi] fp32 indexer head weights
+
+
+def mla_tokenwise(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in_ln: torch.Tensor | None, in_eps: float,
+                  w_x: torch.Tensor, b_x: torch.Tensor | None, sizes: list[int], qa_ln: torch.Tensor, qa_eps: float,
+                  w_qb: torch.Tensor, w_iqb: torch.Tensor | None, kn_w: torch.Tensor | None,
+                  kn_b: torch.Tensor | None, kn_eps: float, kva_ln: torch.Tensor, kva_eps: float,
+                  w_uk: torch.Tensor, w_wp: torch.Tensor | None, d: MLADims) -> MLATokens:
+    """Everything an MLA layer computes token by token before attention, as a function of tensors and
+    constants (``MLAAttention.tokenwise_args``): run eagerly, or traced into one compiled graph per shape
+    class (``engine.layers.decode_graph``). ``x`` [T, hidden] is the layer input (``in_ln`` its
+    input_layernorm, None when ``x`` is normed already)."""
+    T = x.shape[0]
+    h = x if in_ln is None else rms_norm(x, in_ln, in_eps)
+    # q_a, kv_a, the indexer's wk and (same dtype) weights_proj read h: one GEMM (1 call instead of 4)
+    proj = F.linear(h, w_x, b_x).split(sizes, dim=-1)
+    q_resid = rms_norm(proj[0], qa_ln, qa_eps)
+    q = F.linear(q_resid, w_qb).view(T, d.H, d.nope + d.r)
+    ckv = proj[1]
+    # every RoPE of the layer as ONE rotation (the same values as rotating each part alone)
+    parts = [ckv[:, None, d.L:]]
+    k_idx = None
+    if d.Hi:
+        k_idx = F.layer_norm(proj[2], (d.Di,), kn_w, kn_b, kn_eps)  # [T, Di]
+        parts.append(k_idx[:, None, :d.r])
+    o = len(parts)
+    parts.append(q[..., d.nope:])
+    scored = d.Hi > 0 and d.need_topk
+    if scored:
+        q_idx = F.linear(q_resid, w_iqb).view(T, d.Hi, d.Di)
+        parts.append(q_idx[..., :d.r])
+    rot = apply_interleaved(torch.cat(parts, dim=1), cos, sin)
+    latent = rms_norm(ckv[:, :d.L], kva_ln, kva_eps)
+    if d.Hi:
+        index_key = torch.cat([rot[:, 1], k_idx[:, d.r:]], dim=-1)
+    else:  # keep the slot defined (shipped and checked like any other component)
+        index_key = torch.zeros(T, d.Di, dtype=ckv.dtype, device=ckv.device)
+    q_nope, q_rot = q[..., :d.nope], rot[:, o:o + d.H]
+    q_lat = torch.cat([head_bmm(q_nope, w_uk), q_rot], dim=-1) if d.absorb else None
+    q_index = index_w = None
+    if scored:
+        q_index = torch.cat([rot[:, o + d.H:], q_idx[..., d.r:]], dim=-1)
+        w_lin = proj[3] if w_wp is None else F.linear(h.to(w_wp.dtype), w_wp)
+        index_w = DSAIndexer.head_weights_of(w_lin, d.Hi)
+    return MLATokens(latent, rot[:, 0], index_key, q_nope, q_rot, q_lat, q_index, index_w)
+
+
 class MLAAttention(nn.Module):
     """GLM-5 multi-head latent attention with the DSA indexer.
 
     KV per token: ``latent`` = kv_a_layernorm(c_kv) [kv_lora_rank], ``rope`` = RoPE'd shared key
     [qk_rope_head_dim], ``index`` = indexer key. Decode runs absorbed (``W_UK`` folded into the query,
     ``W_UV`` applied after attention) so no per-head K/V is ever materialised for the context.
+
+    A layer runs as ``mla_tokenwise`` (projections, norms, RoPE: per token), ``attend`` (KV writes, DSA
+    selection, attention over the paged context: per request) and the decoder layer's token-wise rest.
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
@@ -244,91 +317,94 @@ class MLAAttention(nn.Module):
         self.indexer = None if self.shares_topk else DSAIndexer(cfg)
         self._fused_x = FusedProjection()
 
-    def _project_x(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """q_a, kv_a, the indexer's wk and (when it has the model's dtype) weights_proj: the projections
-        that read the layer input, as one GEMM (1 call instead of 4 per layer), in that order."""
+    def w_kv(self) -> torch.Tensor:
+        """kv_b_proj's weight as ``[H, nope + v, kv_lora_rank]`` (W_UK rows, then W_UV rows)."""
+        cfg = self.cfg
+        return self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                                          cfg.kv_lora_rank)
+
+    def tokenwise_args(self, in_norm: RMSNorm | None, need_topk: bool, absorb: bool) -> tuple:
+        """``mla_tokenwise``'s arguments after ``x, cos, sin`` (``in_norm``: the input_layernorm to apply)."""
+        cfg, idx = self.cfg, self.indexer
         mods = [self.q_a_proj, self.kv_a_proj_with_mqa]
-        if self.indexer is not None:
-            mods.append(self.indexer.wk)
-            if self.indexer.weights_proj.weight.dtype == self.q_a_proj.weight.dtype:
-                mods.append(self.indexer.weights_proj)
-        return self._fused_x(x, [(m.weight, m.bias) for m in mods])
+        w_wp = None
+        if idx is not None:
+            mods.append(idx.wk)
+            if idx.weights_proj.weight.dtype == self.q_a_proj.weight.dtype:
+                mods.append(idx.weights_proj)
+            else:  # kept fp32 in a low-precision model: its own GEMM
+                w_wp = idx.weights_proj.weight
+        w_x, b_x, sizes = self._fused_x.weight([(m.weight, m.bias) for m in mods])
+        d = MLADims(cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
+                    0 if idx is None else cfg.index_n_heads, cfg.index_head_dim, need_topk, absorb)
+        return (None if in_norm is None else in_norm.weight, 0.0 if in_norm is None else in_norm.eps,
+                w_x, b_x, sizes, self.q_a_layernorm.weight, self.q_a_layernorm.eps, self.q_b_proj.weight,
+                None if idx is None else idx.wq_b.weight, None if idx is None else idx.k_norm.weight,
+                None if idx is None else idx.k_norm.bias, 1e-6 if idx is None else idx.k_norm.eps,
+                self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.w_kv()[:, :cfg.qk_nope_head_dim],
+                w_wp, d)
 
     def write_kv(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable) -> None:
         """Only the new tokens' KV (latent, rope key, indexer key), bit for bit what ``forward`` writes,
         without the attention: for a pass whose output is not read, only its cache (the MTP layer over a
-        prompt)."""
-        self._store_kv(self._project_x(x), batch, pool, *rope.lookup(batch.positions, x.dtype), [])
+        prompt). ``x`` is normed already."""
+        cos, sin = rope.lookup(batch.positions, x.dtype)
+        self.store_kv(mla_tokenwise(x, cos, sin, *self.tokenwise_args(None, False, False)), batch, pool)
 
-    def _store_kv(self, proj: list[torch.Tensor], batch: ForwardBatch, pool: KVPool, cos: torch.Tensor,
-                  sin: torch.Tensor, extra: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
-        """Write the new tokens' KV from ``_project_x``'s outputs. Every RoPE of the layer runs as ONE
-        rotation (the same values as rotating each part alone): the shared key, the indexer key, and the
-        ``extra`` ``[T, n, r]`` parts (the caller's queries). Returns the rotation and the row where the
-        rotated ``extra`` parts begin (no slice op the caller does not need)."""
-        cfg, L, r = self.cfg, self.layer_idx, self.cfg.qk_rope_head_dim
-        ckv = proj[1]
-        parts = [ckv[:, None, cfg.kv_lora_rank:]]
-        if self.indexer is not None:
-            k_idx = self.indexer.k_norm(proj[2])  # [T, D]
-            parts.append(k_idx[:, None, :r])
-        rot = apply_interleaved(torch.cat(parts + extra, dim=1), cos, sin)
-        pool.write(L, "latent", batch.out_slots, self.kv_a_layernorm(ckv[:, :cfg.kv_lora_rank]))
-        pool.write(L, "rope", batch.out_slots, rot[:, 0])
-        if self.indexer is not None:
-            pool.write(L, "index", batch.out_slots, torch.cat([rot[:, 1], k_idx[:, r:]], dim=-1))
-        else:  # keep the slot defined (shipped and checked like any other component)
-            pool.write(L, "index", batch.out_slots, torch.zeros(ckv.shape[0], cfg.index_head_dim, dtype=ckv.dtype))
-        return rot, len(parts)
+    def store_kv(self, t: MLATokens, batch: ForwardBatch, pool: KVPool) -> None:
+        L = self.layer_idx
+        pool.write(L, "latent", batch.out_slots, t.latent)
+        pool.write(L, "rope", batch.out_slots, t.krope)
+        pool.write(L, "index", batch.out_slots, t.index_key)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
                 topk_prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cfg, L = self.cfg, self.layer_idx
-        T, H, nope = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim
-        proj = self._project_x(x)
-        q_resid = self.q_a_layernorm(proj[0])
-        q = self.q_b_proj(q_resid).view(T, H, cfg.qk_head_dim)
+        """``x`` normed -> (o_proj output, the DSA selection); ``DecoderLayer`` runs the same pieces itself."""
         cos, sin = rope.lookup(batch.positions, x.dtype)
-        idx, r, need_topk = self.indexer, cfg.qk_rope_head_dim, batch.max_kv_len > cfg.index_topk
-        queries = [q[..., nope:]]  # rotated with the layer's keys, in one call
-        if idx is not None and need_topk:
-            q_idx = idx.wq_b(q_resid).view(T, cfg.index_n_heads, cfg.index_head_dim)
-            queries.append(q_idx[..., :r])
-        rot, o = self._store_kv(proj, batch, pool, cos, sin, queries)
-        q_nope, q_rot = q[..., :nope], rot[:, o:o + H]  # [T, H, nope], [T, H, r]
+        absorb = max(batch.q_lens) <= MLA_ABSORB_MAX_Q
+        t = mla_tokenwise(x, cos, sin, *self.tokenwise_args(None, batch.max_kv_len > self.cfg.index_topk, absorb))
+        o, topk = self.attend(t, batch, pool, topk_prev)
+        if absorb:
+            o = head_bmm(o, self.w_kv()[:, self.cfg.qk_nope_head_dim:].transpose(1, 2))  # apply W_UV
+        return self.o_proj(o.reshape(x.shape[0], -1)), topk
 
+    def attend(self, t: MLATokens, batch: ForwardBatch, pool: KVPool, topk_prev: TopK | None
+               ) -> tuple[torch.Tensor, TopK | None]:
+        """Store the new tokens' KV and attend over each request's paged context -> (``[T, H, L]`` latent
+        outputs when ``t.q_lat`` is set (W_UV not yet applied), else ``[T, H, v]``; the DSA selection)."""
+        cfg, L, dtype = self.cfg, self.layer_idx, t.latent.dtype
+        self.store_kv(t, batch, pool)
         topk = None
-        if need_topk:
-            if idx is not None:
-                keys = pool.read(L, "index", batch.kv_slots, x.dtype)
-                w_lin = proj[3] if len(proj) == 4 else idx.weights_proj(x.to(idx.weights_proj.weight.dtype))
-                q_idx = torch.cat([rot[:, o + H:], q_idx[..., r:]], dim=-1)  # [T, Hi, D]
-                topk = idx.select(idx.head_weights(w_lin), q_idx, keys, batch)
+        if batch.max_kv_len > cfg.index_topk:
+            if self.indexer is not None:
+                keys = pool.read(L, "index", batch.kv_slots, dtype)
+                topk = self.indexer.select(t.index_w, t.q_index, keys, batch)
             else:
                 if topk_prev is None:
                     raise ValueError(f"layer {L} shares the DSA top-k but no previous layer produced one")
                 topk = topk_prev
-        w_kv = self.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, cfg.kv_lora_rank)
-        qn, qr = batch.pad_q(q_nope), batch.pad_q(q_rot)  # [B, Tq, H, *]
-        max_q, sparse = max(batch.q_lens), topk is not None
-        if sparse and (max_q <= MLA_ABSORB_MAX_Q or
-                       batch.max_kv_len >= SPARSE_MIN_CONTEXT_RATIO * topk.idx.shape[-1]):
+        if topk is not None and (t.q_lat is not None or
+                                 batch.max_kv_len >= SPARSE_MIN_CONTEXT_RATIO * topk.idx.shape[-1]):
             # each query attends only to its selected keys, read straight from the pool by slot
-            q_lat = head_bmm(qn, w_kv[:, :nope])  # absorb W_UK
             def gather(idx: torch.Tensor) -> torch.Tensor:
                 slots = batch.kv_slots.gather(1, idx.reshape(idx.shape[0], -1)).view(idx.shape)  # [B, t, k]
-                return torch.cat([pool.read(L, "latent", slots, x.dtype), pool.read(L, "rope", slots, x.dtype)], -1)
-            o_lat = sparse_mla(torch.cat([q_lat, qr], dim=-1), gather, cfg.kv_lora_rank, topk,
-                               cfg.softmax_scale)  # [B, Tq, H, L]
-            o = head_bmm(o_lat, w_kv[:, nope:].transpose(1, 2))  # apply W_UV
+                return torch.cat([pool.read(L, "latent", slots, dtype), pool.read(L, "rope", slots, dtype)], -1)
+            if t.q_lat is not None:
+                o_lat = sparse_mla(batch.pad_q(t.q_lat), gather, cfg.kv_lora_rank, topk, cfg.softmax_scale)
+                return batch.unpad_q(o_lat), topk  # [T, H, L]
+            w_kv = self.w_kv()
+            q_lat = torch.cat([head_bmm(batch.pad_q(t.q_nope), w_kv[:, :cfg.qk_nope_head_dim]),
+                               batch.pad_q(t.q_rot)], dim=-1)  # absorb W_UK
+            o_lat = sparse_mla(q_lat, gather, cfg.kv_lora_rank, topk, cfg.softmax_scale)  # [B, Tq, H, L]
+            o = head_bmm(o_lat, w_kv[:, cfg.qk_nope_head_dim:].transpose(1, 2))  # apply W_UV
         else:
-            o = self._dense(qn, qr, w_kv, topk, batch, pool, x.dtype)
-        o = batch.unpad_q(o)  # [T, H, v]
-        return self.o_proj(o.reshape(T, -1)), topk
+            o = self._dense(t, topk, batch, pool, dtype)
+        return batch.unpad_q(o), topk
 
-    def _dense(self, qn: torch.Tensor, qr: torch.Tensor, w_kv: torch.Tensor, topk: TopK | None,
-               batch: ForwardBatch, pool: KVPool, dtype: torch.dtype) -> torch.Tensor:
-        """Attention over the whole context (the DSA selection, if any, as a mask) -> ``[B, Tq, H, v]``."""
+    def _dense(self, t: MLATokens, topk: TopK | None, batch: ForwardBatch, pool: KVPool,
+               dtype: torch.dtype) -> torch.Tensor:
+        """Attention over the whole context (the DSA selection, if any, as a mask) -> ``[B, Tq, H, L]``
+        (absorbed) or ``[B, Tq, H, v]``."""
         cfg, L = self.cfg, self.layer_idx
         H, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
         lat = pool.read(L, "latent", batch.kv_slots, dtype)  # [B, S, L]
@@ -339,13 +415,11 @@ class MLAAttention(nn.Module):
             mask = topk.mask(batch.max_kv_len)
         else:
             mask = batch.attn_mask & topk.mask(batch.max_kv_len)
-        if max(batch.q_lens) <= MLA_ABSORB_MAX_Q:
-            q_lat = head_bmm(qn, w_kv[:, :nope])  # absorb W_UK
-            qq = torch.cat([q_lat, qr], dim=-1).transpose(1, 2)  # [B, H, Tq, L + r]
+        if t.q_lat is not None:
+            qq = batch.pad_q(t.q_lat).transpose(1, 2)  # [B, H, Tq, L + r]
             kk = torch.cat([lat, krope], dim=-1)[:, None]  # [B, 1, S, L + r]
-            o_lat = sdpa(qq, kk, lat[:, None], mask, cfg.softmax_scale)  # [B, H, Tq, L]
-            return head_bmm(o_lat.transpose(1, 2), w_kv[:, nope:].transpose(1, 2))  # apply W_UV
+            return sdpa(qq, kk, lat[:, None], mask, cfg.softmax_scale).transpose(1, 2)  # [B, Tq, H, L]
         kv = self.kv_b_proj(lat).view(*lat.shape[:2], H, nope + cfg.v_head_dim)
         k = torch.cat([kv[..., :nope], krope[:, :, None].expand(-1, -1, H, -1)], dim=-1)
-        qq = torch.cat([qn, qr], dim=-1).transpose(1, 2)
+        qq = torch.cat([batch.pad_q(t.q_nope), batch.pad_q(t.q_rot)], dim=-1).transpose(1, 2)
         return sdpa(qq, k.transpose(1, 2), kv[..., nope:].transpose(1, 2), mask, cfg.softmax_scale).transpose(1, 2)

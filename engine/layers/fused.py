@@ -26,6 +26,12 @@ class FusedProjection:
     def __call__(self, x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
         if len(parts) == 1:
             return [F.linear(x, parts[0][0], parts[0][1])]
+        w, b, sizes = self.weight(parts)
+        return list(F.linear(x, w, b).split(sizes, dim=-1))
+
+    def weight(self, parts: list[tuple[torch.Tensor, torch.Tensor | None]]
+               ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """-> the concatenated weight, bias (or None) and the output sizes of ``parts`` (rebuilt if stale)."""
         key = tuple((w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
                     for w, b in parts)
         if key != self._key:
@@ -37,4 +43,4 @@ class FusedProjection:
                                         in zip(ws, parts)])
             self._sizes = [w.shape[0] for w in ws]
             self._key = key
-        return list(F.linear(x, self._weight, self._bias).split(self._sizes, dim=-1))
+        return self._weight, self._bias, self._sizes

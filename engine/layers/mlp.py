@@ -1,5 +1,10 @@
-"""Dense SwiGLU MLP and the MoE block (router + routed experts + shared experts)."""
+"""Dense SwiGLU MLP and the MoE block (router + routed experts + shared experts).
+
+Both compute through ``ffn_tokenwise``, a function of tensors and constants (``tokenwise_args``), so the
+decode graphs (``engine.layers.decode_graph``) trace the very code the eager path runs."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -7,8 +12,51 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.fused import FusedProjection
-from engine.moe.experts import RoutedExperts
-from engine.moe.router import TopkRouter
+from engine.moe.experts import RoutedExperts, moe_gather
+from engine.moe.router import Routing, TopkRouter, route
+
+
+class FFNArgs(NamedTuple):
+    """``ffn_tokenwise``'s inputs. ``w_x`` [rows, hidden] reads the input in one GEMM: its outputs are
+    (router logits if ``w_router`` is None and the block routes), then gate, then up (``sizes``)."""
+    w_x: torch.Tensor | None
+    sizes: list[int]
+    w_down: torch.Tensor | None
+    w_router: torch.Tensor | None     # MoE: fp32 router weight when not fused into w_x
+    routes: bool                      # an MoE block
+    bias: torch.Tensor | None         # e_score_correction_bias
+    route_consts: tuple               # (n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor)
+    w13: torch.Tensor | None          # routed experts run inside (the gather path), else by the caller
+    w2: torch.Tensor | None
+
+
+def ffn_tokenwise(h: torch.Tensor, f: FFNArgs) -> tuple[torch.Tensor, Routing | None]:
+    """-> (the block's output, None) when it is complete; (the shared experts' output or None, the routing)
+    when the routed experts are left to the caller (``f.w13`` None)."""
+    if f.w_x is not None:
+        parts = F.linear(h, f.w_x).split(f.sizes, dim=-1)
+        logits, (g, u) = (parts[0], parts[1:]) if f.routes and f.w_router is None else (None, parts)
+        shared = F.linear(F.silu(g) * u, f.w_down)
+    else:
+        logits, shared = None, None
+    if not f.routes:
+        return shared, None
+    if logits is None:
+        logits = F.linear(h.float(), f.w_router)
+    routing = route(logits, f.bias, *f.route_consts)
+    if f.w13 is None:
+        return shared, routing
+    out = moe_gather(h, f.w13, f.w2, routing)
+    return (out if shared is None else out + shared), None
+
+
+def finish_ffn(experts: nn.Module, h: torch.Tensor, shared: torch.Tensor | None, routing: Routing | None
+               ) -> torch.Tensor:
+    """The routed experts ``ffn_tokenwise`` left to its caller, added to the shared experts' output."""
+    if routing is None:
+        return shared
+    out = experts(h, routing)
+    return out if shared is None else out + shared
 
 
 class MLP(nn.Module):
@@ -20,17 +68,14 @@ class MLP(nn.Module):
         self._gate_up = FusedProjection()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up(x)))
+        return ffn_tokenwise(x, self.tokenwise_args())[0]
+
+    def tokenwise_args(self, in_graph_experts: bool = False) -> FFNArgs:
+        w, _, sizes = self._gate_up.weight(self.gate_up_parts())
+        return FFNArgs(w, sizes, self.down_proj.weight, None, False, None, (), None, None)
 
     def gate_up_parts(self) -> list[tuple[torch.Tensor, None]]:
         return [(self.gate_proj.weight, None), (self.up_proj.weight, None)]
-
-    def gate_up(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return self._gate_up(x, self.gate_up_parts())
-
-    @staticmethod
-    def act(gate_up: list[torch.Tensor]) -> torch.Tensor:
-        return F.silu(gate_up[0]) * gate_up[1]
 
 
 class MoE(nn.Module):
@@ -43,12 +88,22 @@ class MoE(nn.Module):
         self._x_proj = FusedProjection()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        se = self.shared_experts
+        return finish_ffn(self.experts, x, *ffn_tokenwise(x, self.tokenwise_args()))
+
+    def tokenwise_args(self, in_graph_experts: bool = False) -> FFNArgs:
+        """``in_graph_experts``: the routed experts run inside ``ffn_tokenwise`` (the gather path; only for
+        dense-weight experts), else the caller runs ``self.experts`` (``finish_ffn``)."""
+        cfg, se, gate = self.gate.cfg, self.shared_experts, self.gate
+        consts = (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        w13 = w2 = None
+        if in_graph_experts:
+            w13, w2 = self.experts.w13, self.experts.w2
         if se is None:
-            return self.experts(x, self.gate(x))
-        if not self.gate.weight.dtype == se.gate_proj.weight.dtype == x.dtype:
-            return self.experts(x, self.gate(x)) + se(x)
-        # fp32 model: the router's logits and the shared expert's gate/up read x in one GEMM
-        logits, *gate_up = self._x_proj(x, [(self.gate.weight, None)] + se.gate_up_parts())
-        out = self.experts(x, self.gate.route(logits))
-        return out + se.down_proj(se.act(gate_up))
+            return FFNArgs(None, [], None, gate.weight.float(), True, gate.e_score_correction_bias, consts, w13, w2)
+        if gate.weight.dtype == se.gate_proj.weight.dtype:
+            # fp32 model: the router's logits and the shared expert's gate/up read x in one GEMM
+            w, _, sizes = self._x_proj.weight([(gate.weight, None)] + se.gate_up_parts())
+            return FFNArgs(w, sizes, se.down_proj.weight, None, True, gate.e_score_correction_bias, consts, w13, w2)
+        w, _, sizes = se._gate_up.weight(se.gate_up_parts())
+        return FFNArgs(w, sizes, se.down_proj.weight, gate.weight.float(), True, gate.e_score_correction_bias,
+                       consts, w13, w2)

@@ -14,8 +14,9 @@ from torch import nn
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kvcache.pool import KVPool
-from engine.layers.attention import GQAAttention, MLAAttention
-from engine.layers.mlp import MLP, MoE
+from engine.layers.attention import MLA_ABSORB_MAX_Q, GQAAttention, MLAAttention
+from engine.layers.decode_graph import EAGER, DecodeGraphs, layer_post
+from engine.layers.mlp import MLP, MoE, finish_ffn
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryTable
 
@@ -34,13 +35,47 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg, moe_impl) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.graphs: DecodeGraphs = EAGER
+        """How decode / verify steps run the layer's token-wise parts (``GlmForCausalLM.compile_decode``)."""
+        self._frozen_args: dict[tuple, tuple] = {}
+        """Compiled graphs' weight arguments, collected once (weights are frozen while compiled)."""
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
                 topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        h, topk = self.self_attn(self.input_layernorm(x), batch, pool, rope, topk)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn
+        if not isinstance(attn, MLAAttention):
+            h, topk = attn(self.input_layernorm(x), batch, pool, rope, topk)
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x)), topk
+        # MLA: token-wise parts (eager, or compiled graphs for decode / verify) around the paged attention
+        cfg = attn.cfg
+        absorb = max(batch.q_lens) <= MLA_ABSORB_MAX_Q
+        g = self.graphs if absorb else EAGER
+        cos, sin = rope.lookup(batch.positions, x.dtype)
+        experts = getattr(self.mlp, "experts", None)
+        in_graph = experts is not None and g.experts_in_graph(experts, x.shape[0] * cfg.num_experts_per_tok)
+        key = (batch.max_kv_len > cfg.index_topk, absorb, in_graph)
+        args = self._frozen_args.get(key) if g.compiled else None
+        if args is None:
+            args = self._weight_args(*key)
+            if g.compiled:
+                self._frozen_args[key] = args
+        if g.compiled and not pool.layout.is_fp8 and batch.uniform_q:
+            (x, h, y, routing), topk = g.run_layer(attn, x, cos, sin, batch, pool, topk, args)
+        else:
+            t = g.tokenwise(x, cos, sin, args[0])
+            o, topk = attn.attend(t, batch, pool, topk)
+            x, h, y, routing = g.after_attention(x, o, *args[1])
+        if routing is not None:
+            x = x + finish_ffn(experts, h, y, routing)
         return x, topk
+
+    def _weight_args(self, need_topk: bool, absorb: bool, in_graph: bool) -> tuple[tuple, tuple]:
+        """The MLA token-wise functions' weight arguments: ``mla_tokenwise``'s and ``layer_post``'s."""
+        attn, pln = self.self_attn, self.post_attention_layernorm
+        w_uv = attn.w_kv()[:, attn.cfg.qk_nope_head_dim:].transpose(1, 2) if absorb else None
+        return (attn.tokenwise_args(self.input_layernorm, need_topk, absorb),
+                (w_uv, attn.o_proj.weight, attn.o_proj.bias, pln.weight, pln.eps, self.mlp.tokenwise_args(in_graph)))
 
 
 class MTPLayer(nn.Module):
@@ -73,6 +108,16 @@ class GlmForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = nn.ModuleList([MTPLayer(cfg, k, moe_impl) for k in range(cfg.num_mtp_layers)])
         self._rope: RotaryTable | None = None
+
+    def compile_decode(self, enabled: bool = True) -> None:
+        """Run the token-wise parts of every MLA layer (the MTP layers' too) through compiled graphs in
+        decode and verify steps (``engine.layers.decode_graph``); ``False`` returns to eager. Graphs
+        compile on first use (seconds per shape class; inductor caches them on disk). The weights the graphs
+        read are collected once: after changing weights, call this again."""
+        g = DecodeGraphs(True, self.lm_head.weight.device) if enabled else EAGER
+        for layer in list(self.model.layers) + [m.block for m in self.mtp]:
+            layer.graphs = g
+            layer._frozen_args.clear()
 
     @property
     def has_mtp(self) -> bool:

@@ -36,18 +36,24 @@ class TopkRouter(nn.Module):
 
     def route(self, logits: torch.Tensor) -> Routing:
         """Router logits ``x @ W_gate^T`` [T, E] (fp32) -> routing."""
-        cfg = self.cfg
-        E, G = cfg.n_routed_experts, cfg.n_group
-        scores = logits.float().sigmoid()  # [T, E]
-        choice = scores + self.e_score_correction_bias
-        if G > 1:
-            group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
-            group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
-            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-            keep = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E).bool()
-            choice = choice.masked_fill(~keep, float("-inf"))
-        ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return Routing(ids, weights * cfg.routed_scaling_factor)
+        return route(logits, self.e_score_correction_bias, self.cfg.n_group, self.cfg.topk_group,
+                     self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, self.cfg.routed_scaling_factor)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool,
+          scaling: float) -> Routing:
+    """``TopkRouter.route`` as a function of tensors and constants (traced into the compiled decode graphs)."""
+    E, G = logits.shape[-1], n_group
+    scores = logits.float().sigmoid()  # [T, E]
+    choice = scores + bias
+    if G > 1:
+        group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        keep = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E).bool()
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(ids, weights * scaling)

@@ -1,0 +1,198 @@
+"""Decode and verify steps of MLA decoder layers through compiled graphs.
+
+A decode step of a small model is bound by per-op overhead (~450 torch ops per step of the default model,
+each a few microseconds of dispatch for a few hundred flops). Everything an MLA layer computes token by
+token (norms, projections, RoPE, the W_UK/W_UV absorption, o_proj, the residuals and the FFN, the MoE's
+routing and gather experts included) is a function of tensors and constants (``mla_tokenwise`` and
+``layer_post``); ``DecodeGraphs(compiled=True)`` runs the two through ``torch.compile`` (inductor fuses
+the elementwise work around the GEMMs; on CPU with its C++ wrapper, so no Python runs between kernels).
+What depends on each request's paged context (KV writes, the DSA selection, sparse attention) stays
+eager in between (``MLAAttention.attend``).
+
+Only steps whose queries are absorbed (decode, speculative verify: <= ``MLA_ABSORB_MAX_Q`` per request)
+take the graphs; prefill stays eager. The eager and compiled paths run the same code, so both are
+tested by the same tests; they are not bitwise equal to each other (fused kernels round differently),
+and a speculative run is lossless within one path: every token of a verify step computes exactly what
+a one-token decode step computes (``tests/engine/test_decode_graph.py``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, NamedTuple
+
+import torch
+
+from engine.batch import ForwardBatch
+from engine.kvcache.pool import KVPool
+from engine.layers.attention import MLADims, MLAAttention, MLATokens, TopK, head_bmm, mla_tokenwise
+from engine.layers.mlp import FFNArgs, ffn_tokenwise
+from engine.layers.norm import rms_norm
+from engine.moe.experts import GATHER_MAX_PAIRS, RoutedExperts
+from engine.moe.router import Routing
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DecodeGraphs", "MLADims", "layer_post"]
+
+
+def layer_post(x: torch.Tensor, o: torch.Tensor, w_uv: torch.Tensor | None, o_w: torch.Tensor,
+               o_b: torch.Tensor | None, ln_w: torch.Tensor, ln_eps: float, f: FFNArgs
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Routing | None]:
+    """The decoder layer after attention: ``o`` [T, H, L] latent outputs (``w_uv`` [H, L, v] applies W_UV)
+    or [T, H, v] -> o_proj, residual, post_attention_layernorm, FFN, residual. Returns ``(x, h, y, routing)``:
+    with ``routing`` None ``x`` is the layer's output; else the routed experts are the caller's
+    (``x + finish_ffn(experts, h, y, routing)``)."""
+    if w_uv is not None:
+        o = head_bmm(o, w_uv)
+    x = x + torch.nn.functional.linear(o.reshape(x.shape[0], -1), o_w, o_b)
+    h = rms_norm(x, ln_w, ln_eps)
+    y, routing = ffn_tokenwise(h, f)
+    if routing is None:
+        return x + y, h, None, None
+    return x, h, y, routing
+
+
+class PagedConsts(NamedTuple):
+    """Constants of one ``paged_mla_attention`` call."""
+    index_topk: int    # keys each query keeps when the indexer scores the context
+    score: bool        # the layer's own indexer scores the context (else ``topk_prev`` or all keys)
+    sparse: bool       # attend to the selected keys only (the context outgrew index_topk)
+    scale: float       # softmax scale
+    L: int             # kv_lora_rank
+
+
+def paged_mla_attention(t: MLATokens, lat_buf: torch.Tensor, rope_buf: torch.Tensor, idx_buf: torch.Tensor,
+                        out_slots: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor | None,
+                        prev_idx: torch.Tensor | None, prev_valid: torch.Tensor | None, c: PagedConsts
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``MLAAttention.attend`` for absorbed queries of requests with the same query count, as a function of
+    tensors: writes the new tokens' KV into the flat pool buffers ``*_buf`` [slots, ...] at ``out_slots``,
+    selects each query's keys (the DSA indexer's top-k, ``prev_*`` for a layer that shares its previous
+    layer's, or every key of a short context) and attends over them in the latent space. ``kv_slots`` [B, S]
+    (padding: slot 0), ``mask`` [B, Tq, S] causal + valid keys (None: every key of every query, one
+    decoding request). Returns (o_lat [T, H, L], the selection [B, Tq, k] and its validity or None)."""
+    lat_buf.index_copy_(0, out_slots, t.latent)
+    rope_buf.index_copy_(0, out_slots, t.krope)
+    idx_buf.index_copy_(0, out_slots, t.index_key)
+    B, S = kv_slots.shape
+    T, H, D = t.q_lat.shape
+    q = t.q_lat.view(B, -1, H, D)  # [B, Tq, H, L + r]
+    tq = q.shape[1]
+    valid = None
+    if c.score:  # DSAIndexer.select: sum_h w_h relu(q_h . k) over the context, top-k per query
+        Hi, Di = t.q_index.shape[1], t.q_index.shape[2]
+        keys = idx_buf.index_select(0, kv_slots.reshape(-1)).view(B, S, Di).to(torch.float32)
+        qi = t.q_index.float().view(B, tq * Hi, Di) * Di ** -0.5
+        hs = torch.bmm(qi, keys.transpose(1, 2)).relu_().view(B * tq, Hi, S)
+        scores = torch.bmm(t.index_w.view(B * tq, 1, Hi), hs).view(B, tq, S)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        idx = scores.topk(c.index_topk, dim=-1).indices  # [B, Tq, k]
+        if mask is not None:
+            valid = mask.gather(-1, idx)
+    elif c.sparse:
+        idx, valid = prev_idx, prev_valid
+    else:  # a short context: every key, the mask as validity
+        idx = torch.arange(S, device=kv_slots.device).expand(B, tq, S)
+        valid = mask
+    k = idx.shape[-1]
+    slots = kv_slots.gather(1, idx.reshape(B, tq * k)).view(-1)
+    sel = torch.cat([lat_buf.index_select(0, slots), rope_buf.index_select(0, slots)], dim=-1).view(B, tq, k, D)
+    scores = torch.matmul(q, sel.transpose(-1, -2)) * c.scale  # [B, Tq, H, k]
+    if valid is not None:
+        scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    o = torch.matmul(p, sel[..., :c.L])  # [B, Tq, H, L]
+    return o.reshape(T, H, c.L), (idx if c.score else None), valid
+
+
+def mla_decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bufs: tuple, out_slots: torch.Tensor,
+                     kv_slots: torch.Tensor, mask: torch.Tensor | None, prev_idx: torch.Tensor | None,
+                     prev_valid: torch.Tensor | None, c: PagedConsts, pre_args: tuple, post_args: tuple):
+    """A whole MLA decoder layer for decode / verify steps: ``mla_tokenwise``, ``paged_mla_attention``,
+    ``layer_post``. Returns ``layer_post``'s outputs and the selection."""
+    t = mla_tokenwise(x, cos, sin, *pre_args)
+    o, idx, valid = paged_mla_attention(t, *bufs, out_slots, kv_slots, mask, prev_idx, prev_valid, c)
+    return layer_post(x, o, *post_args), idx, valid
+
+
+def _compile(fn: Callable, device: torch.device) -> Callable:
+    # Shapes: the first call (one token) compiles a static graph, the next shape a graph dynamic in the
+    # token count, which every later batch size reuses. Weights keep static shapes (specialised kernels).
+    options = {"cpp_wrapper": True} if device.type == "cpu" else {}
+    return torch.compile(fn, fullgraph=True, options=options)
+
+
+def _dynamic(compiled: bool, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Mark the token dimension dynamic from the first multi-token call on, so one graph serves every
+    token count above 1 (one token gets its own graph: torch specialises size 1 whatever the marks)."""
+    if compiled and ts[0].shape[0] > 1:
+        for t in ts:
+            torch._dynamo.mark_dynamic(t, 0)
+    return ts
+
+
+class DecodeGraphs:
+    """The token-wise halves of an MLA decoder layer: ``pre`` = ``mla_tokenwise``, ``post`` =
+    ``layer_post``, eager or compiled (shared by all layers of a model: one graph per shape class)."""
+
+    def __init__(self, compiled: bool, device: torch.device | str = "cpu") -> None:
+        self.compiled = compiled
+        if compiled:
+            limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+            setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
+            self.pre = _compile(mla_tokenwise, torch.device(device))
+            self.post = _compile(layer_post, torch.device(device))
+            self.layer = _compile(mla_decode_layer, torch.device(device))
+        else:
+            self.pre, self.post, self.layer = mla_tokenwise, layer_post, mla_decode_layer
+
+    def tokenwise(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, args: tuple) -> MLATokens:
+        """``mla_tokenwise(x, cos, sin, *args)``."""
+        return self.pre(*_dynamic(self.compiled, x, cos, sin), *args)
+
+    def after_attention(self, x: torch.Tensor, o: torch.Tensor, *args
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Routing | None]:
+        """``layer_post(x, o, *args)``."""
+        return self.post(*_dynamic(self.compiled, x, o), *args)
+
+    def run_layer(self, attn: MLAAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  batch: ForwardBatch, pool: KVPool, topk: TopK | None, args: tuple):
+        """``mla_decode_layer`` for ``attn``'s layer over a batch of requests with equal query counts ->
+        (``layer_post``'s outputs, the DSA selection)."""
+        cfg, L = attn.cfg, attn.layer_idx
+        B, S, tq = batch.num_reqs, batch.max_kv_len, batch.q_lens[0]
+        need = S > cfg.index_topk
+        c = PagedConsts(cfg.index_topk, need and attn.indexer is not None, need, cfg.softmax_scale, cfg.kv_lora_rank)
+        if c.sparse and not c.score and topk is None:
+            raise ValueError(f"layer {L} shares the DSA top-k but no previous layer produced one")
+        mask = None if B == 1 and tq == 1 else batch.attn_mask[:, 0]  # [B, Tq, S]
+        bufs = tuple(pool.flat(L, n) for n in ("latent", "rope", "index"))
+        kv_slots = batch.kv_slots
+        dims = [(kv_slots, 1)]
+        if x.shape[0] > 1:
+            dims += [(x, 0), (cos, 0), (sin, 0), (batch.out_slots, 0)]
+        if B > 1:
+            dims.append((kv_slots, 0))
+        if mask is not None:
+            dims += [(mask, 2)] + ([(mask, 0)] if B > 1 else []) + ([(mask, 1)] if tq > 1 else [])
+        for t, d in dims:
+            torch._dynamo.mark_dynamic(t, d)
+        prev = (None, None) if topk is None or c.score else (topk.idx, topk.valid)
+        out, idx, valid = self.layer(x, cos, sin, bufs, batch.out_slots, kv_slots, mask, *prev, c, *args)
+        if c.score:
+            topk = TopK(idx, valid)
+        return out, topk
+
+    def experts_in_graph(self, experts: torch.nn.Module, num_pairs: int) -> bool:
+        """Routed experts run inside ``post`` only on the gather path of dense-weight experts (what eager
+        ``RoutedExperts`` picks for <= ``GATHER_MAX_PAIRS`` token-expert pairs), so a graph's MoE is the
+        eager one's; otherwise the caller runs ``experts`` eagerly (their own strategy choice)."""
+        if not (self.compiled and isinstance(experts, RoutedExperts) and experts.impl in ("auto", "gather")
+                and num_pairs <= GATHER_MAX_PAIRS):
+            return False
+        experts.last_impl = "gather"
+        return True
+
+
+EAGER = DecodeGraphs(compiled=False)
