@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (best of)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-compile", action="store_true", help="decode / verify / draft steps eager (no compiled graphs)")
     args = ap.parse_args(argv)
     from engine.defaults import tune_malloc
     tune_malloc()  # both sides of the comparison run with it
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     model_dir = args.model or default_model_dir()
     model, cfg = load_model(model_dir, args.dtype, "cpu")
+    model.compile_decode(not args.no_compile)
     ids = prompt_ids(args, model_dir, cfg.vocab_size)
     pages = (len(ids) + args.max_tokens) // 16 + 16
 
@@ -83,7 +85,9 @@ def main(argv: list[str] | None = None) -> dict:
         return out
 
     runs = {"plain": plain, **{str(sp): (lambda n, sp=sp: speculative(n, sp)) for sp in specs}}
-    plain(4)  # warm-up
+    plain(4)  # warm-up (and the compiled graphs of every shape class)
+    for sp in specs:
+        speculative(8, sp)
     # interleaved rounds: every contender once per round, best of --repeats; the machine's drift then
     # hits plain decoding and each config alike instead of whichever happened to run during a slow spell
     full = {k: float("inf") for k in runs}
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"model {model_dir} ({args.dtype}), prompt {len(ids)} tokens, {args.max_tokens} generated, single stream")
+        print(f"model {model_dir} ({args.dtype}), prompt {len(ids)} tokens, {args.max_tokens} generated, single stream, "
+              f"decode graphs {'eager' if args.no_compile else 'compiled'}")
         print(f"{'config':>7} | {'accept_len':>10} | {'decode tok/s':>12} | {'vs plain':>8} | acceptance by depth")
         for name, acc, rate, ratio, extra in rows:
             print(f"{name:>7} | {acc:>10} | {rate:>12.1f} | {ratio:>7.2f}x | {extra}")
