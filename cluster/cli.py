@@ -35,6 +35,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     model_dir = args.model or default_model_dir()
     model, cfg = load_model(model_dir, args.dtype, args.device, args.moe_impl)
+    model.compile_decode(args.compile)
     tok = Tokenizer.from_model_dir(model_dir)
     ids = _parse_ids(args.token_ids)
     if ids is None:
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--speculative", default="5/1/6",
                    help="MTP speculation STEPS/TOPK/DRAFT_TOKENS (on when the model has an MTP layer), or 'off'")
     r.add_argument("--no-speculative", action="store_true")
+    r.add_argument("--compile", action="store_true", help="decode / verify steps through compiled graphs (torch.compile)")
     _add_sampling(r)
     r.set_defaults(fn=cmd_run)
 

@@ -25,6 +25,9 @@ def register(sub) -> None:
     s.add_argument("--num-pages", type=int, default=None, help="KV pages per worker (default: the worker's)")
     s.add_argument("--speculative", default="5/1/6", help="MTP speculation STEPS/TOPK/DRAFT_TOKENS")
     s.add_argument("--no-speculative", action="store_true")
+    s.add_argument("--compile", action="store_true",
+                   help="decode workers run decode / verify steps through compiled graphs (torch.compile, warmed up "
+                        "at start: ~1-2 min the first time on 2 CPU cores, seconds once inductor's cache holds them)")
     s.add_argument("--decode-weights", default="mxfp4",
                    help="decode workers' routed experts: mxfp4 (default) / mxfp6_e2m3 / mxfp6_e3m2 / mxfp8 (the model "
                         "quantized once, cached), 'model' (the checkpoint as is), or a quantized copy's directory")
@@ -80,6 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
         dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size, num_pages=args.num_pages,
         speculative=None if args.no_speculative else args.speculative, decode_weights=args.decode_weights,
+        compile_decode=args.compile,
         api_key=args.api_key, routing=args.routing,
         local_prefill_below=args.local_prefill_below, max_failovers=args.max_failovers,
         decode_stall_timeout_s=args.decode_stall_timeout, fault_injection=args.fault_injection, shm=not args.no_shm,

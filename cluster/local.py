@@ -55,6 +55,8 @@ class LocalClusterConfig:
     num_pages: int | None = None
     """KV pages per worker (None: the worker default)."""
     speculative: str | None = "5/1/6"
+    compile_decode: bool = False
+    """Decode workers run decode / verify steps through compiled graphs (``decode.server --compile``)."""
     """MTP speculation STEPS/TOPK/DRAFT_TOKENS for the decode workers; None: off."""
     decode_weights: str = "mxfp4"
     """What the decode workers' routed experts run in: an MX format (``mxfp4``, ``mxfp6_e2m3``, ...: the
@@ -187,6 +189,7 @@ class LocalCluster:
             cmd += ["--kv-port", "0"] + (["--shm"] if c.shm else [])
             cmd += ["--quantized-model", self.decode_weights] if self.decode_weights else []
             cmd += ["--speculative", c.speculative] if c.speculative else ["--no-speculative"]
+            cmd += ["--compile"] if c.compile_decode else []
         return cmd + list(c.extra_worker_args)
 
     def start(self) -> None:

@@ -78,6 +78,8 @@ class RayLaunchConfig:
     """KV pages per worker (default: the worker's)."""
     speculative: str = "5/1/6"
     """MTP speculation STEPS/TOPK/DRAFT_TOKENS of the decode workers, or off."""
+    compile_decode: bool = False
+    """Decode workers run decode / verify steps through compiled graphs (warmed up before they serve)."""
     decode_weights: str | None = None
     """A quantized copy of the model (e.g. `pdserve quantize --format mxfp4` output, or a Quark export) at a path
     every node can read: decode workers load its weights (MXFP4 routed experts). Default: the model's own."""
@@ -247,6 +249,7 @@ def _worker_args(spec: dict, role: str, name: str) -> list[str]:
         args += ["--num-pages", str(spec["num_pages"])]
     if role == "decode":
         args += ["--kv-port", "0", "--speculative", spec["speculative"] or "off"]
+        args += ["--compile"] if spec.get("compile_decode") else []
         args += ["--quantized-model", spec["decode_weights"]] if spec.get("decode_weights") else []
         args += [] if spec["no_shm"] else ["--shm"]  # used by prefill workers on the same node
     return args

@@ -165,6 +165,12 @@ async def amain(args: argparse.Namespace) -> None:
                                                   cluster_secret=secret.encode() if secret else None))
     await receiver.start()
     spec = build_speculator(args, model, cfg, pool)
+    if args.compile:
+        from engine.runtime import warm_up_decode
+        model.compile_decode()
+        took = warm_up_decode(model, cfg, args.kv_dtype or args.dtype, args.page_size,
+                              args.speculative if spec is not None else None)
+        logger.info("decode graphs compiled and warmed up in %.1fs", took)
     sched = DecodeScheduler(model, pool, cfg.eos_token_ids, max_running=args.max_running,
                             stop_checker=stop_checker(Tokenizer.from_model_dir(model_dir)), spec=spec)
     sched.heartbeat = worker_main.Heartbeat(args.stall_after)
@@ -176,6 +182,7 @@ async def amain(args: argparse.Namespace) -> None:
     info["gc_frozen_objects"] = str(worker_main.freeze_startup_heap())  # everything is loaded: full collections skip it
     info["speculative"] = args.speculative if spec is not None else "off"
     info["local_prefill"] = "1"
+    info["decode_graphs"] = "compiled" if args.compile else "eager"
     from engine.quant.prepare import quantized_experts
     mx = sorted({m.spec.fmt.name for m in quantized_experts(model).values()})
     info["routed_experts"] = ",".join(mx) if mx else args.dtype
@@ -233,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="keep speculating for every request even when its drafts are rarely accepted (default: a "
                         "request whose tokens per round stay below a round's cost in plain steps decodes plainly)")
     p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--compile", action="store_true",
+                   help="run decode / verify steps through compiled graphs (torch.compile; warmed up before serving)")
     p.add_argument("--quantized-model", default=None, help="serve these (e.g. MXFP4) weights instead")
     p.add_argument("--shm", action="store_true", help="put the KV pool in shared memory (same-host transfers)")
     args = p.parse_args(argv)

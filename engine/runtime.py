@@ -67,6 +67,26 @@ def load_model(model_dir: str, dtype: str = "float32", device: str = "auto",
     return model, cfg
 
 
+def warm_up_decode(model: GlmForCausalLM, cfg: ModelConfig, kv_dtype: str, page_size: int = 16,
+                   spec: str | None = None) -> float:
+    """Compile the decode graphs of ``model`` (``compile_decode``) for the shape classes a decode worker
+    meets, before it serves: one and several decoding requests, short contexts (every key) and long ones
+    (the DSA top-k), and with ``spec`` the speculative draft and verify steps. Runs on a scratch pool;
+    returns the seconds it took."""
+    t0 = time.perf_counter()
+    n = cfg.index_topk + 2 * page_size if cfg.is_mla else 2 * page_size
+    prompts = [[2 + i % (cfg.vocab_size - 2) for i in range(n)], [3] * 4]
+    eng = Engine(model, cfg, kv_dtype=kv_dtype, page_size=page_size, num_pages=4 * (n // page_size + 4))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    eng.generate(prompts, params)
+    eng.generate(prompts[:1], params)
+    if spec:
+        from engine.spec import SpecConfig, SpecEngine
+        for ps in (prompts, prompts[:1]):
+            SpecEngine(eng, SpecConfig.parse(spec)).generate(ps, params)
+    return time.perf_counter() - t0
+
+
 @dataclass(slots=True)
 class Seq:
     req_id: str

@@ -18,6 +18,7 @@ a one-token decode step computes (``tests/engine/test_decode_graph.py``).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable, NamedTuple
 
 import torch
@@ -123,9 +124,27 @@ def _compile(fn: Callable, device: torch.device) -> Callable:
     return torch.compile(fn, fullgraph=True, options=options)
 
 
+RECOMPILE_LIMIT = 64
+"""Graphs per function: shape classes (one token or several, one request or several, a short or a long
+context) times layer kinds (dense MLP, MoE with the experts inside or left to the caller). torch's default
+(8) would make the ninth a hard error under ``fullgraph``."""
+_thread = threading.local()
+
+
+def _limits() -> None:
+    """torch._dynamo's config is per thread (a decode worker steps in its scheduler thread)."""
+    if not getattr(_thread, "set", False):
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        setattr(cfg, name, max(RECOMPILE_LIMIT, getattr(cfg, name)))
+        _thread.set = True
+
+
 def _dynamic(compiled: bool, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Mark the token dimension dynamic from the first multi-token call on, so one graph serves every
     token count above 1 (one token gets its own graph: torch specialises size 1 whatever the marks)."""
+    if compiled:
+        _limits()
     if compiled and ts[0].shape[0] > 1:
         for t in ts:
             torch._dynamo.mark_dynamic(t, 0)
@@ -139,8 +158,6 @@ class DecodeGraphs:
     def __init__(self, compiled: bool, device: torch.device | str = "cpu") -> None:
         self.compiled = compiled
         if compiled:
-            limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-            setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
             self.pre = _compile(mla_tokenwise, torch.device(device))
             self.post = _compile(layer_post, torch.device(device))
             self.layer = _compile(mla_decode_layer, torch.device(device))
@@ -169,7 +186,8 @@ class DecodeGraphs:
         mask = None if B == 1 and tq == 1 else batch.attn_mask[:, 0]  # [B, Tq, S]
         bufs = tuple(pool.flat(L, n) for n in ("latent", "rope", "index"))
         kv_slots = batch.kv_slots
-        dims = [(kv_slots, 1)]
+        dims = [(kv_slots, 1)] + [(b, 0) for b in bufs]  # any pool size
+        _limits()
         if x.shape[0] > 1:
             dims += [(x, 0), (cos, 0), (sin, 0), (batch.out_slots, 0)]
         if B > 1:

@@ -117,3 +117,21 @@ def test_compile_decode_off_returns_to_eager(dirs):  # noqa: F811
     assert all(layer.graphs.compiled for layer in list(model.model.layers) + [m.block for m in model.mtp])
     model.compile_decode(False)
     assert not any(layer.graphs.compiled for layer in list(model.model.layers) + [m.block for m in model.mtp])
+
+
+def test_recompile_limit_holds_in_every_thread():
+    """torch._dynamo's config is per thread and a decode worker steps in its scheduler thread: with torch's
+    default limit (8 graphs per function) the ninth shape class there was a hard error (seen serving)."""
+    import threading
+
+    from engine.layers import decode_graph
+    seen = []
+
+    def worker():
+        decode_graph._dynamic(True, torch.zeros(2, 4))
+        seen.append(torch._dynamo.config.recompile_limit)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [decode_graph.RECOMPILE_LIMIT]
