@@ -1,19 +1,26 @@
 """Decode and verify steps of MLA decoder layers through compiled graphs.
 
-A decode step of a small model is bound by per-op overhead (~450 torch ops per step of the default model,
-each a few microseconds of dispatch for a few hundred flops). Everything an MLA layer computes token by
-token (norms, projections, RoPE, the W_UK/W_UV absorption, o_proj, the residuals and the FFN, the MoE's
-routing and gather experts included) is a function of tensors and constants (``mla_tokenwise`` and
-``layer_post``); ``DecodeGraphs(compiled=True)`` runs the two through ``torch.compile`` (inductor fuses
-the elementwise work around the GEMMs; on CPU with its C++ wrapper, so no Python runs between kernels).
-What depends on each request's paged context (KV writes, the DSA selection, sparse attention) stays
-eager in between (``MLAAttention.attend``).
+A decode step of a small model is bound by per-op overhead (~450 eager torch ops per step of the default
+model, each a few microseconds of dispatch for a few hundred flops). An MLA layer is written as functions
+of tensors and constants: ``mla_tokenwise`` (norms, projections, RoPE, W_UK absorption), then
+``paged_mla_attention`` (KV writes into the flat pool buffers, the DSA indexer's top-k, sparse attention
+in the latent space) and ``layer_post`` (W_UV, o_proj, residuals, the FFN with the MoE's routing and
+gather experts). ``GlmForCausalLM.compile_decode`` runs ``mla_decode_layer`` (all three) through
+``torch.compile`` for decode and verify steps: one graph call per layer, inductor fusing the gathers and
+elementwise work around the GEMMs; on CPU with its C++ wrapper, so no Python runs between kernels.
+Graphs are dynamic in the token count, the request count, the context length and the pool size: one
+token, one request and each layer kind (dense MLP / MoE) give the few specialised ones (``RECOMPILE_LIMIT``).
 
-Only steps whose queries are absorbed (decode, speculative verify: <= ``MLA_ABSORB_MAX_Q`` per request)
-take the graphs; prefill stays eager. The eager and compiled paths run the same code, so both are
-tested by the same tests; they are not bitwise equal to each other (fused kernels round differently),
-and a speculative run is lossless within one path: every token of a verify step computes exactly what
-a one-token decode step computes (``tests/engine/test_decode_graph.py``).
+What the graphs do not cover runs the eager path with the same token-wise functions (``tokenwise``,
+``after_attention`` around ``MLAAttention.attend``): prefill, batches whose requests have different
+query counts, fp8 KV pools (quantising writes) and GQA models. Routed experts run inside the graph on
+the gather path (<= ``GATHER_MAX_PAIRS`` token-expert pairs, dense-weight experts); MXFP4 experts and
+larger batches run their own eager strategies between the graph and the residual add.
+
+Compiled and eager steps agree to float rounding, not bitwise (fused kernels round differently). Neither
+path is bitwise batch-invariant: a GEMM over 1 row and over 6 rows rounds differently (eager
+``F.linear`` included), so "lossless" speculation means greedy output equal to plain greedy decoding of
+the same path, tested on both (``tests/engine/test_spec.py``, ``tests/engine/test_decode_graph.py``).
 """
 from __future__ import annotations
 
