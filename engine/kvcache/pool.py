@@ -253,6 +253,15 @@ class KVPool:
         b = self.buffers[layer][name]
         return b.view(b.shape[0] * b.shape[1], *b.shape[2:])
 
+    def flat_views(self, layer: int, names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+        """``flat`` views of several components, made once (buffers never move): the same tensor objects
+        every step for callers that hand them to compiled graphs."""
+        cache = self.__dict__.setdefault("_flat_views", {})  # also for subclasses with their own __init__
+        views = cache.get((layer, names))
+        if views is None:
+            views = cache[(layer, names)] = tuple(self.flat(layer, n) for n in names)
+        return views
+
     def flat_scale(self, layer: int, name: str) -> torch.Tensor:
         s = self.scales[layer][name]
         return s.view(s.shape[0] * s.shape[1], *s.shape[2:])

@@ -29,6 +29,7 @@ import threading
 from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
 from engine.kvcache.pool import KVPool
@@ -124,6 +125,35 @@ def mla_decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bufs
     return layer_post(x, o, *post_args), idx, valid
 
 
+def mla_decode_stack(ids: torch.Tensor, embed_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     out_slots: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor | None, layers: tuple,
+                     norm_w: torch.Tensor, norm_eps: float, lm_w: torch.Tensor, logits_index: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's decode / verify forward: embedding, ``mla_decode_layer`` per layer (``layers``: (pool
+    views, consts, pre args, post args), every FFN complete inside), final norm, LM head. Returns
+    (fp32 logits of ``logits_index``'s rows or of all, the final-normed hidden states)."""
+    x = F.embedding(ids, embed_w)
+    prev_idx = prev_valid = None
+    for bufs, c, pre, post in layers:
+        (x, _, _, _), idx, valid = mla_decode_layer(x, cos, sin, bufs, out_slots, kv_slots, mask, prev_idx,
+                                                    prev_valid, c, pre, post)
+        if c.score:
+            prev_idx, prev_valid = idx, valid
+    hidden = rms_norm(x, norm_w, norm_eps)
+    sel = hidden if logits_index is None else hidden.index_select(0, logits_index)
+    return F.linear(sel, lm_w).float(), hidden
+
+
+def pool_views(pool: KVPool, layer: int) -> tuple[torch.Tensor, ...]:
+    """The layer's flat latent / rope / index buffers, dynamic in their slot count (any pool size shares
+    the graphs)."""
+    views = pool.flat_views(layer, ("latent", "rope", "index"))
+    if getattr(views[0], "_dynamo_dynamic_indices", None) is None:
+        for v in views:
+            torch._dynamo.mark_dynamic(v, 0)
+    return views
+
+
 def _compile(fn: Callable, device: torch.device) -> Callable:
     # Shapes: the first call (one token) compiles a static graph, the next shape a graph dynamic in the
     # token count, which every later batch size reuses. Weights keep static shapes (specialised kernels).
@@ -168,8 +198,9 @@ class DecodeGraphs:
             self.pre = _compile(mla_tokenwise, torch.device(device))
             self.post = _compile(layer_post, torch.device(device))
             self.layer = _compile(mla_decode_layer, torch.device(device))
+            self.stack = _compile(mla_decode_stack, torch.device(device))
         else:
-            self.pre, self.post, self.layer = mla_tokenwise, layer_post, mla_decode_layer
+            self.pre, self.post, self.layer, self.stack = mla_tokenwise, layer_post, mla_decode_layer, mla_decode_stack
 
     def tokenwise(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, args: tuple) -> MLATokens:
         """``mla_tokenwise(x, cos, sin, *args)``."""
@@ -184,30 +215,53 @@ class DecodeGraphs:
                   batch: ForwardBatch, pool: KVPool, topk: TopK | None, args: tuple):
         """``mla_decode_layer`` for ``attn``'s layer over a batch of requests with equal query counts ->
         (``layer_post``'s outputs, the DSA selection)."""
-        cfg, L = attn.cfg, attn.layer_idx
-        B, S, tq = batch.num_reqs, batch.max_kv_len, batch.q_lens[0]
-        need = S > cfg.index_topk
-        c = PagedConsts(cfg.index_topk, need and attn.indexer is not None, need, cfg.softmax_scale, cfg.kv_lora_rank)
+        c = self.consts(attn, batch)
         if c.sparse and not c.score and topk is None:
-            raise ValueError(f"layer {L} shares the DSA top-k but no previous layer produced one")
-        mask = None if B == 1 and tq == 1 else batch.attn_mask[:, 0]  # [B, Tq, S]
-        bufs = tuple(pool.flat(L, n) for n in ("latent", "rope", "index"))
-        kv_slots = batch.kv_slots
-        dims = [(kv_slots, 1)] + [(b, 0) for b in bufs]  # any pool size
+            raise ValueError(f"layer {attn.layer_idx} shares the DSA top-k but no previous layer produced one")
+        mask = self.batch_inputs(batch, x, cos, sin)
+        prev = (None, None) if topk is None or c.score else (topk.idx, topk.valid)
+        out, idx, valid = self.layer(x, cos, sin, pool_views(pool, attn.layer_idx), batch.out_slots,
+                                     batch.kv_slots, mask, *prev, c, *args)
+        if c.score:
+            topk = TopK(idx, valid)
+        return out, topk
+
+    @staticmethod
+    def consts(attn: MLAAttention, batch: ForwardBatch) -> PagedConsts:
+        cfg = attn.cfg
+        need = batch.max_kv_len > cfg.index_topk
+        return PagedConsts(cfg.index_topk, need and attn.indexer is not None, need, cfg.softmax_scale,
+                           cfg.kv_lora_rank)
+
+    @staticmethod
+    def batch_inputs(batch: ForwardBatch, *token_major: torch.Tensor) -> torch.Tensor | None:
+        """Mark the batch's tensors dynamic (tokens, requests, context length) -> the attention mask
+        ``[B, Tq, S]`` (None for one decoding request: it sees every key)."""
         _limits()
-        if x.shape[0] > 1:
-            dims += [(x, 0), (cos, 0), (sin, 0), (batch.out_slots, 0)]
+        B, tq = batch.num_reqs, batch.q_lens[0]
+        mask = None if B == 1 and tq == 1 else batch.attn_mask[:, 0]
+        dims = [(batch.kv_slots, 1)]
+        if batch.out_slots.shape[0] > 1:
+            dims += [(t, 0) for t in token_major] + [(batch.out_slots, 0)]
         if B > 1:
-            dims.append((kv_slots, 0))
+            dims.append((batch.kv_slots, 0))
         if mask is not None:
             dims += [(mask, 2)] + ([(mask, 0)] if B > 1 else []) + ([(mask, 1)] if tq > 1 else [])
         for t, d in dims:
             torch._dynamo.mark_dynamic(t, d)
-        prev = (None, None) if topk is None or c.score else (topk.idx, topk.valid)
-        out, idx, valid = self.layer(x, cos, sin, bufs, batch.out_slots, kv_slots, mask, *prev, c, *args)
-        if c.score:
-            topk = TopK(idx, valid)
-        return out, topk
+        return mask
+
+    def run_stack(self, layers: list, batch: ForwardBatch, pool: KVPool, ids: torch.Tensor, embed_w: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, norm: tuple, lm_w: torch.Tensor, all_logits: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole decode / verify forward (embedding, every layer, final norm, LM head) as one graph call;
+        ``layers`` are ``(attn, weight args)`` of layers whose FFN completes inside the graph."""
+        li = None if all_logits else batch.logits_index
+        mask = self.batch_inputs(batch, ids, cos, sin)
+        if li is not None and li.shape[0] > 1:
+            torch._dynamo.mark_dynamic(li, 0)
+        per_layer = tuple((pool_views(pool, a.layer_idx), self.consts(a, batch), *args) for a, args in layers)
+        return self.stack(ids, embed_w, cos, sin, batch.out_slots, batch.kv_slots, mask, per_layer, *norm, lm_w, li)
 
     def experts_in_graph(self, experts: torch.nn.Module, num_pairs: int) -> bool:
         """Routed experts run inside ``post`` only on the gather path of dense-weight experts (what eager

@@ -54,12 +54,7 @@ class DecoderLayer(nn.Module):
         cos, sin = rope.lookup(batch.positions, x.dtype)
         experts = getattr(self.mlp, "experts", None)
         in_graph = experts is not None and g.experts_in_graph(experts, x.shape[0] * cfg.num_experts_per_tok)
-        key = (batch.max_kv_len > cfg.index_topk, absorb, in_graph)
-        args = self._frozen_args.get(key) if g.compiled else None
-        if args is None:
-            args = self._weight_args(*key)
-            if g.compiled:
-                self._frozen_args[key] = args
+        args = self._args(g, (batch.max_kv_len > cfg.index_topk, absorb, in_graph))
         if g.compiled and not pool.layout.is_fp8 and batch.uniform_q:
             (x, h, y, routing), topk = g.run_layer(attn, x, cos, sin, batch, pool, topk, args)
         else:
@@ -69,6 +64,23 @@ class DecoderLayer(nn.Module):
         if routing is not None:
             x = x + finish_ffn(experts, h, y, routing)
         return x, topk
+
+    def graph_args(self, batch: ForwardBatch) -> tuple[tuple, tuple] | None:
+        """The weight arguments of this layer inside a whole-step graph (``GlmForCausalLM._stack_layers``),
+        or None when its FFN cannot complete there (routed experts left to eager code)."""
+        experts = getattr(self.mlp, "experts", None)
+        if experts is not None and not self.graphs.experts_in_graph(experts, batch.num_tokens *
+                                                                    self.self_attn.cfg.num_experts_per_tok):
+            return None
+        return self._args(self.graphs, (batch.max_kv_len > self.self_attn.cfg.index_topk, True, experts is not None))
+
+    def _args(self, g: DecodeGraphs, key: tuple[bool, bool, bool]) -> tuple[tuple, tuple]:
+        args = self._frozen_args.get(key) if g.compiled else None
+        if args is None:
+            args = self._weight_args(*key)
+            if g.compiled:
+                self._frozen_args[key] = args
+        return args
 
     def _weight_args(self, need_topk: bool, absorb: bool, in_graph: bool) -> tuple[tuple, tuple]:
         """The MLA token-wise functions' weight arguments: ``mla_tokenwise``'s and ``layer_post``'s."""
@@ -135,6 +147,14 @@ class GlmForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool, all_logits: bool = False) -> ForwardResult:
         rope = self.rope()
+        layers = self._stack_layers(batch, pool)
+        if layers is not None:  # one compiled graph for the whole step
+            cos, sin = rope.lookup(batch.positions, self.lm_head.weight.dtype)
+            n = self.model.norm
+            logits, hidden = layers[0][0].graphs.run_stack(
+                [(layer.self_attn, args) for layer, args in layers], batch, pool, batch.input_ids,
+                self.model.embed_tokens.weight, cos, sin, (n.weight, n.eps), self.lm_head.weight, all_logits)
+            return ForwardResult(logits, hidden)
         x = self.model.embed_tokens(batch.input_ids)
         topk = None
         for layer in self.model.layers:
@@ -144,6 +164,23 @@ class GlmForCausalLM(nn.Module):
         hidden = self.model.norm(x)
         sel = hidden if all_logits else hidden.index_select(0, batch.logits_index)
         return ForwardResult(self.logits(sel), hidden)
+
+    def _stack_layers(self, batch: ForwardBatch, pool: KVPool) -> list | None:
+        """``[(layer, weight args)]`` when this decode / verify step can run as one compiled graph: every layer
+        MLA on compiled graphs, every FFN complete inside (no routed experts left to eager code), requests
+        with equal query counts, no per-layer hook, a pool without quantised writes."""
+        layers = self.model.layers
+        g = layers[0].graphs
+        if (not g.compiled or batch.on_layer_done is not None or pool.layout.is_fp8 or not batch.uniform_q
+                or max(batch.q_lens) > MLA_ABSORB_MAX_Q or not isinstance(layers[0].self_attn, MLAAttention)):
+            return None
+        out = []
+        for layer in layers:
+            args = layer.graph_args(batch)
+            if args is None:
+                return None
+            out.append((layer, args))
+        return out
 
     def _mtp_input(self, m: MTPLayer, batch: ForwardBatch, prev_hidden: torch.Tensor) -> torch.Tensor:
         """eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]): the MTP block's input."""

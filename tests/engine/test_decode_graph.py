@@ -47,15 +47,17 @@ def _prefill(model, cfg, prompts, kv_dtype="float32"):
 def _step(model, pool, pages, prompts, new_tokens):
     reqs = [BatchRequest(pg, len(p), toks) for pg, p, toks in zip(pages, prompts, new_tokens)]
     batch = ForwardBatch.build(reqs, PAGE)
-    return model(batch, pool, all_logits=True).logits, batch.out_slots
+    whole = model._stack_layers(batch, pool) is not None
+    return model(batch, pool, all_logits=True).logits, batch.out_slots, whole
 
 
 @pytest.mark.parametrize("lens,q", [((40,), 1), ((5, 23, 40), 1), ((40,), 6), ((23, 40), 3),
                                     ((5, 23, 40, 7, 30, 19, 12, 33, 26), 1)])
 def test_compiled_step_matches_eager(dirs, compiled, lens, q):  # noqa: F811
     """One decode (q = 1) or verify-shaped (q > 1) step, eager vs compiled, from the same prefilled KV: the
-    logits and every KV component written agree to float rounding. 9 requests: 18 token-expert pairs,
-    above the gather limit, so the routed experts run eagerly between the graph and the residual."""
+    logits and every KV component written agree to float rounding. Up to 16 token-expert pairs the whole
+    step is one graph; 9 requests (18 pairs) run a graph per layer with the routed experts eager between
+    the graph and the residual."""
     eager, cfg = load_model(dirs["random-dsa"], "float32", "cpu")
     comp, _ = compiled["random-dsa"]
     prompts = prompts_for(cfg, lens, seed=len(lens) + q)
@@ -66,12 +68,14 @@ def test_compiled_step_matches_eager(dirs, compiled, lens, q):  # noqa: F811
         pool, pages = _prefill(eager, cfg, prompts)  # the same (eager) prompt KV for both
         for _ in range(2):  # the first call of a shape class compiles; the second runs the cached graph
             snapshot = [{n: b.clone() for n, b in layer.items()} for layer in pool.buffers]
-            logits, slots = _step(model, pool, pages, prompts, new)
+            logits, slots, whole = _step(model, pool, pages, prompts, new)
             written = [{n: pool.flat(i, n)[slots].clone() for n in layer} for i, layer in enumerate(pool.buffers)]
             for i, layer in enumerate(pool.buffers):  # undo the step: the second call starts alike
                 for n, b in layer.items():
                     b.copy_(snapshot[i][n])
         results.append((logits, written))
+        # one graph for the whole step when every routed expert runs inside (<= 16 token-expert pairs)
+        assert whole == (model is comp and len(lens) * q * cfg.num_experts_per_tok <= 16)
     (le, we), (lc, wc) = results
     assert torch.isfinite(lc).all()
     torch.testing.assert_close(lc, le, rtol=1e-4, atol=1e-4)
