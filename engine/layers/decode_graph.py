@@ -127,12 +127,17 @@ def mla_decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bufs
 
 def mla_decode_stack(ids: torch.Tensor, embed_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      out_slots: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor | None, layers: tuple,
-                     norm_w: torch.Tensor, norm_eps: float, lm_w: torch.Tensor, logits_index: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     norm_w: torch.Tensor, norm_eps: float, lm_w: torch.Tensor, logits_index: torch.Tensor | None,
+                     mtp: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's decode / verify forward: embedding, ``mla_decode_layer`` per layer (``layers``: (pool
     views, consts, pre args, post args), every FFN complete inside), final norm, LM head. Returns
-    (fp32 logits of ``logits_index``'s rows or of all, the final-normed hidden states)."""
+    (fp32 logits of ``logits_index``'s rows or of all, the final-normed hidden states). With ``mtp`` =
+    (prev_hidden, enorm weight, eps, hnorm weight, eps, eh_proj weight) it is an MTP layer's forward:
+    its input is eh_proj([enorm(embed(ids)); hnorm(prev_hidden)]) (``GlmForCausalLM._mtp_input``)."""
     x = F.embedding(ids, embed_w)
+    if mtp is not None:
+        prev_hidden, en_w, en_eps, hn_w, hn_eps, eh_w = mtp
+        x = F.linear(torch.cat([rms_norm(x, en_w, en_eps), rms_norm(prev_hidden, hn_w, hn_eps)], dim=-1), eh_w)
     prev_idx = prev_valid = None
     for bufs, c, pre, post in layers:
         (x, _, _, _), idx, valid = mla_decode_layer(x, cos, sin, bufs, out_slots, kv_slots, mask, prev_idx,
@@ -252,16 +257,18 @@ class DecodeGraphs:
         return mask
 
     def run_stack(self, layers: list, batch: ForwardBatch, pool: KVPool, ids: torch.Tensor, embed_w: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, norm: tuple, lm_w: torch.Tensor, all_logits: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  cos: torch.Tensor, sin: torch.Tensor, norm: tuple, lm_w: torch.Tensor, all_logits: bool,
+                  mtp: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole decode / verify forward (embedding, every layer, final norm, LM head) as one graph call;
-        ``layers`` are ``(attn, weight args)`` of layers whose FFN completes inside the graph."""
+        ``layers`` are ``(attn, weight args)`` of layers whose FFN completes inside the graph; ``mtp`` see
+        ``mla_decode_stack``."""
         li = None if all_logits else batch.logits_index
-        mask = self.batch_inputs(batch, ids, cos, sin)
+        mask = self.batch_inputs(batch, ids, cos, sin, *(() if mtp is None else mtp[:1]))
         if li is not None and li.shape[0] > 1:
             torch._dynamo.mark_dynamic(li, 0)
         per_layer = tuple((pool_views(pool, a.layer_idx), self.consts(a, batch), *args) for a, args in layers)
-        return self.stack(ids, embed_w, cos, sin, batch.out_slots, batch.kv_slots, mask, per_layer, *norm, lm_w, li)
+        return self.stack(ids, embed_w, cos, sin, batch.out_slots, batch.kv_slots, mask, per_layer, *norm, lm_w, li,
+                          mtp)
 
     def experts_in_graph(self, experts: torch.nn.Module, num_pairs: int) -> bool:
         """Routed experts run inside ``post`` only on the gather path of dense-weight experts (what eager

@@ -147,14 +147,9 @@ class GlmForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool, all_logits: bool = False) -> ForwardResult:
         rope = self.rope()
-        layers = self._stack_layers(batch, pool)
+        layers = self._stack_layers(self.model.layers, batch, pool)
         if layers is not None:  # one compiled graph for the whole step
-            cos, sin = rope.lookup(batch.positions, self.lm_head.weight.dtype)
-            n = self.model.norm
-            logits, hidden = layers[0][0].graphs.run_stack(
-                [(layer.self_attn, args) for layer, args in layers], batch, pool, batch.input_ids,
-                self.model.embed_tokens.weight, cos, sin, (n.weight, n.eps), self.lm_head.weight, all_logits)
-            return ForwardResult(logits, hidden)
+            return self._run_stack(layers, batch, pool, self.model.norm, all_logits)
         x = self.model.embed_tokens(batch.input_ids)
         topk = None
         for layer in self.model.layers:
@@ -165,11 +160,18 @@ class GlmForCausalLM(nn.Module):
         sel = hidden if all_logits else hidden.index_select(0, batch.logits_index)
         return ForwardResult(self.logits(sel), hidden)
 
-    def _stack_layers(self, batch: ForwardBatch, pool: KVPool) -> list | None:
+    def _run_stack(self, layers: list, batch: ForwardBatch, pool: KVPool, norm: RMSNorm, all_logits: bool,
+                   mtp: tuple | None = None) -> ForwardResult:
+        cos, sin = self.rope().lookup(batch.positions, self.lm_head.weight.dtype)
+        logits, hidden = layers[0][0].graphs.run_stack(
+            [(layer.self_attn, args) for layer, args in layers], batch, pool, batch.input_ids,
+            self.model.embed_tokens.weight, cos, sin, (norm.weight, norm.eps), self.lm_head.weight, all_logits, mtp)
+        return ForwardResult(logits, hidden)
+
+    def _stack_layers(self, layers: list, batch: ForwardBatch, pool: KVPool) -> list | None:
         """``[(layer, weight args)]`` when this decode / verify step can run as one compiled graph: every layer
         MLA on compiled graphs, every FFN complete inside (no routed experts left to eager code), requests
         with equal query counts, no per-layer hook, a pool without quantised writes."""
-        layers = self.model.layers
         g = layers[0].graphs
         if (not g.compiled or batch.on_layer_done is not None or pool.layout.is_fp8 or not batch.uniform_q
                 or max(batch.q_lens) > MLA_ABSORB_MAX_Q or not isinstance(layers[0].self_attn, MLAAttention)):
@@ -206,6 +208,10 @@ class GlmForCausalLM(nn.Module):
         the hidden states h_i at the same positions. Returns logits for t_{i+2} and the layer's
         normed output (fed back as ``prev_hidden`` when chaining drafts)."""
         m = self.mtp[k]
+        layers = self._stack_layers([m.block], batch, pool)
+        if layers is not None:  # one compiled graph for the whole draft step
+            mtp = (prev_hidden, m.enorm.weight, m.enorm.eps, m.hnorm.weight, m.hnorm.eps, m.eh_proj.weight)
+            return self._run_stack(layers, batch, pool, m.shared_head_norm, all_logits, mtp)
         x, _ = m.block(self._mtp_input(m, batch, prev_hidden), batch, pool, self.rope(), None)
         if batch.on_layer_done is not None:
             batch.on_layer_done(m.block.layer_idx)

@@ -47,7 +47,7 @@ def _prefill(model, cfg, prompts, kv_dtype="float32"):
 def _step(model, pool, pages, prompts, new_tokens):
     reqs = [BatchRequest(pg, len(p), toks) for pg, p, toks in zip(pages, prompts, new_tokens)]
     batch = ForwardBatch.build(reqs, PAGE)
-    whole = model._stack_layers(batch, pool) is not None
+    whole = model._stack_layers(model.model.layers, batch, pool) is not None
     return model(batch, pool, all_logits=True).logits, batch.out_slots, whole
 
 
