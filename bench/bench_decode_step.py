@@ -1,6 +1,6 @@
 """Decode-step cost of the engine: time, minor page faults and torch ops per step, per batch size.
 
-    .venv/bin/python bench/bench_decode_step.py [--model DIR] [--batches 1,8,32] [--threads 1] [--scheduler]
+    .venv/bin/python bench/bench_decode_step.py [--model DIR] [--batches 1,8,32] [--threads 1] [--scheduler] [--compile]
 
 Each batch runs ``Engine.generate``'s decode iteration (prompts of 256 random tokens, greedy) for 5 warm-up
 steps, then 7 x 20 timed steps; reported: the best of the 7 (ms per step, the machines are noisy), minor
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--scheduler", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="through the compiled decode graphs (compile_decode)")
     args = ap.parse_args()
     try:
         from engine.defaults import tune_malloc
@@ -74,9 +75,11 @@ def main() -> None:
     from engine.defaults import default_model_dir
     from engine.runtime import load_model
     model, cfg = load_model(args.model or default_model_dir(), "float32", "cpu")
+    if args.compile:
+        model.compile_decode()
     import engine
     print(f"source {os.path.dirname(os.path.dirname(engine.__file__))}, model {args.model or default_model_dir()}, "
-          f"{args.threads} thread(s), malloc tuned: {tuned}")
+          f"{args.threads} thread(s), malloc tuned: {tuned}, decode graphs {'compiled' if args.compile else 'eager'}")
     if args.scheduler:
         print(f"DecodeScheduler, 1 request, 400-token prompt: {scheduler_rate(model, cfg):.0f} tok/s")
         return
