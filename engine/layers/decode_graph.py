@@ -36,7 +36,7 @@ from engine.kvcache.pool import KVPool
 from engine.layers.attention import MLADims, MLAAttention, MLATokens, TopK, head_bmm, mla_tokenwise
 from engine.layers.mlp import FFNArgs, ffn_tokenwise
 from engine.layers.norm import rms_norm
-from engine.moe.experts import GATHER_MAX_PAIRS, RoutedExperts
+from engine.moe.experts import GATHER_MAX_PAIRS
 from engine.moe.router import Routing
 
 logger = logging.getLogger(__name__)
@@ -270,15 +270,16 @@ class DecodeGraphs:
         return self.stack(ids, embed_w, cos, sin, batch.out_slots, batch.kv_slots, mask, per_layer, *norm, lm_w, li,
                           mtp)
 
-    def experts_in_graph(self, experts: torch.nn.Module, num_pairs: int) -> bool:
-        """Routed experts run inside ``post`` only on the gather path of dense-weight experts (what eager
-        ``RoutedExperts`` picks for <= ``GATHER_MAX_PAIRS`` token-expert pairs), so a graph's MoE is the
-        eager one's; otherwise the caller runs ``experts`` eagerly (their own strategy choice)."""
-        if not (self.compiled and isinstance(experts, RoutedExperts) and experts.impl in ("auto", "gather")
-                and num_pairs <= GATHER_MAX_PAIRS):
-            return False
-        experts.last_impl = "gather"
-        return True
+    def experts_in_graph(self, experts: torch.nn.Module, num_pairs: int, dtype: torch.dtype
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The routed experts' dense (w13, w2) when they run inside the graph, else None (the caller runs
+        ``experts`` eagerly, with their own strategy choice). Inside means the gather path, which eager
+        experts run for <= ``GATHER_MAX_PAIRS`` token-expert pairs too: dense-weight experts, or MX experts
+        whose dequantized layer is cached (``MXRoutedExperts.gather_weights``)."""
+        if not self.compiled or num_pairs > GATHER_MAX_PAIRS:
+            return None
+        fn = getattr(experts, "gather_weights", None)
+        return None if fn is None else fn(dtype)
 
 
 EAGER = DecodeGraphs(compiled=False)

@@ -70,7 +70,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ffn_tokenwise(x, self.tokenwise_args())[0]
 
-    def tokenwise_args(self, in_graph_experts: bool = False) -> FFNArgs:
+    def tokenwise_args(self, experts_w: tuple | None = None) -> FFNArgs:
         w, _, sizes = self._gate_up.weight(self.gate_up_parts())
         return FFNArgs(w, sizes, self.down_proj.weight, None, False, None, (), None, None)
 
@@ -90,14 +90,12 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return finish_ffn(self.experts, x, *ffn_tokenwise(x, self.tokenwise_args()))
 
-    def tokenwise_args(self, in_graph_experts: bool = False) -> FFNArgs:
-        """``in_graph_experts``: the routed experts run inside ``ffn_tokenwise`` (the gather path; only for
-        dense-weight experts), else the caller runs ``self.experts`` (``finish_ffn``)."""
+    def tokenwise_args(self, experts_w: tuple | None = None) -> FFNArgs:
+        """``experts_w`` = dense (w13, w2): the routed experts run inside ``ffn_tokenwise`` (the gather path),
+        else (None) the caller runs ``self.experts`` (``finish_ffn``)."""
         cfg, se, gate = self.gate.cfg, self.shared_experts, self.gate
         consts = (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-        w13 = w2 = None
-        if in_graph_experts:
-            w13, w2 = self.experts.w13, self.experts.w2
+        w13, w2 = experts_w or (None, None)
         if se is None:
             return FFNArgs(None, [], None, gate.weight.float(), True, gate.e_score_correction_bias, consts, w13, w2)
         if gate.weight.dtype == se.gate_proj.weight.dtype:

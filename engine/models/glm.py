@@ -53,8 +53,9 @@ class DecoderLayer(nn.Module):
         g = self.graphs if absorb else EAGER
         cos, sin = rope.lookup(batch.positions, x.dtype)
         experts = getattr(self.mlp, "experts", None)
-        in_graph = experts is not None and g.experts_in_graph(experts, x.shape[0] * cfg.num_experts_per_tok)
-        args = self._args(g, (batch.max_kv_len > cfg.index_topk, absorb, in_graph))
+        experts_w = None if experts is None else g.experts_in_graph(experts, x.shape[0] * cfg.num_experts_per_tok,
+                                                                      x.dtype)
+        args = self._args(g, (batch.max_kv_len > cfg.index_topk, absorb), experts_w)
         if g.compiled and not pool.layout.is_fp8 and batch.uniform_q:
             (x, h, y, routing), topk = g.run_layer(attn, x, cos, sin, batch, pool, topk, args)
         else:
@@ -68,26 +69,39 @@ class DecoderLayer(nn.Module):
     def graph_args(self, batch: ForwardBatch) -> tuple[tuple, tuple] | None:
         """The weight arguments of this layer inside a whole-step graph (``GlmForCausalLM._stack_layers``),
         or None when its FFN cannot complete there (routed experts left to eager code)."""
+        cfg = self.self_attn.cfg
         experts = getattr(self.mlp, "experts", None)
-        if experts is not None and not self.graphs.experts_in_graph(experts, batch.num_tokens *
-                                                                    self.self_attn.cfg.num_experts_per_tok):
-            return None
-        return self._args(self.graphs, (batch.max_kv_len > self.self_attn.cfg.index_topk, True, experts is not None))
+        experts_w = None
+        if experts is not None:
+            experts_w = self.graphs.experts_in_graph(experts, batch.num_tokens * cfg.num_experts_per_tok,
+                                                     self.post_attention_layernorm.weight.dtype)
+            if experts_w is None:
+                return None
+        return self._args(self.graphs, (batch.max_kv_len > cfg.index_topk, True), experts_w)
 
-    def _args(self, g: DecodeGraphs, key: tuple[bool, bool, bool]) -> tuple[tuple, tuple]:
-        args = self._frozen_args.get(key) if g.compiled else None
+    def _args(self, g: DecodeGraphs, key: tuple[bool, bool], experts_w: tuple | None) -> tuple[tuple, tuple]:
+        """(``mla_tokenwise``'s, ``layer_post``'s) weight arguments. Compiled graphs take them collected once
+        (weights are frozen while compiled), except the routed experts' dense weights: an MX layer's come
+        from its DequantCache, which may drop and rebuild them."""
+        full = key + (experts_w is not None,)
+        args = self._frozen_args.get(full) if g.compiled else None
         if args is None:
-            args = self._weight_args(*key)
+            args = self._weight_args(*key, experts_w)
             if g.compiled:
-                self._frozen_args[key] = args
+                self._frozen_args[full] = args
+        f = args[1][-1]
+        if experts_w is not None and f.w13 is not experts_w[0]:
+            args = (args[0], args[1][:-1] + (f._replace(w13=experts_w[0], w2=experts_w[1]),))
+            if g.compiled:
+                self._frozen_args[full] = args
         return args
 
-    def _weight_args(self, need_topk: bool, absorb: bool, in_graph: bool) -> tuple[tuple, tuple]:
+    def _weight_args(self, need_topk: bool, absorb: bool, experts_w: tuple | None) -> tuple[tuple, tuple]:
         """The MLA token-wise functions' weight arguments: ``mla_tokenwise``'s and ``layer_post``'s."""
         attn, pln = self.self_attn, self.post_attention_layernorm
         w_uv = attn.w_kv()[:, attn.cfg.qk_nope_head_dim:].transpose(1, 2) if absorb else None
         return (attn.tokenwise_args(self.input_layernorm, need_topk, absorb),
-                (w_uv, attn.o_proj.weight, attn.o_proj.bias, pln.weight, pln.eps, self.mlp.tokenwise_args(in_graph)))
+                (w_uv, attn.o_proj.weight, attn.o_proj.bias, pln.weight, pln.eps, self.mlp.tokenwise_args(experts_w)))
 
 
 class MTPLayer(nn.Module):
@@ -210,6 +224,8 @@ class GlmForCausalLM(nn.Module):
         m = self.mtp[k]
         layers = self._stack_layers([m.block], batch, pool)
         if layers is not None:  # one compiled graph for the whole draft step
+            if not prev_hidden.is_inference():  # callers stack hidden states outside inference mode: one
+                prev_hidden = prev_hidden.clone()  # kind of tensor, one graph (dispatch keys are guarded)
             mtp = (prev_hidden, m.enorm.weight, m.enorm.eps, m.hnorm.weight, m.hnorm.eps, m.eh_proj.weight)
             return self._run_stack(layers, batch, pool, m.shared_head_norm, all_logits, mtp)
         x, _ = m.block(self._mtp_input(m, batch, prev_hidden), batch, pool, self.rope(), None)

@@ -158,6 +158,14 @@ class RoutedExperts(nn.Module):
         self.last_impl = ""
         """Strategy the last forward ran (reported in worker metrics)."""
 
+    def gather_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(w13, w2) for running the gather path elsewhere (the compiled decode graphs), when ``pick`` would
+        run it for decode-sized batches; None when another strategy is forced."""
+        if self.impl not in ("auto", "gather"):
+            return None
+        self.last_impl = "gather"
+        return self.w13, self.w2
+
     def pick(self, routing: Routing) -> str:
         if self.impl != "auto":
             return self.impl

@@ -195,6 +195,15 @@ class MXRoutedExperts(nn.Module):
         if self.cache is not None:
             self.cache.drop(id(self))
 
+    def gather_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Dense (w13, w2) for running ``cached_gather`` elsewhere (the compiled decode graphs: bit for bit
+        ``_gather``'s math) when that is what ``pick`` runs for decode-sized batches: automatic choice, no
+        activation quantization, and the whole layer fits the DequantCache. None otherwise."""
+        if self.impl != "auto" or self.act_spec is not None or not self.can_run("cached_gather", dtype):
+            return None
+        self.last_impl = "cached_gather"
+        return self.dense_weights(dtype)
+
     def qdq_act(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.act_spec is None else qdq_mx(x, self.act_spec)
 

@@ -23,10 +23,20 @@ PAGE = 8
 
 
 @pytest.fixture(scope="module")
-def compiled(dirs):  # noqa: F811
+def mx_dir(dirs, tmp_path_factory):  # noqa: F811
+    """The random DSA model with MXFP4 routed experts (what decode workers serve)."""
+    from engine.quant.quantize import quantize_checkpoint
+    out = str(tmp_path_factory.mktemp("graph") / "mxfp4")
+    quantize_checkpoint(dirs["random-dsa"], out, "mxfp4", progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled(dirs, mx_dir):  # noqa: F811
     """{name: (compiled model, cfg)}: separate instances from the eager ones."""
+    dirs = dict(dirs, mxfp4=mx_dir)
     out = {}
-    for name in ("random-dsa", "pred-dsa", "pred-gqa"):
+    for name in ("random-dsa", "pred-dsa", "pred-gqa", "mxfp4"):
         model, cfg = load_model(dirs[name], "float32", "cpu")
         model.compile_decode()
         out[name] = (model, cfg)
@@ -51,15 +61,18 @@ def _step(model, pool, pages, prompts, new_tokens):
     return model(batch, pool, all_logits=True).logits, batch.out_slots, whole
 
 
-@pytest.mark.parametrize("lens,q", [((40,), 1), ((5, 23, 40), 1), ((40,), 6), ((23, 40), 3),
-                                    ((5, 23, 40, 7, 30, 19, 12, 33, 26), 1)])
-def test_compiled_step_matches_eager(dirs, compiled, lens, q):  # noqa: F811
+@pytest.mark.parametrize("name,lens,q", [("random-dsa", (40,), 1), ("random-dsa", (5, 23, 40), 1),
+                                         ("random-dsa", (40,), 6), ("random-dsa", (23, 40), 3),
+                                         ("random-dsa", (5, 23, 40, 7, 30, 19, 12, 33, 26), 1),
+                                         ("mxfp4", (5, 23, 40), 1), ("mxfp4", (5, 23, 40, 7, 30, 19, 12, 33, 26), 1)])
+def test_compiled_step_matches_eager(dirs, mx_dir, compiled, name, lens, q):  # noqa: F811
     """One decode (q = 1) or verify-shaped (q > 1) step, eager vs compiled, from the same prefilled KV: the
     logits and every KV component written agree to float rounding. Up to 16 token-expert pairs the whole
     step is one graph; 9 requests (18 pairs) run a graph per layer with the routed experts eager between
-    the graph and the residual."""
-    eager, cfg = load_model(dirs["random-dsa"], "float32", "cpu")
-    comp, _ = compiled["random-dsa"]
+    the graph and the residual. MXFP4 experts: their dequantized (cached) weights run the same gather
+    inside the graph."""
+    eager, cfg = load_model(mx_dir if name == "mxfp4" else dirs[name], "float32", "cpu")
+    comp, _ = compiled[name]
     prompts = prompts_for(cfg, lens, seed=len(lens) + q)
     g = torch.Generator().manual_seed(q)
     new = [torch.randint(2, cfg.vocab_size, (q,), generator=g).tolist() for _ in lens]
