@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (best of)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--no-compile", action="store_true", help="decode / verify / draft steps eager (no compiled graphs)")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="decode / verify / draft steps eager (no compiled graphs)")
     args = ap.parse_args(argv)
     from engine.defaults import tune_malloc
     tune_malloc()  # both sides of the comparison run with it
@@ -116,8 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"model {model_dir} ({args.dtype}), prompt {len(ids)} tokens, {args.max_tokens} generated, single stream, "
-              f"decode graphs {'eager' if args.no_compile else 'compiled'}")
+        print(f"model {model_dir} ({args.dtype}), prompt {len(ids)} tokens, {args.max_tokens} generated, "
+              f"single stream, decode graphs {'eager' if args.no_compile else 'compiled'}")
         print(f"{'config':>7} | {'accept_len':>10} | {'decode tok/s':>12} | {'vs plain':>8} | acceptance by depth")
         for name, acc, rate, ratio, extra in rows:
             print(f"{name:>7} | {acc:>10} | {rate:>12.1f} | {ratio:>7.2f}x | {extra}")

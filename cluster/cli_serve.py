@@ -27,7 +27,8 @@ def register(sub) -> None:
     s.add_argument("--no-speculative", action="store_true")
     s.add_argument("--compile", action="store_true",
                    help="decode workers run decode / verify steps through compiled graphs (torch.compile, warmed up "
-                        "at start: ~1-2 min the first time on 2 CPU cores, seconds once inductor's cache holds them)")
+                        "at start: a few minutes the first time on 2 CPU cores, far less once inductor's disk "
+                        "cache holds them)")
     s.add_argument("--decode-weights", default="mxfp4",
                    help="decode workers' routed experts: mxfp4 (default) / mxfp6_e2m3 / mxfp6_e3m2 / mxfp8 (the model "
                         "quantized once, cached), 'model' (the checkpoint as is), or a quantized copy's directory")
