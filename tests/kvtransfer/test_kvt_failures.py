@@ -330,6 +330,18 @@ def _send_all(sender: KVSender, src, ticket, pages: list[int], n: int, seed: int
             return
 
 
+def _deliver(sender: KVSender, h, src, dst, ticket, name: str, pages: list[int], n: int, seed: int, shm: bool) -> None:
+    """Send ``n`` tokens of every layer, finish: the transfer goes through on the expected transport, bit
+    identical; the received pages are released again."""
+    _send_all(sender, src, ticket, pages, n, seed=seed)
+    sent = sender.finish(ticket).result(timeout=30)
+    assert sent.transport is (TransportKind.SHM if shm else TransportKind.TCP)
+    res = h.wait(name)
+    got, want = token_rows(dst, list(res.page_ids), n), token_rows(src, pages, n)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    dst.allocator.decref(list(res.page_ids))
+
+
 @pytest.mark.parametrize("shm", [False, True])
 def test_dropped_connection_fails_its_transfers_frees_every_page_and_the_next_one_goes_through(shm):
     """``KVSender.inject_drop`` cuts the connection after a transfer's first frame, no ABORT sent. Both
@@ -353,13 +365,7 @@ def test_dropped_connection_fails_its_transfers_frees_every_page_and_the_next_on
             h.wait_until(lambda: dst.allocator.num_used == d0 and h.rx.stats().num_draining == 0, timeout_s=10)
 
             retry = h.rx.reserve("cut.retry1", 40)
-            _send_all(sender, src, retry, pages, 40, seed=2)
-            sent = sender.finish(retry).result(timeout=30)
-            assert sent.transport is (TransportKind.SHM if shm else TransportKind.TCP)
-            res = h.wait("cut.retry1")
-            got, want = token_rows(dst, list(res.page_ids), 40), token_rows(src, pages, 40)
-            assert all(torch.equal(got[k], want[k]) for k in want)
-            dst.allocator.decref(list(res.page_ids))
+            _deliver(sender, h, src, dst, retry, "cut.retry1", pages, 40, seed=2, shm=shm)
             src.allocator.decref(pages)
             assert dst.allocator.num_used == d0
     finally:
@@ -396,14 +402,8 @@ def test_open_before_the_first_layer_then_a_full_transfer(shm):
             if shm:  # the lease is granted: the reservation is under way before any layer exists
                 assert h.rx.manager.active()[0].state is TransferState.RECEIVING
             assert src.allocator.num_used == s0 and sender.state(t) is SendState.QUEUED  # nothing pinned yet
-            _send_all(sender, src, t, pages, 30, seed=3)
-            sent = sender.finish(t).result(timeout=30)
-            assert sent.transport is (TransportKind.SHM if shm else TransportKind.TCP)
-            res = h.wait("o")
-            got, want = token_rows(dst, list(res.page_ids), 30), token_rows(src, pages, 30)
-            assert all(torch.equal(got[k], want[k]) for k in want)
+            _deliver(sender, h, src, dst, t, "o", pages, 30, seed=3, shm=shm)
             assert sender.open(t).result(timeout=0) is None  # over: still a no-op
-            dst.allocator.decref(list(res.page_ids))
             src.allocator.decref(pages)
             assert dst.allocator.num_used == d0 and src.allocator.num_used == s0 - 8
     finally:
