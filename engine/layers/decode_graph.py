@@ -14,8 +14,10 @@ token, one request and each layer kind (dense MLP / MoE) give the few specialise
 What the graphs do not cover runs the eager path with the same token-wise functions (``tokenwise``,
 ``after_attention`` around ``MLAAttention.attend``): prefill, batches whose requests have different
 query counts, fp8 KV pools (quantising writes) and GQA models. Routed experts run inside the graph on
-the gather path (<= ``GATHER_MAX_PAIRS`` token-expert pairs, dense-weight experts); MXFP4 experts and
-larger batches run their own eager strategies between the graph and the residual add.
+the gather path (<= ``GATHER_MAX_PAIRS`` token-expert pairs; dense-weight experts, or MXFP4 experts on
+the dense weights their DequantCache holds); larger batches run the experts' own eager strategies
+between the graph and the residual add. When every FFN of a step completes inside, the whole step
+(embedding, layers, final norm, LM head) is one graph: ``mla_decode_stack``.
 
 Compiled and eager steps agree to float rounding, not bitwise (fused kernels round differently). Neither
 path is bitwise batch-invariant: a GEMM over 1 row and over 6 rows rounds differently (eager
@@ -24,7 +26,6 @@ the same path, tested on both (``tests/engine/test_spec.py``, ``tests/engine/tes
 """
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Callable, NamedTuple
 
@@ -39,8 +40,6 @@ from engine.layers.norm import rms_norm
 from engine.moe.experts import GATHER_MAX_PAIRS
 from engine.moe.router import Routing
 
-logger = logging.getLogger(__name__)
-
 __all__ = ["DecodeGraphs", "MLADims", "layer_post"]
 
 
@@ -53,7 +52,7 @@ def layer_post(x: torch.Tensor, o: torch.Tensor, w_uv: torch.Tensor | None, o_w:
     (``x + finish_ffn(experts, h, y, routing)``)."""
     if w_uv is not None:
         o = head_bmm(o, w_uv)
-    x = x + torch.nn.functional.linear(o.reshape(x.shape[0], -1), o_w, o_b)
+    x = x + F.linear(o.reshape(x.shape[0], -1), o_w, o_b)
     h = rms_norm(x, ln_w, ln_eps)
     y, routing = ffn_tokenwise(h, f)
     if routing is None:
@@ -160,8 +159,8 @@ def pool_views(pool: KVPool, layer: int) -> tuple[torch.Tensor, ...]:
 
 
 def _compile(fn: Callable, device: torch.device) -> Callable:
-    # Shapes: the first call (one token) compiles a static graph, the next shape a graph dynamic in the
-    # token count, which every later batch size reuses. Weights keep static shapes (specialised kernels).
+    # Callers mark the dynamic dimensions (``_dynamic``, ``DecodeGraphs.batch_inputs``, ``pool_views``);
+    # everything else, the weights included, keeps static shapes (specialised kernels).
     options = {"cpp_wrapper": True} if device.type == "cpu" else {}
     return torch.compile(fn, fullgraph=True, options=options)
 
@@ -242,12 +241,10 @@ class DecodeGraphs:
     def batch_inputs(batch: ForwardBatch, *token_major: torch.Tensor) -> torch.Tensor | None:
         """Mark the batch's tensors dynamic (tokens, requests, context length) -> the attention mask
         ``[B, Tq, S]`` (None for one decoding request: it sees every key)."""
-        _limits()
+        _dynamic(True, batch.out_slots, *token_major)
         B, tq = batch.num_reqs, batch.q_lens[0]
         mask = None if B == 1 and tq == 1 else batch.attn_mask[:, 0]
         dims = [(batch.kv_slots, 1)]
-        if batch.out_slots.shape[0] > 1:
-            dims += [(t, 0) for t in token_major] + [(batch.out_slots, 0)]
         if B > 1:
             dims.append((batch.kv_slots, 0))
         if mask is not None:

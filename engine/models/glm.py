@@ -52,9 +52,7 @@ class DecoderLayer(nn.Module):
         absorb = max(batch.q_lens) <= MLA_ABSORB_MAX_Q
         g = self.graphs if absorb else EAGER
         cos, sin = rope.lookup(batch.positions, x.dtype)
-        experts = getattr(self.mlp, "experts", None)
-        experts_w = None if experts is None else g.experts_in_graph(experts, x.shape[0] * cfg.num_experts_per_tok,
-                                                                      x.dtype)
+        experts, experts_w = self._experts_in_graph(g, batch)
         args = self._args(g, (batch.max_kv_len > cfg.index_topk, absorb), experts_w)
         if g.compiled and not pool.layout.is_fp8 and batch.uniform_q:
             (x, h, y, routing), topk = g.run_layer(attn, x, cos, sin, batch, pool, topk, args)
@@ -69,15 +67,19 @@ class DecoderLayer(nn.Module):
     def graph_args(self, batch: ForwardBatch) -> tuple[tuple, tuple] | None:
         """The weight arguments of this layer inside a whole-step graph (``GlmForCausalLM._stack_layers``),
         or None when its FFN cannot complete there (routed experts left to eager code)."""
-        cfg = self.self_attn.cfg
+        experts, experts_w = self._experts_in_graph(self.graphs, batch)
+        if experts is not None and experts_w is None:
+            return None
+        return self._args(self.graphs, (batch.max_kv_len > self.self_attn.cfg.index_topk, True), experts_w)
+
+    def _experts_in_graph(self, g: DecodeGraphs, batch: ForwardBatch) -> tuple[nn.Module | None, tuple | None]:
+        """(the routed experts or None for a dense MLP, their dense weights when they run inside ``g``'s graph
+        for this batch: ``DecodeGraphs.experts_in_graph``)."""
         experts = getattr(self.mlp, "experts", None)
-        experts_w = None
-        if experts is not None:
-            experts_w = self.graphs.experts_in_graph(experts, batch.num_tokens * cfg.num_experts_per_tok,
-                                                     self.post_attention_layernorm.weight.dtype)
-            if experts_w is None:
-                return None
-        return self._args(self.graphs, (batch.max_kv_len > cfg.index_topk, True), experts_w)
+        if experts is None:
+            return None, None
+        pairs = batch.num_tokens * self.self_attn.cfg.num_experts_per_tok
+        return experts, g.experts_in_graph(experts, pairs, self.post_attention_layernorm.weight.dtype)
 
     def _args(self, g: DecodeGraphs, key: tuple[bool, bool], experts_w: tuple | None) -> tuple[tuple, tuple]:
         """(``mla_tokenwise``'s, ``layer_post``'s) weight arguments. Compiled graphs take them collected once
