@@ -363,3 +363,30 @@ def test_payload_reads_wake_on_a_low_water_mark():
         assert lowat() == 500  # only 500 bytes are still due: wake for exactly those
         deliver(payload[n - 500:])
         assert done and bytes(dst) == payload and lowat() == 1
+
+
+def test_hashed_payload_reads_are_capped_and_hashed_in_order():
+    """A checksummed payload offers the socket at most HASHED_READ_BYTES per read (so each read is hashed
+    while it is still in L2), every byte is hashed once and in order whatever the read sizes, the trailer
+    is not hashed, and a payload without a checksum offers whole views."""
+    from kvtransfer.config import ChecksumKind
+    from kvtransfer.framing import HASHED_READ_BYTES, PayloadSink
+    from kvtransfer.protocol import checksum, new_digest
+    n = 2 * HASHED_READ_BYTES + 12345
+    data = os.urandom(n)
+    a, b = bytearray(n - 1000), bytearray(1000)
+    tail = memoryview(bytearray(8))
+    sink = PayloadSink([memoryview(a), memoryview(b)], lambda: None, new_digest(ChecksumKind.XXH3), tail)
+    wire = data + b"TRAILER!"
+    sizes = []
+    while not sink.done:
+        view = sink.current()
+        sizes.append(view.nbytes)
+        k = min(view.nbytes, 300_000 if len(sizes) % 2 else view.nbytes)  # partial and full reads
+        view[:k] = wire[n + 8 - sink.remaining:n + 8 - sink.remaining + k]
+        sink.advance(k)
+    assert max(sizes) == HASHED_READ_BYTES
+    assert bytes(a) + bytes(b) == data and bytes(tail) == b"TRAILER!"
+    assert sink.digest.intdigest() == checksum(ChecksumKind.XXH3, [memoryview(data)])
+    plain = PayloadSink([memoryview(bytearray(n))], lambda: None)
+    assert plain.current().nbytes == n
