@@ -12,10 +12,11 @@ worker's first event after (re)connecting is a full snapshot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import grpc
 
@@ -47,7 +48,8 @@ class Worker:
     failures: int = 0
     status: generation_pb2.WorkerStatus | None = None
     inflight: int = 0
-    """Calls this router has outstanding at the worker (prefill: Prefill calls; decode: open streams)."""
+    """Calls this router has outstanding at the worker (prefill: Prefill calls; decode: requests from their
+    reservation to the end of their stream). Only ever changed through ``tracked()``."""
     last_error: str = ""
     last_ok_s: float = 0.0
     excluded: str = ""
@@ -65,6 +67,17 @@ class Worker:
     def key(self) -> str:
         """The worker's key in the router (stable, unique): role/host:port."""
         return f"{self.role}/{self.address}"
+
+    @contextlib.contextmanager
+    def tracked(self) -> Iterator[None]:
+        """Count one call of this router at the worker while the block runs. The count is released however
+        the block ends: a deadline, a cancellation or an error landing between the count and the call
+        included (a leaked count skews routing for good)."""
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
 
     @property
     def name(self) -> str:

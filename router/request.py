@@ -19,6 +19,7 @@ worker whose status says ``info['local_prefill'] == '0'`` is never asked to.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import math
@@ -121,8 +122,9 @@ class GenerateRun:
         try:
             while True:
                 try:
-                    async for resp in self._attempt():
-                        yield resp
+                    async with contextlib.aclosing(self._attempt()) as attempt:
+                        async for resp in attempt:
+                            yield resp
                     self.phase = Phase.FINISHED
                     return
                 except DecodeLost as lost:
@@ -139,14 +141,18 @@ class GenerateRun:
             raise
 
     async def _attempt(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        dw, rid, first = await self._first_token()
-        if first is not None:
-            self.emitted.append(self.first_token)
-            if self.metrics.ttft_s == 0:
-                self.metrics.ttft_s = time.monotonic() - self.t0
-            yield first
-        async for resp in self._decode(dw, rid, local=first is None):
-            yield resp
+        """One reservation + prefill + decode stream. The decode worker counts this request as in flight
+        from its reservation to the end of its stream (``holds``), so a burst spreads over the workers."""
+        with contextlib.ExitStack() as holds:
+            dw, rid, first = await self._first_token(holds)
+            if first is not None:
+                self.emitted.append(self.first_token)
+                if self.metrics.ttft_s == 0:
+                    self.metrics.ttft_s = time.monotonic() - self.t0
+                yield first
+            async with contextlib.aclosing(self._decode(dw, rid, local=first is None)) as chunks:
+                async for resp in chunks:
+                    yield resp
 
     def _failover(self, lost: "DecodeLost") -> generation_pb2.GenerateResponse | None:
         """Resume after a decode worker failed mid-stream: the next attempt prefills the prompt plus the
@@ -174,21 +180,28 @@ class GenerateRun:
         self.phase = Phase.VALIDATED
         return None
 
-    async def _first_token(self) -> tuple[Worker, str, generation_pb2.GenerateResponse | None]:
+    async def _first_token(self, holds: contextlib.ExitStack
+                           ) -> tuple[Worker, str, generation_pb2.GenerateResponse | None]:
         """Reserve + prefill with one retry; returns the decode worker, the internal id in use there and the
-        first response (None when the decode worker prefills locally)."""
+        first response (None when the decode worker prefills locally). The decode worker's in-flight count
+        is entered into ``holds``."""
         local = self._local_decode_worker()
         if local is not None:
+            holds.enter_context(local.tracked())
             self.touched.append((local, self.req_id))
             self.metrics.prefill_worker = self.metrics.decode_worker = local.name
             return local, self.req_id, None
         tried: set[str] = set()
         for attempt in range(2):
             rid = self.req_id if attempt == 0 else f"{self.req_id}.retry{attempt}"
-            dw, ticket = await self._reserve(rid)
-            pw = self._choose_prefill(tried)
+            try_holds = contextlib.ExitStack()
             try:
-                return dw, rid, await self._prefill(pw, rid, ticket)
+                with try_holds:  # a failed try releases its reservation's count
+                    dw, ticket = await self._reserve(rid, try_holds)
+                    pw = self._choose_prefill(tried)
+                    first = await self._prefill(pw, rid, ticket)
+                    holds.enter_context(try_holds.pop_all())
+                    return dw, rid, first
             except grpc.aio.AioRpcError as e:
                 self.core.spawn(self.core.abort_on(dw, rid, "prefill failed"))
                 self.core.spawn(self.core.abort_on(pw, rid, "prefill failed"))
@@ -221,7 +234,9 @@ class GenerateRun:
         now = time.monotonic()
         return [w for w in ws if w.suspended_until <= now] or ws  # a recently stalled one only as a last resort
 
-    async def _reserve(self, rid: str) -> tuple[Worker, worker_pb2.TransferTicket]:
+    async def _reserve(self, rid: str, holds: contextlib.ExitStack) -> tuple[Worker, worker_pb2.TransferTicket]:
+        """A reservation on the best decode worker that has room (the next one on RESOURCE_EXHAUSTED); the
+        chosen worker counts the request from the moment it is asked (``holds``)."""
         reg = self.core.registry
         page = max(1, self.core.page_size())
         need = math.ceil((len(self.valid.prompt_ids) + self.valid.max_tokens) / page)
@@ -235,7 +250,9 @@ class GenerateRun:
                                             max_new_tokens=self.valid.max_tokens)
             self.touched.append((w, rid))
             try:
-                resp = await w.stub.Reserve(req, metadata=reg.metadata, timeout=self.short_timeout())
+                with w.tracked():  # concurrent requests see this one while it is being reserved
+                    resp = await w.stub.Reserve(req, metadata=reg.metadata, timeout=self.short_timeout())
+                    holds.enter_context(w.tracked())
             except grpc.aio.AioRpcError as e:
                 if e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
                     full.append(f"{w.name}: {e.details()}")
@@ -270,22 +287,22 @@ class GenerateRun:
                                         ticket=ticket, priority=self.priority)
         self.touched.append((pw, rid))
         self.metrics.prefill_worker = pw.name
-        pw.inflight += 1
-        call = pw.stub.Prefill(req, metadata=self.core.registry.metadata, timeout=self.remaining())
-        self._live_calls.append(call)
-        pw.live_calls.add(call)
-        try:
-            r = await call
-        except asyncio.CancelledError:
-            if call not in pw.dropped_calls:
-                raise
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       f"left the rotation during the call ({pw.last_error or 'unhealthy'})") from None
-        finally:
-            pw.inflight -= 1
-            pw.live_calls.discard(call)
-            pw.dropped_calls.discard(call)
-            self._live_calls.remove(call)
+        with pw.tracked():
+            call = pw.stub.Prefill(req, metadata=self.core.registry.metadata, timeout=self.remaining())
+            self._live_calls.append(call)
+            pw.live_calls.add(call)
+            try:
+                r = await call
+            except asyncio.CancelledError:
+                if call not in pw.dropped_calls:
+                    raise
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           f"left the rotation during the call ({pw.last_error or 'unhealthy'})"
+                                           ) from None
+            finally:
+                pw.live_calls.discard(call)
+                pw.dropped_calls.discard(call)
+                self._live_calls.remove(call)
         self.phase = Phase.PREFILLED
         self.first_token = r.first_token
         self.cached_tokens = r.cached_tokens
@@ -300,7 +317,6 @@ class GenerateRun:
         req = worker_pb2.DecodeRequest(request_id=rid, prompt_ids=self.valid.prompt_ids, output_prefix=prefix,
                                        sampling=self.valid.sampling, local_prefill=local,
                                        transfer_timeout_s=min(self.core.cfg.transfer_timeout_s, self.remaining()))
-        dw.inflight += 1
         call = dw.stub.Decode(req, metadata=self.core.registry.metadata, timeout=self.remaining())
         self._live_calls.append(call)
         chunks, stall = call.__aiter__(), self.core.cfg.decode_stall_timeout_s
@@ -339,7 +355,6 @@ class GenerateRun:
                 raise DecodeLost(dw, rid, f"decode worker {dw.name}: {e.code().name} {e.details()}") from None
             raise RequestError(e.code(), f"decode worker {dw.name}: {e.details()}") from None
         finally:
-            dw.inflight -= 1
             self._live_calls.remove(call)
         raise DecodeLost(dw, rid, f"decode worker {dw.name} ended the stream without a finish")
 

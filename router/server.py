@@ -8,9 +8,11 @@ cancels and awaits every background task (aborts to workers included) and closes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
+from typing import Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -39,6 +41,15 @@ class RouterCore:
         self._codec_tried = cfg.model is not None
         self.inflight = 0
         self._tasks: set[asyncio.Task] = set()
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Count one public request in flight while the block runs (released however it ends)."""
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
 
     def spawn(self, coro) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -117,20 +128,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                                                           core.cfg.request_timeout_s)
         run = GenerateRun(core, valid, request.request_id, request.priority, t0 + budget, t0)
         context.add_done_callback(lambda ctx: run.abort("rpc ended") if ctx.cancelled() else None)
-        core.inflight += 1
-        try:
-            async for resp in run.stream():
-                try:  # a client that stops reading must not hold the handler past the request's budget
-                    async with asyncio.timeout(run.remaining()):
-                        await context.write(resp)
-                except TimeoutError:
-                    run.abort("client stopped reading")
-                    raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                       "deadline exceeded while the client was not reading the stream") from None
-        except RequestError as e:
-            await context.abort(e.code, e.message)
-        finally:
-            core.inflight -= 1
+        with core.admitted():
+            try:
+                async with contextlib.aclosing(run.stream()) as responses:
+                    async for resp in responses:
+                        try:  # a client that stops reading must not hold the handler past the request's budget
+                            async with asyncio.timeout(run.remaining()):
+                                await context.write(resp)
+                        except TimeoutError:
+                            run.abort("client stopped reading")
+                            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                               "deadline exceeded while the client was not reading the stream"
+                                               ) from None
+            except RequestError as e:
+                await context.abort(e.code, e.message)
 
 
 def _why_unavailable(reg: Registry) -> str:
