@@ -40,12 +40,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Reserve(self, request, context):
         if request.num_tokens < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_tokens must be >= 1")
-        try:
+        try:  # a refused reservation holds no page (the manager allocates last and frees on any error)
             ticket = self.receiver.reserve(request.request_id, request.num_tokens)
         except TransferError as e:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.reason is FailReason.NO_CAPACITY \
                 else grpc.StatusCode.FAILED_PRECONDITION
             await context.abort(code, f"cannot reserve {request.num_tokens} tokens of KV: {e}")
+        except ValueError as e:  # a bad id, or one that already holds a reservation
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot reserve KV for this request: {e}")
         host, port = ticket.address
         return worker_pb2.ReserveResponse(ticket=worker_pb2.TransferTicket(
             request_id=request.request_id, target=f"{host}:{port}",

@@ -196,10 +196,14 @@ class ReservationManager:
         """Allocate the pages ``num_tokens`` need and issue a ticket. Thread-safe.
 
         Raises ``TransferError(NO_CAPACITY)`` at once when the pool (or ``max_reserved_pages``)
-        cannot hold them, ``ValueError`` for a bad request or a ``req_id`` already reserved.
+        cannot hold them, ``ValueError`` for a bad request or a ``req_id`` already reserved. Every
+        check runs before the allocation, and any error after it frees the pages again: a refused
+        reservation never holds a page.
         """
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        if not 0 < len(req_id) <= MAX_REQ_ID_LEN:
+            raise ValueError(f"request id must be 1..{MAX_REQ_ID_LEN} characters, got {len(req_id)}")
         n = self.pool.pages_for(num_tokens)
         with self._lock:
             if req_id in self._active:
@@ -213,20 +217,28 @@ class ReservationManager:
                 pages = sorted(self.pool.allocator.alloc(n, owner=f"kvtransfer:{req_id}"))
             except PoolExhausted as e:
                 raise TransferError(FailReason.NO_CAPACITY, str(e), req_id) from None
-            gens = self.pool.allocator.generations(pages)
+            try:
+                res = self._new_reservation(req_id, num_tokens, pages)
+            except BaseException:
+                self.pool.allocator.decref(pages)
+                raise
             self._failures.pop(req_id, None)
-            now = time.monotonic()
-            ticket = TransferTicket(req_id=req_id, ticket_id=secrets.token_hex(16), host=self.host,
-                                    port=self.port, receiver_id=self.receiver_id, num_tokens=num_tokens,
-                                    page_ids=tuple(pages), generations=tuple(gens), layout=self.pool.layout,
-                                    expires_at_s=time.time() + self.ticket_ttl_s)
-            layers = self.pool.layout.num_layers
-            self._active[req_id] = Reservation(
-                ticket=ticket, reserved_at=now, deadline=now + self.ticket_ttl_s, page_bytes=pack_u32(pages),
-                gen_bytes=pack_u32(gens), page_arr=page_array(pages), last_progress=now,
-                received_upto=[0] * layers, queued_upto=[0] * layers, layer_done_at=[0.0] * layers)
+            self._active[req_id] = res
             self._reserved_pages += n
-            return ticket
+            return res.ticket
+
+    def _new_reservation(self, req_id: str, num_tokens: int, pages: list[int]) -> Reservation:
+        gens = self.pool.allocator.generations(pages)
+        now = time.monotonic()
+        ticket = TransferTicket(req_id=req_id, ticket_id=secrets.token_hex(16), host=self.host, port=self.port,
+                                receiver_id=self.receiver_id, num_tokens=num_tokens, page_ids=tuple(pages),
+                                generations=tuple(gens), layout=self.pool.layout,
+                                expires_at_s=time.time() + self.ticket_ttl_s)
+        layers = self.pool.layout.num_layers
+        return Reservation(ticket=ticket, reserved_at=now, deadline=now + self.ticket_ttl_s,
+                           page_bytes=pack_u32(pages), gen_bytes=pack_u32(gens), page_arr=page_array(pages),
+                           last_progress=now, received_upto=[0] * layers, queued_upto=[0] * layers,
+                           layer_done_at=[0.0] * layers)
 
     # --- lookups ---------------------------------------------------------------------------------
     def get(self, req_id: str) -> Reservation | None:

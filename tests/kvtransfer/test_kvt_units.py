@@ -17,8 +17,8 @@ from kvtransfer import auth
 from kvtransfer.config import SECRET_ENV, WireDType
 from kvtransfer.errors import ProtocolError
 from kvtransfer.payload import LayerCodec, gather_rows, paired_runs, scatter_rows, slot_runs
-from kvtransfer.protocol import (MAX_HEADER_BYTES, FrameType, check_compatible, decode_header, decode_prefix,
-                                 encode_frame, peer_info)
+from kvtransfer.protocol import (MAX_HEADER_BYTES, MAX_REQ_ID_LEN, FrameType, check_compatible, decode_header,
+                                 decode_prefix, encode_frame, peer_info)
 from kvtransfer.shm import ShmAttachment, pid_alive, process_start_time
 from kvtransfer.ticket import ReservationManager
 
@@ -103,6 +103,24 @@ def test_ticket_roundtrip_and_validation():
         TransferTicket.from_dict({**t.to_dict(), "page_ids": [1]})
     with pytest.raises(ValueError):
         TransferTicket.from_dict({"req_id": "x"})
+
+
+def test_a_refused_reservation_holds_no_page(monkeypatch):
+    """Issue 25: an id over the data plane's limit used to be refused by TransferTicket *after* the pages
+    were allocated, and they never came back."""
+    pool, m = make_manager()
+    for rid in ("x" * (MAX_REQ_ID_LEN + 1), ""):
+        with pytest.raises(ValueError, match="request id"):
+            m.reserve(rid, 10)
+    m.reserve("a", 10)
+    with pytest.raises(ValueError, match="already holds"):
+        m.reserve("a", 10)
+    assert pool.allocator.owners() == {"kvtransfer:a": 3} and m.num_reserved_pages == 3
+    # any error after the allocation gives the pages back
+    monkeypatch.setattr(pool.allocator, "generations", lambda pages: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        m.reserve("b", 10)
+    assert pool.allocator.owners() == {"kvtransfer:a": 3} and m.num_reserved_pages == 3 and m.get("b") is None
 
 
 def test_reservations_free_exactly_once_and_hand_over_on_claim():

@@ -1,5 +1,7 @@
 """Real prefill and decode worker processes driven over their internal gRPC services (as the router does),
 with the KV shipped through kvtransfer on loopback."""
+import time
+
 import msgpack
 import grpc
 import pytest
@@ -124,12 +126,31 @@ def test_abort_after_reserve_frees_decode_pages(cluster):
         mid = d.GetStatus(worker_pb2.StatusRequest(), metadata=MD, timeout=5).pages_free
         assert mid == before - 7
         assert d.Abort(worker_pb2.AbortRequest(request_id="ab"), metadata=MD, timeout=5).found
-        import time
         for _ in range(50):
             if d.GetStatus(worker_pb2.StatusRequest(), metadata=MD, timeout=5).pages_free == before:
                 break
             time.sleep(0.05)
         assert d.GetStatus(worker_pb2.StatusRequest(), metadata=MD, timeout=5).pages_free == before
+
+
+def test_a_refused_reservation_leaves_the_decode_pool_untouched(cluster):
+    """Issue 25: a 257-character id was refused after its pages were allocated (UNKNOWN, pages gone for good)."""
+    _, _, da = cluster
+    with grpc.insecure_channel(da) as ch:
+        d = worker_pb2_grpc.DecodeWorkerStub(ch)
+        free = lambda: d.GetStatus(worker_pb2.StatusRequest(), metadata=MD, timeout=5).pages_free  # noqa: E731
+        before = free()
+        d.Reserve(worker_pb2.ReserveRequest(request_id="dup", num_tokens=100), metadata=MD, timeout=5)
+        for rid, needle in (("x" * 257, "1..256 characters"), ("", "1..256 characters"), ("dup", "already holds")):
+            with pytest.raises(grpc.RpcError) as e:
+                d.Reserve(worker_pb2.ReserveRequest(request_id=rid, num_tokens=100), metadata=MD, timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details(), e.value
+            assert free() == before - 7
+        assert d.Abort(worker_pb2.AbortRequest(request_id="dup"), metadata=MD, timeout=5).found
+        deadline = time.monotonic() + 5
+        while free() != before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert free() == before
 
 
 def test_local_prefill_on_the_decode_worker(cluster):
