@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from cluster import flags
 
 ROUTING_POLICIES = ("cache_aware", "round_robin", "least_load", "random")
+MAX_FAILOVERS = 99
+"""Bounds the ``.f<n>`` suffix of internal request ids (``router.validate.MAX_ID_SUFFIX_LEN``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +51,7 @@ class RouterConfig:
     """How long a decode worker waits for the prompt's KV after Decode starts."""
     max_failovers: int = 2
     """Times one request may resume on another decode worker after its decode worker failed mid-stream
-    (the router re-prefills prompt + tokens already streamed; 0 disables failover)."""
+    (the router re-prefills prompt + tokens already streamed; 0 disables failover; at most 99)."""
     decode_stall_timeout_s: float = 30.0
     """A decode stream silent this long (worker stalled, hung or cut off) is failed over like a dead one."""
     fault_injection: bool = False
@@ -65,8 +67,8 @@ class RouterConfig:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_failovers < 0:
-            raise ValueError(f"max_failovers must be >= 0, got {self.max_failovers}")
+        if not 0 <= self.max_failovers <= MAX_FAILOVERS:
+            raise ValueError(f"max_failovers must be in [0, {MAX_FAILOVERS}], got {self.max_failovers}")
         for name in ("max_inflight", "unhealthy_after"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -8,6 +8,7 @@ it) and takes the documented default of 16; a Python client refuses ``max_tokens
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -18,6 +19,14 @@ from protos.pdserve.v1 import generation_pb2
 
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
+MAX_REQUEST_ID_LEN = 128
+"""Longest client ``request_id``. The router's internal ids append at most ``MAX_ID_SUFFIX_LEN`` characters
+to it and the KV data plane carries ids of up to 256 (``kvtransfer.protocol.MAX_REQ_ID_LEN``)."""
+MAX_ID_SUFFIX_LEN = 9 + 4 + 7
+"""``.<8 hex>`` (each call) + ``.f<n>`` (failover n <= 99, see ``RouterConfig.max_failovers``) + ``.retry1``
+(the prefill retry); see ``router.request``."""
+_REQUEST_ID = re.compile(r"[\x21-\x7e]*")
+"""Printable ASCII without spaces: one byte a character, nothing that rewrites a log line."""
 
 
 class RequestError(Exception):
@@ -71,6 +80,13 @@ def _check_unknown(msg, what: str) -> None:
                    "upgrade the server or drop them")
 
 
+def _check_request_id(rid: str) -> None:
+    if len(rid) > MAX_REQUEST_ID_LEN:
+        raise _bad(f"request_id is {len(rid)} characters long; at most {MAX_REQUEST_ID_LEN} are allowed")
+    if not _REQUEST_ID.fullmatch(rid):
+        raise _bad("request_id may hold printable ASCII characters only (no spaces or control characters)")
+
+
 def _prompt_ids(req: generation_pb2.GenerateRequest, encode: Callable[[str], list[int]] | None) -> list[int]:
     kind = req.WhichOneof("prompt")
     if kind == "text":
@@ -120,6 +136,7 @@ def validate(req: generation_pb2.GenerateRequest, model: ModelInfo,
     """Raises ``RequestError`` (INVALID_ARGUMENT) with a human message on the first problem found."""
     _check_unknown(req, "GenerateRequest")
     _check_unknown(req.sampling, "SamplingParams")
+    _check_request_id(req.request_id)
     ids = _prompt_ids(req, encode)
     if max(ids) >= model.vocab_size:
         bad = next(t for t in ids if t >= model.vocab_size)

@@ -173,6 +173,17 @@ def test_invalid_argument(client, kw, needle):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in msg, msg
 
 
+def test_a_request_id_too_long_for_the_kv_data_plane_is_refused_and_holds_no_page(client):
+    """Issue 25: a 250-character id (259 with the router's suffix) got UNKNOWN from the decode worker's
+    Reserve, after its pages were allocated: they never came back."""
+    prompt = list(range(20, 60))  # >= 16 tokens: reserved on the decode worker, prefilled by a prefill worker
+    code, msg = rpc_code(lambda: client.generate(token_ids=prompt, max_tokens=4, request_id="x" * 250))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most 128" in msg, msg
+    out = client.generate(token_ids=prompt, max_tokens=4, request_id="y" * 128)
+    assert out.finish_reason == "length" and out.request_id == "y" * 128
+    wait_until(lambda: pages_all_free(client), timeout_s=10, what="every decode page back")
+
+
 def test_unknown_fields_and_wire_defaults(served):
     sp = served[0]
     with grpc.insecure_channel(sp.address) as ch:

@@ -8,7 +8,11 @@ import pytest
 from protos.pdserve.v1 import generation_pb2
 from router.client import make_request
 from router.config import RouterConfig, add_config_args, config_from_args
-from router.validate import DEFAULT_MAX_TOKENS, ModelInfo, RequestError, validate
+from kvtransfer.protocol import MAX_REQ_ID_LEN
+from router.config import MAX_FAILOVERS
+from router.request import new_req_id
+from router.validate import (DEFAULT_MAX_TOKENS, MAX_ID_SUFFIX_LEN, MAX_REQUEST_ID_LEN, ModelInfo, RequestError,
+                             validate)
 
 MODEL = ModelInfo(vocab_size=100, max_context=64, page_size=4, eos_token_ids=(1,), has_tokenizer=False)
 
@@ -52,6 +56,10 @@ BAD = {
     "too many logprobs": (req(logprobs=21), "logprobs"),
     "stop id outside vocab": (req(stop_token_ids=[500]), "stop token id 500"),
     "stop strings without tokenizer": (req(stop=["x"]), "stop strings need a tokenizer"),
+    "request id too long": (req(request_id="x" * (MAX_REQUEST_ID_LEN + 1)), "at most 128"),
+    "request id with a newline": (req(request_id="a\nb"), "printable ASCII"),
+    "request id with a space": (req(request_id="a b"), "printable ASCII"),
+    "request id not ascii": (req(request_id="é"), "printable ASCII"),
     "unknown request field": (with_unknown_field(req()), "does not understand"),
     "unknown sampling field": (with_unknown_sampling_field(req()), "does not understand"),
 }
@@ -73,6 +81,14 @@ def test_valid_request_resolves_defaults_and_encodes_text():
     assert v.prompt_ids == [7, 8] and v.max_tokens == 62
     with pytest.raises(RequestError, match="encodes to no tokens"):
         validate(make_request(prompt=" "), MODEL, encode=lambda s: [])
+
+
+def test_the_longest_request_id_fits_the_kv_data_plane_with_every_suffix():
+    """Issue 25: the router appends suffixes to the client's id; the decode worker refuses ids over 256."""
+    rid = "~" * MAX_REQUEST_ID_LEN
+    assert validate(req(request_id=rid), MODEL).prompt_ids == [5, 6, 7]
+    internal = f"{new_req_id(rid)}.f{MAX_FAILOVERS}.retry1"  # what router.request builds, at its longest
+    assert len(internal) == MAX_REQUEST_ID_LEN + MAX_ID_SUFFIX_LEN <= MAX_REQ_ID_LEN
 
 
 def test_client_refuses_what_the_wire_cannot_carry():
@@ -99,6 +115,8 @@ def test_config_validation_and_generated_flags():
         RouterConfig(prefill=("nohost",))
     with pytest.raises(ValueError, match="max_inflight"):
         RouterConfig(max_inflight=0)
+    with pytest.raises(ValueError, match="max_failovers"):
+        RouterConfig(max_failovers=MAX_FAILOVERS + 1)
     p = argparse.ArgumentParser()
     add_config_args(p)
     args = p.parse_args(["--prefill", "127.0.0.1:1,127.0.0.1:2", "--decode", "127.0.0.1:3", "--routing",
