@@ -103,7 +103,16 @@ class KVReceiverConfig:
     reap_interval_s: float = 0.1
     """Period of the reaper that enforces the three timeouts above."""
     max_connections: int = 64
-    """Concurrent connections (authenticated or not) beyond which new ones are refused."""
+    """Authenticated connections beyond which a newly authenticated peer is refused (ERROR busy). Connections
+    still in the handshake never count here (``admission.py``)."""
+    max_unauthenticated: int = 32
+    """Connections still in the handshake; when full, a new one closes the oldest of them."""
+    unauth_rate_per_s: float = 64.0
+    """New connections accepted per second and source host (token bucket); the rest are closed at once."""
+    unauth_burst: int = 64
+    """Connections a source host may open at once before ``unauth_rate_per_s`` applies."""
+    log_interval_s: float = 10.0
+    """Refused, evicted and timed-out handshakes log at most one line per kind per interval, with a count."""
     max_frame_bytes: int = 256 * MIB
     """Largest payload one frame may carry."""
     max_reserved_pages: int | None = None
@@ -123,7 +132,8 @@ class KVReceiverConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         _check_positive(self, "ticket_ttl_s", "stall_timeout_s", "claim_timeout_s", "handshake_timeout_s",
-                        "reap_interval_s", "max_connections", "max_frame_bytes")
+                        "reap_interval_s", "max_connections", "max_frame_bytes", "max_unauthenticated",
+                        "unauth_rate_per_s", "unauth_burst", "log_interval_s")
         if self.max_reserved_pages is not None and self.max_reserved_pages < 1:
             raise ValueError(f"max_reserved_pages must be >= 1 or None, got {self.max_reserved_pages}")
         if self.socket_buffer_bytes < 0:
@@ -151,6 +161,13 @@ class KVSenderConfig:
     check would cost more than the copy (one extra read on each side)."""
     connect_timeout_s: float = 5.0
     handshake_timeout_s: float = 5.0
+    connect_retry_s: float = 15.0
+    """A refused or reset connect (a busy receiver, see ``admission.py``) is retried for at most this long,
+    and never past the latest expiry of the tickets waiting for it."""
+    connect_backoff_s: float = 0.05
+    """First wait before a retried connect; doubles per attempt."""
+    connect_backoff_max_s: float = 1.0
+    """Longest wait between two connect attempts."""
     send_timeout_s: float = 30.0
     """One frame must be fully written within this long, else the connection is declared stalled."""
     finish_timeout_s: float = 60.0
@@ -172,7 +189,8 @@ class KVSenderConfig:
     def __post_init__(self) -> None:
         _check_secret(self.cluster_secret)
         _check_positive(self, "connect_timeout_s", "handshake_timeout_s", "send_timeout_s", "finish_timeout_s",
-                        "enqueue_timeout_s", "max_pending_frames", "max_frame_bytes", "release_backoff_s")
+                        "enqueue_timeout_s", "max_pending_frames", "max_frame_bytes", "release_backoff_s",
+                        "connect_retry_s", "connect_backoff_s", "connect_backoff_max_s")
         if self.release_retries < 0:
             raise ValueError(f"release_retries must be >= 0, got {self.release_retries}")
         if self.socket_buffer_bytes < 0:

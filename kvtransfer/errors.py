@@ -41,6 +41,8 @@ class FailReason(enum.Enum):
     """One side cancelled the request; the other side is told."""
     SHUTDOWN = "shutdown"
     """The local sender or receiver was stopped."""
+    BUSY = "busy"
+    """The receiver's connection limits are full for now (see ``admission.py``); senders retry with backoff."""
     INTERNAL = "internal"
     """A bug in kvtransfer (the log has the traceback); the transfer was failed rather than left hanging."""
 

@@ -25,6 +25,7 @@ import time
 from typing import NamedTuple
 
 from engine.kvcache.pool import KVPool
+from kvtransfer.admission import ConnectionGate, RateLimitedLog
 from kvtransfer.config import KVReceiverConfig
 from kvtransfer.errors import FailReason, TransferError
 from kvtransfer.framing import tune_socket
@@ -49,6 +50,12 @@ class ReceiverStats(NamedTuple):
     num_completed: int
     num_failed: int
     num_rejected_frames: int
+    num_unauthenticated: int = 0
+    """Connections still in the handshake (``admission.py``)."""
+    num_rate_limited: int = 0
+    """Connections closed at once: their host opened more than ``unauth_rate_per_s``."""
+    num_evicted: int = 0
+    """Handshakes closed to make room for a newer one (``max_unauthenticated``)."""
 
 
 class KVReceiver:
@@ -60,6 +67,11 @@ class KVReceiver:
         self.receiver_id = secrets.token_hex(8)
         self.local_info = peer_info(pool.layout.to_dict(), receiver_id=self.receiver_id, host_id=host_id())
         self.connections: set[RxConnection] = set()
+        cfg = self.config
+        self.gate: ConnectionGate[RxConnection] = ConnectionGate(cfg.max_connections, cfg.max_unauthenticated,
+                                                                 cfg.unauth_rate_per_s, cfg.unauth_burst)
+        self.prelog = RateLimitedLog(log, cfg.log_interval_s)
+        """Warnings about connections that have not authenticated: one line per kind and interval."""
         self.manager: ReservationManager | None = None  # type: ignore[assignment]
         self.num_completed = 0
         self.num_failed = 0
@@ -174,7 +186,8 @@ class KVReceiver:
         m = self.manager
         return ReceiverStats(len(self.connections), len(m.active()) if m else 0, len(m.draining()) if m else 0,
                              m.num_reserved_pages if m else 0, self.num_completed, self.num_failed,
-                             self.num_rejected_frames)
+                             self.num_rejected_frames, len(self.gate.unauthenticated), self.gate.num_rate_limited,
+                             self.gate.num_evicted)
 
     # --- called by connections and the reaper (loop thread) ----------------------------------
     def fail(self, res: Reservation, err: TransferError, notify: bool = True) -> None:

@@ -100,13 +100,20 @@ class RxConnection:
         sock = transport.get_extra_info("socket")
         if sock is not None:
             tune_socket(sock, self.cfg.socket_buffer_bytes)
-        if len(self.rx.connections) >= self.cfg.max_connections:
-            log.warning("kvtransfer: refusing connection from %s: %d connections open", self.peer,
-                        len(self.rx.connections))
+        admitted, victim = self.rx.gate.admit(self, peer[0] if peer else "?")
+        if not admitted:
+            self.rx.prelog.warning("rate", "kvtransfer: refusing a connection from %s: more than %s new "
+                                   "connections per second from that host (unauth_rate_per_s)", self.peer,
+                                   self.cfg.unauth_rate_per_s)
             self.state = ConnState.CLOSED
+            transport.write(encode_frame(FrameType.ERROR, {"reason": FailReason.BUSY.value,
+                                                           "detail": "too many new connections from your host"}))
             transport.close()
             return
         self.rx.connections.add(self)
+        if victim is not None:
+            victim.close(FailReason.BUSY, f"{self.cfg.max_unauthenticated} connections in the handshake "
+                         "(max_unauthenticated): closed the oldest to make room")
         self._timer = asyncio.get_running_loop().call_later(self.cfg.handshake_timeout_s, self._handshake_timeout)
 
     def on_lost(self, exc: Exception | None) -> None:
@@ -114,6 +121,7 @@ class RxConnection:
         self.state = ConnState.CLOSED
         if self._timer is not None:
             self._timer.cancel()
+        self.rx.gate.remove(self)
         if was_open or self in self.rx.connections:
             self.rx.connections.discard(self)
             self.rx.connection_lost(self, exc)
@@ -127,7 +135,7 @@ class RxConnection:
 
     def on_fatal(self, err: ProtocolError) -> None:
         self.rx.num_rejected_frames += 1
-        log.warning("kvtransfer: closing connection from %s: %s", self.peer, err)
+        self._warn_closing(err.reason, str(err))
         self.send(FrameType.ERROR, {"reason": err.reason.value, "detail": err.detail})
 
     def on_frame(self, header: Header, payload_len: int) -> PayloadSink | None:
@@ -167,9 +175,17 @@ class RxConnection:
 
     def close(self, reason: FailReason | None = None, detail: str = "") -> None:
         if reason is not None:
-            log.warning("kvtransfer: closing connection from %s: %s: %s", self.peer, reason.value, detail)
+            self._warn_closing(reason, f"{reason.value}: {detail}")
             self.send(FrameType.ERROR, {"reason": reason.value, "detail": detail[:1000]})
         self.reader.close()
+
+    def _warn_closing(self, reason: FailReason, why: str) -> None:
+        """Authenticated peers get a line each; handshakes (anyone can open those) one line per interval."""
+        if self.state is ConnState.READY:
+            log.warning("kvtransfer: closing connection from %s: %s", self.peer, why)
+        else:
+            self.rx.prelog.warning(f"handshake-{reason.value}", "kvtransfer: closing connection from %s before it "
+                                   "authenticated: %s", self.peer, why)
 
     def _handshake_timeout(self) -> None:
         if self.state in (ConnState.HELLO, ConnState.AUTH):
@@ -208,6 +224,9 @@ class RxConnection:
             return self.close(FailReason.INCOMPATIBLE, e.detail)
         except ValueError as e:
             return self.close(FailReason.BAD_FRAME, f"bad AUTH info field: {e}")
+        if not self.rx.gate.authenticate(self):
+            return self.close(FailReason.BUSY, f"{self.cfg.max_connections} authenticated connections open "
+                              "(max_connections)")
         self.codec = LayerCodec(self.rx.pool.layout, wire)
         self.peer_pid, self.peer_start = pid, start
         # shm only when we can later tell whether the writer process is still alive (same host + pid ns)

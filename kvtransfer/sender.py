@@ -33,6 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.kvcache.pool import KVPool, PageError
+from kvtransfer.admission import RateLimitedLog
 from kvtransfer.config import KVSenderConfig
 from kvtransfer.errors import FailReason, TransferError
 from kvtransfer.loop import LoopThread
@@ -42,6 +43,9 @@ from kvtransfer.tx_peer import (AbortItem, FinishItem, LayerItem, OpenItem, Outg
                                 TxPeer, resolve_future)
 
 log = logging.getLogger(__name__)
+
+RETRY_LOG_INTERVAL_S = 10.0
+"""Retried connects to one receiver log at most one line per this many seconds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,8 @@ class KVSender:
         """Per receiver: shm leases whose connection was lost before the receiver heard we stopped
         writing (ticket id -> (req id, receiver id)); released on the next connection (loop thread)."""
         self._release_tries: dict[tuple[str, int], int] = {}
+        self.retry_log = RateLimitedLog(logging.getLogger("kvtransfer.tx_peer"), RETRY_LOG_INTERVAL_S)
+        """Retried connects (a busy receiver): one line per receiver and interval."""
 
     # --- prefill worker API (any thread) -----------------------------------------------------
     def open(self, ticket: TransferTicket) -> concurrent.futures.Future:

@@ -15,6 +15,7 @@ import asyncio
 import collections
 import concurrent.futures
 import enum
+import itertools
 import logging
 import os
 import socket
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+RETRYABLE = frozenset({FailReason.BUSY, FailReason.TIMEOUT, FailReason.PEER_DIED})
+"""Receiver refusals worth another connect (its limits, a handshake it timed out); the rest are final."""
 
 MAX_QUEUED_FRAMES = 2
 """Frames handed to the send thread but not yet written (one on the wire, one ready behind it)."""
@@ -177,7 +180,7 @@ class TxPeer:
     # --- connection ---------------------------------------------------------------------------
     async def _run(self) -> None:
         try:
-            await self._connect()
+            await self._connect_retrying()
         except TransferError as err:
             self.fail(err)
             return
@@ -199,6 +202,34 @@ class TxPeer:
         if isinstance(e, ProtocolError):
             return TransferError(e.reason, f"{where}: {e.detail}")
         return TransferError(FailReason.PEER_DIED, f"{where}: {type(e).__name__}: {e}")
+
+    async def _connect_retrying(self) -> None:
+        """Connect; a refused, reset or busy connection (the receiver's limits, see ``admission.py``) is
+        retried with exponential backoff while some transfer queued here can still use it: until the
+        latest ticket expiry, at most ``connect_retry_s``. A wrong secret or layout is final."""
+        cfg = self.cfg
+        give_up_mono = time.monotonic() + cfg.connect_retry_s
+        delay = cfg.connect_backoff_s
+        for attempt in itertools.count(1):
+            try:
+                return await self._connect()
+            except TransferError as e:
+                if e.reason not in RETRYABLE:
+                    raise
+                err: BaseException = e
+            except (OSError, asyncio.TimeoutError) as e:
+                err = e
+            if self.sock is not None:
+                self.sock.close()
+                self.sock = None
+            expiry = max((st.ticket.expires_at_s for st in self.sends.values()), default=float("inf"))
+            left = min(give_up_mono - time.monotonic(), expiry - time.time())
+            if self.closed or left < delay:
+                raise err
+            self.sender.retry_log.warning(f"{self.address}", "kvtransfer: connecting to %s:%d failed (attempt %d: %s); "
+                                   "retrying in %.2fs", self.address[0], self.address[1], attempt, err, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, cfg.connect_backoff_max_s)
 
     async def _connect(self) -> None:
         cfg, loop = self.cfg, self.loop
