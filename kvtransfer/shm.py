@@ -17,8 +17,14 @@ the abort, or after the sender process is gone (``pid_alive`` on (pid, start tim
 also defeats pid reuse); offering shm requires that check to work, i.e. the same host and
 pid namespace.
 
+The whole segment is reserved when it is created (``reserve_space``): tmpfs otherwise backs
+pages on first write, and a /dev/shm that fills up later turns that write into SIGBUS. If it
+cannot be reserved the pool is not created (``OSError``) and the decode worker falls back to a
+private pool, i.e. TCP.
+
 The creator unlinks the file on ``close()`` (and at interpreter exit); a SIGKILLed decode
-worker leaves it in /dev/shm (names start with ``pdserve-kv-``).
+worker leaves it in /dev/shm (names start with ``pdserve-kv-<pid ns>-<pid>-``): its supervisor
+(``cluster/local.py``) removes it, and so does the next pool created in that pid namespace.
 """
 from __future__ import annotations
 
@@ -46,6 +52,8 @@ SHM_DIR = "/dev/shm"
 HEADER_BYTES = 4096
 ALIGN = 64
 MAGIC = b"PDKVSHM1"
+ZERO_CHUNK_BYTES = 1 << 20
+"""``reserve_space``'s fallback writes zeros this many bytes at a time."""
 _HEAD = struct.Struct("<8s16sQI")  # magic, nonce, num_pages, layout_len
 NAME_RE = re.compile(r"^pdserve-kv-(?:([0-9a-f]{1,16})-)?([0-9a-f]{1,16})-[0-9a-f]{8}$")
 """``pdserve-kv-[<pid namespace inode>-]<pid>-<random>`` (hex): who created the segment, so a segment
@@ -139,9 +147,8 @@ def _unlink(path: str) -> None:
 
 
 def check_shm_space(num_bytes: int) -> None:
-    """Raise ``OSError`` (ENOSPC) unless ``SHM_DIR`` has room for ``num_bytes``: tmpfs backs a segment
-    lazily, so an oversized one is created fine and then kills the process with SIGBUS on first touch
-    (Docker's default /dev/shm is 64 MiB)."""
+    """Raise ``OSError`` (ENOSPC) unless ``SHM_DIR`` has room for ``num_bytes``: a quick, early answer with a
+    useful message (Docker's default /dev/shm is 64 MiB). Only ``reserve_space`` makes the room ours."""
     st = os.statvfs(SHM_DIR)
     free = st.f_bavail * st.f_frsize
     if free < num_bytes:
@@ -149,11 +156,42 @@ def check_shm_space(num_bytes: int) -> None:
                       f"{num_bytes / 2**20:.0f} MiB (in Docker raise --shm-size)")
 
 
+def reserve_space(fd: int, num_bytes: int) -> None:
+    """Back every byte of the segment now, or raise ``OSError`` (ENOSPC).
+
+    tmpfs allocates a page on its first write: a segment that is merely truncated to size can find
+    /dev/shm full later (another process filled it), and the write into the mapping then kills the
+    writer -- this worker, or a prefill worker copying into our pages -- with SIGBUS. ``posix_fallocate``
+    allocates it all up front and fails cleanly instead. Where a filesystem cannot fallocate, writing
+    zeros through ``write()`` reserves the same way (and reports ENOSPC as an error, not a signal)."""
+    try:
+        os.posix_fallocate(fd, 0, num_bytes)
+        return
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise OSError(e.errno, f"cannot reserve {num_bytes / 2**20:.0f} MiB in {SHM_DIR} for the KV pool: "
+                          f"{os.strerror(e.errno)}") from None
+    zeros = bytes(ZERO_CHUNK_BYTES)
+    for off in range(0, num_bytes, ZERO_CHUNK_BYTES):
+        n = min(ZERO_CHUNK_BYTES, num_bytes - off)
+        if os.pwrite(fd, zeros[:n], off) != n:
+            raise OSError(errno.ENOSPC, f"short write reserving the KV pool in {SHM_DIR}")
+
+
+def segment_prefix(pid: int) -> str:
+    """The name every segment created by process ``pid`` (of our pid namespace) starts with; a supervisor
+    removes a dead worker's segments by it (``cluster/local.py`` spells the same format without importing
+    torch; a test keeps the two equal)."""
+    return f"pdserve-kv-{_pid_ns():x}-{pid:x}-"
+
+
 class ShmKVPool(KVPool):
     """A ``KVPool`` whose storage is a named /dev/shm segment (decode side creates it).
 
     Same attributes and methods as ``KVPool``; ``KVPool.__init__`` is not called because it
-    would first allocate the whole pool in private memory.
+    would first allocate the whole pool in private memory. Creation reserves the whole segment
+    (``reserve_space``) or raises ``OSError`` with nothing left behind: callers fall back to a
+    private pool (TCP transfers).
     """
 
     def __init__(self, layout: KVLayout, num_pages: int) -> None:
@@ -162,21 +200,25 @@ class ShmKVPool(KVPool):
         self.allocator = PageAllocator(num_pages)
         self.num_pages = num_pages
         reap_stale_segments()
-        self.segment_name = f"pdserve-kv-{_pid_ns():x}-{os.getpid():x}-{secrets.token_hex(4)}"
+        self.segment_name = segment_prefix(os.getpid()) + secrets.token_hex(4)
         self.nonce = secrets.token_bytes(16)
         _, self.segment_bytes = segment_plan(layout, num_pages)
         check_shm_space(self.segment_bytes)
         path = os.path.join(SHM_DIR, self.segment_name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, self.segment_bytes)  # tmpfs: zero-filled, backed lazily on first touch
+            reserve_space(fd, self.segment_bytes)
             mm = mmap.mmap(fd, self.segment_bytes)
+        except BaseException:
+            _unlink(path)
+            raise
         finally:
             os.close(fd)
         self._finalizer = weakref.finalize(self, _unlink, path)
         layout_bytes = msgpack.packb(layout.to_dict())
         head = _HEAD.pack(MAGIC, self.nonce, num_pages, len(layout_bytes)) + layout_bytes
         if len(head) > HEADER_BYTES:
+            self.close()
             raise ValueError(f"layout too large for the {HEADER_BYTES}-byte shm header")
         mm[:len(head)] = head
         self.buffers, self.scales = _map_tensors(mm, layout, num_pages)

@@ -8,7 +8,9 @@ happened: status and reason, timestamps, the source rows, and its pool accountin
 """
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import time
 import traceback
 
@@ -101,3 +103,28 @@ def receiver_worker(conn, layout: dict, num_tokens: int, shm: bool) -> None:
     lt.run(rx.start())
     conn.send(rx.reserve("victim", num_tokens).to_dict())
     conn.recv()
+
+
+def fill_after_create_worker(conn, shm_dir: str, layout: dict, num_pages: int) -> None:
+    """Create a shm pool in ``shm_dir`` (a small tmpfs), fill that tmpfs to the last byte, then write every
+    byte of the pool, as decode steps and prefill copies would. A pool whose segment was not reserved at
+    creation dies here with SIGBUS."""
+    from kvtransfer import shm
+    shm.SHM_DIR = shm_dir
+    pool = make_pool(KVLayout.from_dict(layout), num_pages, shm=True)
+    fd = os.open(f"{shm_dir}/filler", os.O_CREAT | os.O_WRONLY, 0o600)
+    chunk = b"\xff" * 4096
+    try:
+        while os.write(fd, chunk) > 0:
+            pass
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e  # the tmpfs is full now
+    finally:
+        os.close(fd)
+    conn.send("full")
+    for per_layer in pool.buffers:
+        for t in per_layer.values():
+            t.view(-1).view(torch.uint8).fill_(7)
+    conn.send(int(sum(int(t.view(torch.uint8).sum() // 7) for per_layer in pool.buffers
+                      for t in per_layer.values())))
+    pool.close()
