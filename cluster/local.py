@@ -27,7 +27,40 @@ from dataclasses import dataclass
 from protos import rpc
 
 READY_PREFIX = "PDSERVE_READY"
+SHM_DIR = "/dev/shm"
 logger = logging.getLogger(__name__)
+
+
+def _pid_ns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def shm_segment_prefix(pid: int) -> str:
+    """What the names of the KV shm segments created by worker ``pid`` start with: the format of
+    ``kvtransfer.shm.segment_prefix``, spelled here so the launcher does not import torch (a test keeps
+    them equal). Our children share our pid namespace."""
+    return f"pdserve-kv-{_pid_ns():x}-{pid:x}-"
+
+
+def remove_shm_segments(pid: int) -> list[str]:
+    """Unlink the shm segments of worker ``pid``, which has exited (SIGKILL skips its own cleanup: a decode
+    worker's pool is hundreds of MB of /dev/shm). Call only after the process was reaped."""
+    prefix, removed = shm_segment_prefix(pid), []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 class ClusterStartError(RuntimeError):
@@ -109,6 +142,8 @@ class Child:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, preexec_fn=_die_with_parent)
         self.address: str | None = None
+        self.cleaned = False
+        """Its shm segments were removed after it exited."""
 
     @property
     def pid(self) -> int:
@@ -139,6 +174,16 @@ class Child:
     def terminate(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+
+    def clean_up_after_exit(self) -> None:
+        """Once it has exited: remove what it could not (its shm segments, if it was killed). Idempotent."""
+        if self.cleaned or self.proc.poll() is None:
+            return
+        self.cleaned = True
+        removed = remove_shm_segments(self.pid)
+        if removed:
+            logger.warning("%s (pid %d) exited leaving shm segment(s) %s: removed", self.name, self.pid,
+                           ", ".join(removed))
 
     def close(self) -> None:
         self._log.close()
@@ -235,7 +280,11 @@ class LocalCluster:
                 time.sleep(0.1)
 
     def dead_children(self) -> list[Child]:
-        return [ch for ch in self.children if ch.proc.poll() is not None]
+        """Children that exited (their leftover shm segments are removed here, as soon as they are seen)."""
+        dead = [ch for ch in self.children if ch.proc.poll() is not None]
+        for ch in dead:
+            ch.clean_up_after_exit()
+        return dead
 
     def stop(self) -> None:
         """SIGTERM the router, then the workers; SIGKILL whatever outlives the grace period. Idempotent."""
@@ -251,6 +300,7 @@ class LocalCluster:
                                self.cfg.stop_grace_s)
                 ch.proc.kill()
                 ch.proc.wait(5)
+            ch.clean_up_after_exit()
             ch.close()
 
     def __enter__(self) -> "LocalCluster":
