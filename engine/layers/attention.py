@@ -91,6 +91,25 @@ class GQAAttention(nn.Module):
         return self.o_proj(o.reshape(T, -1)), None
 
 
+def dsa_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices ``[..., k]`` of each row's ``k`` best keys in a TOTAL order: by score, equal scores by
+    position (the earlier key first); returned in that order.
+
+    ``scores.topk`` alone leaves ties to the selection algorithm, which picks differently for rows of
+    different lengths or with different masked (-inf) tails: a decode step's row [S] and a verify step's
+    row [S + drafts] chose different keys among equal scores, so speculation was not lossless once the
+    context outgrew ``index_topk`` (exact ties are common: a key whose every head dot product is negative
+    scores exactly 0 after the ReLU). With the total order a query's selection depends only on its own
+    scores, never on the row's shape, so decode, verify, batched (padded) rows, chunked prefill and the
+    compiled graphs select the same keys. One int64 top-k: the high 32 bits are the fp32 score mapped
+    to an order-preserving integer, the low 32 bits rank positions (lower first)."""
+    s = scores.float()
+    bits = s.masked_fill(s == 0, 0.0).view(torch.int32)  # -0.0 == +0.0: one bit pattern for both
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # monotone in the float value
+    pos = torch.arange(s.shape[-1], device=s.device, dtype=torch.int64)
+    return (ordered * (1 << 32) + ((1 << 32) - 1 - pos)).topk(k, dim=-1).indices
+
+
 class DSAIndexer(nn.Module):
     """DeepSeek Sparse Attention indexer (GLM-5 variant: interleaved RoPE).
 
@@ -135,16 +154,16 @@ class DSAIndexer(nn.Module):
         k = min(cfg.index_topk, S)
         c = batch.single_causal_start
         if c is not None and tq == 1:  # one decoding request: S = c + 1 keys, none in the future
-            return TopK(scores.topk(k, dim=-1).indices, None)
+            return TopK(dsa_topk(scores, k), None)
         if c is not None:  # one causal request (S = c + tq): only the last tq keys can lie in the future
             scores[0, :, c:].masked_fill_(torch.ones(tq, tq, dtype=torch.bool, device=scores.device).triu_(1),
                                           float("-inf"))
-            idx = scores.topk(k, dim=-1).indices  # [1, Tq, k]
+            idx = dsa_topk(scores, k)  # [1, Tq, k]
             valid = idx <= (c + torch.arange(tq, device=idx.device))[None, :, None]
             return TopK(idx, valid)
         causal = batch.attn_mask[:, 0]
         scores.masked_fill_(~causal, float("-inf"))
-        idx = scores.topk(k, dim=-1).indices  # [B, Tq, k]
+        idx = dsa_topk(scores, k)  # [B, Tq, k]
         if tq == 1 and min(batch.kv_lens) >= k:  # decode steps: every query has >= k causal (finite) scores,
             return TopK(idx, None)                 # so all it picks are causal: no validity mask to carry
         # a query with fewer than k causal keys also picks masked ones: they stay masked

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
 from engine.kvcache.pool import KVPool
-from engine.layers.attention import MLADims, MLAAttention, MLATokens, TopK, head_bmm, mla_tokenwise
+from engine.layers.attention import MLADims, MLAAttention, MLATokens, TopK, dsa_topk, head_bmm, mla_tokenwise
 from engine.layers.mlp import FFNArgs, ffn_tokenwise
 from engine.layers.norm import rms_norm
 from engine.moe.experts import GATHER_MAX_PAIRS
@@ -95,7 +95,7 @@ def paged_mla_attention(t: MLATokens, lat_buf: torch.Tensor, rope_buf: torch.Ten
         scores = torch.bmm(t.index_w.view(B * tq, 1, Hi), hs).view(B, tq, S)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        idx = scores.topk(c.index_topk, dim=-1).indices  # [B, Tq, k]
+        idx = dsa_topk(scores, c.index_topk)  # [B, Tq, k]
         if mask is not None:
             valid = mask.gather(-1, idx)
     elif c.sparse:
