@@ -15,6 +15,10 @@ from typing import NamedTuple, Sequence
 import torch
 
 
+MAX_STOP_TOKEN_IDS = 1024
+"""Most distinct stop token ids a request may name (the router refuses more, INVALID_ARGUMENT)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -32,13 +36,19 @@ class SamplingParams:
     """Subtracted per occurrence in the output so far."""
     presence_penalty: float = 0.0
     """Subtracted once if the token occurred in the output so far."""
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    """Checked against every new token: a set (any iterable given is turned into one), so the check costs
+    the same for 1 id or ``MAX_STOP_TOKEN_IDS``."""
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0
     """0 = none; n >= 1 returns the chosen token's logprob and the top-n."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stop_token_ids, frozenset):
+            object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (self.temperature >= 0) or math.isinf(self.temperature):

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import math
 
-from engine.sampling import SamplingParams
+from engine.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
 from protos.pdserve.v1 import generation_pb2
 
 
 def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
     """Raises ValueError (-> INVALID_ARGUMENT) with the offending value."""
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before building a set of them
+        raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(sp.stop_token_ids)}")
     temp = sp.temperature if sp.HasField("temperature") else 0.0
     if math.isnan(temp):
         raise ValueError("temperature is NaN")
@@ -22,7 +24,7 @@ def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=float(sp.repetition_penalty) if sp.HasField("repetition_penalty") else 1.0,
         frequency_penalty=float(sp.frequency_penalty),
         presence_penalty=float(sp.presence_penalty),
-        stop_token_ids=tuple(int(t) for t in sp.stop_token_ids),
+        stop_token_ids=frozenset(sp.stop_token_ids),
         stop=tuple(sp.stop),
         ignore_eos=bool(sp.ignore_eos),
         logprobs=int(sp.logprobs),

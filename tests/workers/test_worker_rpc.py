@@ -9,8 +9,9 @@ import torch
 
 from engine.checkpoint import TINY_GLM5, init_random_model
 from engine.runtime import Engine, load_model
-from engine.sampling import SamplingParams
+from engine.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
 from procs import Worker
+from protos.convert import sampling_from_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 SECRET = "test-secret-0123456789abcdef"
@@ -151,6 +152,27 @@ def test_a_refused_reservation_leaves_the_decode_pool_untouched(cluster):
         while free() != before and time.monotonic() < deadline:
             time.sleep(0.05)
         assert free() == before
+
+
+def test_stop_token_ids_are_a_capped_set():
+    """Issue 25: 10M stop ids were scanned linearly for every new token; now a set, at most 1024 of them."""
+    sp = sampling_from_proto(generation_pb2.SamplingParams(stop_token_ids=[5, 5, 6]))
+    assert sp.stop_token_ids == frozenset({5, 6}) and isinstance(sp.stop_token_ids, frozenset)
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids"):
+        sampling_from_proto(generation_pb2.SamplingParams(stop_token_ids=[5] * (MAX_STOP_TOKEN_IDS + 1)))
+
+
+def test_too_many_stop_token_ids_are_refused_by_the_decode_worker(cluster):
+    _, _, da = cluster
+    sp = generation_pb2.SamplingParams(max_tokens=2, stop_token_ids=[7] * (MAX_STOP_TOKEN_IDS + 1))
+    with grpc.insecure_channel(da) as ch:
+        d = worker_pb2_grpc.DecodeWorkerStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(d.Decode(worker_pb2.DecodeRequest(request_id="stops", prompt_ids=[5, 6], sampling=sp,
+                                                   local_prefill=True), metadata=MD, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop_token_ids" in e.value.details()
+        st = d.GetStatus(worker_pb2.StatusRequest(), metadata=MD, timeout=5)
+        assert st.pages_free == st.pages_total
 
 
 def test_local_prefill_on_the_decode_worker(cluster):
