@@ -93,9 +93,13 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def make_server(secret: str | None = None, what: str = "cluster secret") -> grpc.aio.Server:
+def make_server(secret: str | None = None, what: str = "cluster secret",
+                max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+    """A server whose calls need ``secret``; gRPC refuses a request message over ``max_receive_bytes``
+    (RESOURCE_EXHAUSTED) before any handler or interceptor sees it."""
     interceptors = [BearerAuthInterceptor(secret, what)] if secret else []
-    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    options = [(k, max_receive_bytes if k == "grpc.max_receive_message_length" else v) for k, v in SERVER_OPTIONS]
+    return grpc.aio.server(options=options, interceptors=interceptors)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> health.aio.HealthServicer:

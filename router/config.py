@@ -35,6 +35,10 @@ class RouterConfig:
     """... and max load exceeds min load times this; imbalanced -> least load, else the longest prefix."""
     local_prefill_below: int = 0
     """Prompts shorter than this are prefilled on the decode worker itself (0: always disaggregate)."""
+    max_request_bytes: int = 0
+    """Largest GenerateRequest the public port accepts (gRPC's max receive message length: larger messages
+    get RESOURCE_EXHAUSTED from gRPC itself). 0: derived from the served model at start, max_context * 32
+    + 64 KiB (``router.validate.max_request_bytes``); 64 MiB when no worker reports within health_timeout_s."""
     max_inflight: int = 256
     """Requests the router admits at once; beyond it, RESOURCE_EXHAUSTED (no unbounded queue)."""
     health_interval_s: float = 1.0
@@ -69,6 +73,8 @@ class RouterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 <= self.max_failovers <= MAX_FAILOVERS:
             raise ValueError(f"max_failovers must be in [0, {MAX_FAILOVERS}], got {self.max_failovers}")
+        if self.max_request_bytes < 0:
+            raise ValueError(f"max_request_bytes must be >= 0, got {self.max_request_bytes}")
         for name in ("max_inflight", "unhealthy_after"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -224,6 +224,13 @@ class Registry:
                 return info
         return None
 
+    async def wait_model_info(self, timeout_s: float) -> ModelInfo | None:
+        """``model_info()`` once a worker reported it, or None after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while (info := self.model_info()) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return info
+
     def serving(self) -> bool:
         return bool(self.healthy("prefill")) and bool(self.healthy("decode"))
 

@@ -1,8 +1,9 @@
 """The router's gRPC server: public ``Generation`` and ``Admin`` services over the worker registry.
 
-``RouterServer.start()`` binds the port, starts the registry (health polls, cache-event streams) and
-serves the standard health service (SERVING once at least one prefill and one decode worker are in
-rotation) and server reflection. ``stop()`` refuses new calls, gives in-flight ones ``grace_s``, then
+``RouterServer.start()`` starts the registry (health polls, cache-event streams), sizes the public port's
+message limit from the served model (``RouterConfig.max_request_bytes``), binds the port and serves the
+standard health service (SERVING once at least one prefill and one decode worker are in rotation) and
+server reflection. ``stop()`` refuses new calls, gives in-flight ones ``grace_s``, then
 cancels and awaits every background task (aborts to workers included) and closes the channels.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import grpc
@@ -24,10 +26,12 @@ from router.policy import make_policy
 from router.registry import Registry, Worker
 from router.request import GenerateRun
 from router.text import TextCodec
-from router.validate import RequestError, validate
+from router.validate import RequestError, check_prompt, max_request_bytes, precheck
 
 logger = logging.getLogger(__name__)
 PUBLIC_SERVICES = ("pdserve.v1.Generation", "pdserve.v1.Admin")
+TOKENIZER_THREADS = 2
+"""Threads that tokenize text prompts (the tokenizer releases the GIL: they use other cores)."""
 
 
 class RouterCore:
@@ -41,6 +45,7 @@ class RouterCore:
         self._codec_tried = cfg.model is not None
         self.inflight = 0
         self._tasks: set[asyncio.Task] = set()
+        self._tokenizer = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="router-tokenize")
 
     @contextlib.contextmanager
     def admitted(self) -> Iterator[None]:
@@ -66,6 +71,11 @@ class RouterCore:
             self._codec_tried = True
             self.codec = TextCodec.from_model_dir(model_dir)
 
+    async def encode(self, text: str) -> list[int]:
+        """Tokenize on the tokenizer threads: a long text never stalls the event loop (health checks and
+        every other stream keep flowing)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer, self.codec.encode, text)
+
     async def abort_on(self, w: Worker, rid: str, why: str) -> None:
         try:
             await w.stub.Abort(worker_pb2.AbortRequest(request_id=rid), metadata=self.registry.metadata,
@@ -78,6 +88,7 @@ class RouterCore:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)
         for t in list(self._tasks):
             t.cancel()
+        self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
 
 class MalformedRequest:
@@ -119,8 +130,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy prefill and decode workers: " +
                                 _why_unavailable(core.registry))
         core.ensure_codec(model.model_dir, model.has_tokenizer)
-        try:
-            valid = validate(request, model, core.codec.encode if core.codec is not None else None)
+        try:  # everything cheap first: a text is tokenized (off the loop) only once the rest is valid
+            precheck(request, model, core.codec is not None)
+            text_ids = await core.encode(request.text) if request.WhichOneof("prompt") == "text" else None
+            valid = check_prompt(request, model, text_ids)
         except RequestError as e:
             await context.abort(e.code, e.message)
         left = context.time_remaining()
@@ -193,6 +206,8 @@ class RouterServer:
         self.port = 0
         self._health = None
         self._serving: bool | None = None
+        self.max_request_bytes = 0
+        """The public port's gRPC max receive message length (set by ``start``)."""
 
     @property
     def address(self) -> str:
@@ -200,19 +215,35 @@ class RouterServer:
 
     async def start(self) -> None:
         rpc.check_bind(self.cfg.host, self.cfg.api_key, "router")
-        self.server = rpc.make_server(self.cfg.api_key, "API key")
+        await self.core.registry.start()  # first: the message size limit comes from the served model
+        self.max_request_bytes = await self._request_limit()
+        self.server = rpc.make_server(self.cfg.api_key, "API key", max_receive_bytes=self.max_request_bytes)
         add_generation_service(GenerationServicer(self.core), self.server)
         generation_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.core), self.server)
         self._health = rpc.add_health_and_reflection(self.server, PUBLIC_SERVICES)
         self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
         if self.port == 0:
+            await self.core.registry.close()
             raise OSError(f"cannot bind {self.cfg.host}:{self.cfg.port}")
         await self._set_serving(False)
         self.core.registry.on_change = lambda: self.core.spawn(self._update_health())
-        await self.core.registry.start()
+        await self._update_health()
         await self.server.start()
         logger.info("router listening on %s (%d prefill, %d decode workers, routing %s)", self.address,
                     len(self.cfg.prefill), len(self.cfg.decode), self.cfg.routing)
+
+    async def _request_limit(self) -> int:
+        """``cfg.max_request_bytes``, or derived from the served model's context (``max_request_bytes``),
+        waiting one health poll for a worker to report it; without one, the generic gRPC limit."""
+        if self.cfg.max_request_bytes:
+            return self.cfg.max_request_bytes
+        info = await self.core.registry.wait_model_info(self.cfg.health_timeout_s)
+        if info is None:
+            logger.warning("no worker reported the model within %.1fs: the public port accepts messages of up to "
+                           "%d bytes (set --max-request-bytes to bound them)", self.cfg.health_timeout_s,
+                           rpc.MAX_MESSAGE_BYTES)
+            return rpc.MAX_MESSAGE_BYTES
+        return max_request_bytes(info.max_context)
 
     async def _update_health(self) -> None:
         await self._set_serving(self.core.registry.serving())

@@ -27,6 +27,25 @@ MAX_ID_SUFFIX_LEN = 9 + 4 + 7
 (the prefill retry); see ``router.request``."""
 _REQUEST_ID = re.compile(r"[\x21-\x7e]*")
 """Printable ASCII without spaces: one byte a character, nothing that rewrites a log line."""
+MAX_TEXT_BYTES_PER_TOKEN = 32
+"""A text prompt may hold at most ``max_context * 32`` UTF-8 bytes; a longer one is refused before it is
+tokenized. Ordinary text averages ~4 bytes a token, so only a pathological text that would fit the context
+is refused (and a text of at most ``max_context`` bytes always fits: every token covers at least one byte)."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Most ``stop_token_ids`` a request may name (the decode worker checks every new token against them)."""
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+"""Most stop strings, and characters in each (the decode worker decodes that many tokens every step)."""
+REQUEST_OVERHEAD_BYTES = 64 * 1024
+"""Room for everything in a GenerateRequest but the prompt: the id (128 B), 1024 stop ids (<= 5 KiB),
+16 stop strings of 256 characters (<= 17 KiB) and the other sampling fields (~100 B)."""
+
+
+def max_request_bytes(max_context: int) -> int:
+    """Largest well-formed GenerateRequest for a model of ``max_context`` tokens: the longest text prompt
+    (``max_context * MAX_TEXT_BYTES_PER_TOKEN`` bytes; token ids take at most 5 bytes each) plus
+    ``REQUEST_OVERHEAD_BYTES``. The router's public port refuses larger messages."""
+    return max_context * MAX_TEXT_BYTES_PER_TOKEN + REQUEST_OVERHEAD_BYTES
 
 
 class RequestError(Exception):
@@ -87,18 +106,25 @@ def _check_request_id(rid: str) -> None:
         raise _bad("request_id may hold printable ASCII characters only (no spaces or control characters)")
 
 
-def _prompt_ids(req: generation_pb2.GenerateRequest, encode: Callable[[str], list[int]] | None) -> list[int]:
+def _check_text(req: generation_pb2.GenerateRequest, model: ModelInfo, has_tokenizer: bool) -> None:
+    if not req.text:
+        raise _bad("empty prompt: text is empty")
+    if not has_tokenizer:
+        raise _bad("text prompts need the model's tokenizer.json on the router (python -m router --model DIR); "
+                   "send token_ids instead")
+    limit = model.max_context * MAX_TEXT_BYTES_PER_TOKEN
+    # characters <= UTF-8 bytes: the first test spares the encode of a text that is far too long
+    if len(req.text) > limit or len(req.text.encode()) > limit:
+        raise _bad(f"prompt text is longer than the context can hold: at most {limit} UTF-8 bytes "
+                   f"({model.max_context} tokens x {MAX_TEXT_BYTES_PER_TOKEN}) are tokenized")
+
+
+def _prompt_ids(req: generation_pb2.GenerateRequest, text_ids: list[int] | None) -> list[int]:
     kind = req.WhichOneof("prompt")
     if kind == "text":
-        if not req.text:
-            raise _bad("empty prompt: text is empty")
-        if encode is None:
-            raise _bad("text prompts need the model's tokenizer.json on the router (python -m router --model DIR); "
-                       "send token_ids instead")
-        ids = encode(req.text)
-        if not ids:
+        if not text_ids:
             raise _bad("empty prompt: the text encodes to no tokens")
-        return ids
+        return text_ids
     if kind == "token_ids" and req.token_ids.ids:
         return list(req.token_ids.ids)
     raise _bad("empty prompt: set text or a non-empty token_ids")
@@ -121,23 +147,36 @@ def _check_sampling(sp: generation_pb2.SamplingParams, model: ModelInfo, has_sto
             raise _bad(f"{name} must be in [-2, 2], got {v}")
     if sp.logprobs > MAX_LOGPROBS:
         raise _bad(f"logprobs must be <= {MAX_LOGPROBS}, got {sp.logprobs}")
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise _bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(sp.stop_token_ids)}")
     bad = [t for t in sp.stop_token_ids if t >= model.vocab_size]
     if bad:
         raise _bad(f"stop token id {bad[0]} outside the vocabulary (size {model.vocab_size})")
     if sp.stop:
-        if any(not s for s in sp.stop):
-            raise _bad("stop strings must be non-empty")
+        if len(sp.stop) > MAX_STOP_STRINGS:
+            raise _bad(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(sp.stop)}")
+        if any(not s or len(s) > MAX_STOP_STRING_LEN for s in sp.stop):
+            raise _bad(f"stop strings must be 1..{MAX_STOP_STRING_LEN} characters long")
         if not has_stop_checker:
             raise _bad("stop strings need a tokenizer on the workers; use stop_token_ids")
 
 
-def validate(req: generation_pb2.GenerateRequest, model: ModelInfo,
-             encode: Callable[[str], list[int]] | None = None) -> ValidRequest:
-    """Raises ``RequestError`` (INVALID_ARGUMENT) with a human message on the first problem found."""
+def precheck(req: generation_pb2.GenerateRequest, model: ModelInfo, has_tokenizer: bool) -> None:
+    """Every check that needs no prompt token ids, text prompts' length included: what runs before a text
+    is tokenized. Raises ``RequestError`` (INVALID_ARGUMENT) on the first problem found."""
     _check_unknown(req, "GenerateRequest")
     _check_unknown(req.sampling, "SamplingParams")
     _check_request_id(req.request_id)
-    ids = _prompt_ids(req, encode)
+    _check_sampling(req.sampling, model, model.has_tokenizer)
+    if req.WhichOneof("prompt") == "text":
+        _check_text(req, model, has_tokenizer)
+
+
+def check_prompt(req: generation_pb2.GenerateRequest, model: ModelInfo,
+                 text_ids: list[int] | None = None) -> ValidRequest:
+    """The checks on the prompt's token ids (``text_ids``: the encoded text of a text prompt), after
+    ``precheck``. Raises ``RequestError`` (INVALID_ARGUMENT) with a human message."""
+    ids = _prompt_ids(req, text_ids)
     if max(ids) >= model.vocab_size:
         bad = next(t for t in ids if t >= model.vocab_size)
         raise _bad(f"token id {bad} outside the vocabulary (size {model.vocab_size})")
@@ -149,8 +188,16 @@ def validate(req: generation_pb2.GenerateRequest, model: ModelInfo,
     if len(ids) + max_tokens > model.max_context:
         raise _bad(f"max_tokens {max_tokens} is beyond the context: prompt {len(ids)} + {max_tokens} > "
                    f"{model.max_context} tokens")
-    _check_sampling(sp, model, model.has_tokenizer)
     out = generation_pb2.SamplingParams()
     out.CopyFrom(sp)
     out.max_tokens = max_tokens
     return ValidRequest(ids, out, max_tokens)
+
+
+def validate(req: generation_pb2.GenerateRequest, model: ModelInfo,
+             encode: Callable[[str], list[int]] | None = None) -> ValidRequest:
+    """``precheck`` + ``check_prompt`` in one call, a text prompt encoded with ``encode`` on this thread
+    (the router's server tokenizes off its event loop instead)."""
+    precheck(req, model, encode is not None)
+    text = req.text if req.WhichOneof("prompt") == "text" else None
+    return check_prompt(req, model, encode(text) if text is not None and encode is not None else None)

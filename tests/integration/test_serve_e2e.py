@@ -164,7 +164,9 @@ BAD = [({"token_ids": []}, "empty prompt"), ({"prompt": ""}, "empty prompt"),
        ({"token_ids": [5] * 4000, "max_tokens": 200}, "beyond the context"),
        ({"token_ids": [5], "temperature": -1.0}, "temperature"),
        ({"token_ids": [5], "temperature": math.nan}, "temperature"),
-       ({"token_ids": [5], "top_p": 0.0}, "top_p"), ({"token_ids": [5], "top_p": 1.5}, "top_p")]
+       ({"token_ids": [5], "top_p": 0.0}, "top_p"), ({"token_ids": [5], "top_p": 1.5}, "top_p"),
+       ({"prompt": "time " * 30000}, "at most 131072 UTF-8 bytes"),  # refused before it is tokenized
+       ({"token_ids": [5], "stop_token_ids": [6] * 1025}, "at most 1024 stop_token_ids")]
 
 
 @pytest.mark.parametrize("kw,needle", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])

@@ -60,6 +60,8 @@ BAD = {
     "request id with a newline": (req(request_id="a\nb"), "printable ASCII"),
     "request id with a space": (req(request_id="a b"), "printable ASCII"),
     "request id not ascii": (req(request_id="é"), "printable ASCII"),
+    "too many stop ids": (req(stop_token_ids=[5] * 1025), "at most 1024 stop_token_ids"),
+    "text longer than the context can hold": (make_request(prompt="a" * (64 * 32 + 1)), "at most 2048 UTF-8 bytes"),
     "unknown request field": (with_unknown_field(req()), "does not understand"),
     "unknown sampling field": (with_unknown_sampling_field(req()), "does not understand"),
 }
@@ -69,7 +71,7 @@ BAD = {
 def test_invalid_argument(case):
     r, needle = BAD[case]
     with pytest.raises(RequestError) as e:
-        validate(r, MODEL)
+        validate(r, MODEL, encode=None if "tokenizer" in case else lambda s: 1 / 0)  # never reaches encode
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in e.value.message, e.value.message
 
