@@ -147,12 +147,17 @@ class PrefillScheduler:
             self._cv.notify()
 
     def abort(self, req_id: str, reason: str = "cancelled") -> bool:
+        """A queued request leaves the queue (and frees its slot) at once; a running one is reaped at the
+        start of the next step (the forward in progress may be writing its pages); a transferring one's
+        transfer is aborted."""
         with self._cv:
             task = self._tasks.get(req_id)
             if task is None:
                 return False
             task.abort_reason = task.abort_reason or reason
-            if task.state is State.TRANSFERRING:
+            if task.state is State.QUEUED:
+                self._drop_queued(task)
+            elif task.state is State.TRANSFERRING:
                 task.sink.abort(reason)
             self._cv.notify()
             return True
@@ -379,12 +384,20 @@ class PrefillScheduler:
             if not task.abort_reason or task.state is State.TRANSFERRING:
                 continue
             if task.state is State.QUEUED:
-                self._queue = [q for q in self._queue if q[2] is not task]
-                heapq.heapify(self._queue)
-            elif task.state is State.RUNNING:
+                self._drop_queued(task)
+                continue
+            if task.state is State.RUNNING:
                 self._running.remove(task)
                 task.sink.abort(task.abort_reason)
                 self._release(task)
             task.state = State.ABORTED
             self._tasks.pop(task.req_id, None)
             task.on_done(RequestAborted(task.req_id, task.abort_reason))
+
+    def _drop_queued(self, task: PrefillTask) -> None:
+        """Remove an aborted, still queued task (it holds no page yet) and answer its caller. Under the lock."""
+        self._queue = [q for q in self._queue if q[2] is not task]
+        heapq.heapify(self._queue)
+        task.state = State.ABORTED
+        self._tasks.pop(task.req_id, None)
+        task.on_done(RequestAborted(task.req_id, task.abort_reason))

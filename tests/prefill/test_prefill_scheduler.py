@@ -202,3 +202,44 @@ def test_a_failure_after_the_transfer_still_answers_the_caller(tiny, monkeypatch
     monkeypatch.setattr(sched.cache, "insert", broken_insert)
     run_all(sched, [task("r", list(range(2, 60)), res)])
     assert isinstance(res["r"], RuntimeError) and "injected" in str(res["r"]) and not sched._tasks
+
+
+class GateSink(CaptureSink):
+    """Holds the scheduler thread inside its step (in ``start``) until ``gate`` is set."""
+
+    def __init__(self, pool):
+        super().__init__(pool)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def start(self, pages, cached_len):
+        self.entered.set()
+        assert self.gate.wait(30)
+        super().start(pages, cached_len)
+
+
+def test_a_cancelled_queued_request_leaves_the_queue_at_once(tiny):
+    """Issue 25: a cancelled request kept its queue slot (and its caller waited) until the next step,
+    which a long forward can hold off for seconds."""
+    sched, res = make_sched(tiny, max_queue=1), {}
+    start = sched.pool.allocator.num_free
+    sched.start()
+    try:
+        gate = GateSink(sched.pool)
+        sched.submit(task("busy", list(range(2, 60)), res, sink=gate))
+        assert gate.entered.wait(30)  # the scheduler thread is inside a step now, and stays there
+        sched.submit(task("queued", list(range(2, 40)), res))
+        with pytest.raises(QueueFull):
+            sched.submit(task("refused", [3, 4, 5], res))
+        assert sched.abort("queued", "cancelled by the client")
+        assert isinstance(res.get("queued"), RequestAborted) and "cancelled" in res["queued"].reason
+        assert sched.num_queued == 0 and "queued" not in sched._tasks
+        sched.submit(task("next", [3, 4, 5], res))  # the slot is free again
+        gate.gate.set()
+        deadline = time.monotonic() + 30
+        while len(res) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(res["busy"], PrefillResult) and isinstance(res["next"], PrefillResult)
+    finally:
+        gate.gate.set()
+        sched.stop()
+    assert sched.pool.allocator.num_free + sched.cache.num_pages == start and not sched._tasks
