@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         same = out[0].token_ids == ref
         report["configs"][text] = {"decode_tok_s": round(rate[text], 1), "speedup": round(rate[text] / base, 3),
                                    "greedy_equals_plain": same, **m.as_dict(spec.num_steps)}
-        rates = " ".join(f"{r:.2f}" for r in m.acceptance_rate(spec.num_steps))
+        rates = " ".join(f"{r:.2f}" for r in m.accept_rate_per_position(spec.num_steps))
         rows.append((text, f"{m.accept_len:.2f}", rate[text], rate[text] / base,
                      rates + ("" if same else "  (!= plain)")))
     if args.json:
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         print(f"model {model_dir} ({args.dtype}), prompt {len(ids)} tokens, {args.max_tokens} generated, "
               f"single stream, decode graphs {'eager' if args.no_compile else 'compiled'}")
-        print(f"{'config':>7} | {'accept_len':>10} | {'decode tok/s':>12} | {'vs plain':>8} | acceptance by depth")
+        print(f"{'config':>7} | {'accept_len':>10} | {'decode tok/s':>12} | {'vs plain':>8} | accept rate per position (given the depth before)")
         for name, acc, rate, ratio, extra in rows:
             print(f"{name:>7} | {acc:>10} | {rate:>12.1f} | {ratio:>7.2f}x | {extra}")
     return report

@@ -54,21 +54,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         logging.getLogger("pdserve").warning("model has no MTP layer: running without speculative decoding")
         spec = None
     t0 = time.perf_counter()
-    accept_len = None
+    spec_stats = None
     if spec:
+        from engine.spec.config import SpecConfig
         from engine.spec.generate import run_speculative
+        spec = SpecConfig.parse(spec)
         run = run_speculative(model, cfg, [ids], params, spec, kv_dtype=args.kv_dtype or args.dtype,
                               page_size=args.page_size)
-        res, accept_len = run.results[0], run.metrics.accept_len
+        res, spec_stats = run.results[0], run.metrics.snapshot(spec.num_steps)
     else:
         eng = Engine(model, cfg, kv_dtype=args.kv_dtype or args.dtype, page_size=args.page_size,
                      num_pages=max(64, (len(ids) + args.max_tokens) // args.page_size + 8))
         res = eng.generate([ids], params)[0]
     elapsed = time.perf_counter() - t0
     out = {"token_ids": res.token_ids, "finish_reason": res.finish_reason, "prompt_tokens": len(ids),
-           "elapsed_s": round(elapsed, 4), "model": model_dir, "speculative": spec or "off"}
-    if accept_len is not None:
-        out["accept_len"] = round(accept_len, 4)
+           "elapsed_s": round(elapsed, 4), "model": model_dir, "speculative": str(spec) if spec else "off"}
+    if spec_stats is not None:  # rates per draft depth 1..num_steps: see engine.spec.metrics
+        out["accept_len"] = round(spec_stats.accept_len, 4)
+        out["verify_steps"] = spec_stats.num_verify_steps
+        out["accept_rate_per_position"] = [round(r, 4) for r in spec_stats.accept_rate_per_position]
+        out["accept_rate_at_least"] = [round(r, 4) for r in spec_stats.accept_rate_at_least]
     if tok is not None:
         out["text"] = tok.decode(res.token_ids)
     if args.json:

@@ -29,7 +29,7 @@ from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, apply_penalties, probs_from_logits
 from engine.spec.config import SpecConfig
-from engine.spec.metrics import SpecMetrics
+from engine.spec.metrics import SpecMetrics, step_depths
 from engine.spec.proposer import MTPProposer
 from engine.spec.seq import SpecSeq
 from engine.spec.tree import DraftTree
@@ -122,7 +122,8 @@ class SpecDecoder:
         results, live, live_ids, live_hidden = [], [], [], []
         for s, tree, v, off in zip(seqs, trees, verdicts, offsets):
             emitted = self._emit(s, v.token_ids) if emit else list(v.token_ids)
-            self.metrics.record(len(v.path), tree.num_nodes - 1, len(emitted))
+            self.metrics.record(len(v.path), tree.num_nodes - 1, len(emitted),
+                                *step_depths(tree.depths, tree.children, v.path))
             lps = self._logprobs(logits, [off + n for n in [0] + v.path], emitted, s.sampler.params.logprobs)
             results.append(SpecStepResult(s.req_id, emitted, len(v.path), s.finish_reason, lps))
             if not s.finish_reason:

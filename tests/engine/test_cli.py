@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from tiny import make_hf_model
 
@@ -57,3 +58,26 @@ def test_run_speculative_reports_accept_len_and_matches_plain(tmp_path):
     assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
     s, p = json.loads(spec.stdout), json.loads(plain.stdout)
     assert s["token_ids"] == p["token_ids"] and s["accept_len"] >= 1.0 and "accept_len" not in p
+
+
+def test_run_json_reports_acceptance_per_position_on_the_default_model():
+    """``accept_rate_per_position[d-1]`` = P(depth-d draft accepted | depth d tried); every step of
+    ``pdserve run`` drafts all 3 depths, so the unconditional rates are the running products and their
+    sum is the mean accepted drafts (``accept_len - 1``)."""
+    from engine.defaults import SHIPPED_DEFAULT
+    base = [PDSERVE, "run", "--model", SHIPPED_DEFAULT, "--prompt", "def main(argv):\n", "--max-tokens", "48",
+            "--ignore-eos", "--json"]
+    spec = subprocess.run(base + ["--speculative", "3/1/4"], capture_output=True, text=True, timeout=180)
+    plain = subprocess.run(base + ["--no-speculative"], capture_output=True, text=True, timeout=180)
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+    s, p = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert s["token_ids"] == p["token_ids"] and s["speculative"] == "3/1/4"
+    per_pos, at_least = s["accept_rate_per_position"], s["accept_rate_at_least"]
+    assert len(per_pos) == len(at_least) == 3 and all(0 <= r <= 1 for r in per_pos + at_least)
+    assert 0 < per_pos[0] < 1 and s["verify_steps"] > 0
+    prod = 1.0
+    for d in range(3):
+        prod *= per_pos[d]
+        assert at_least[d] == pytest.approx(prod, abs=2e-3)
+    assert sum(at_least) == pytest.approx(s["accept_len"] - 1, abs=2e-3)
+    assert not {"accept_len", "accept_rate_per_position", "accept_rate_at_least"} & set(p)

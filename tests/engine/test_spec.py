@@ -453,7 +453,8 @@ def test_run_speculative_and_errors(dirs):
                           "3/1/4")
     assert len(res.results[0].token_ids) == 20 and res.metrics.accept_len > 1
     d = res.metrics.as_dict(3)
-    assert set(d) >= {"accept_len", "acceptance_rate", "conditional_acceptance"} and len(d["acceptance_rate"]) == 3
+    assert set(d) >= {"accept_len", "accept_rate_per_position", "accept_rate_at_least"}
+    assert len(d["accept_rate_per_position"]) == 3
     plain_model, plain_cfg = load_model(dirs["no-mtp"], "float32", "cpu")
     with pytest.raises(ValueError, match="MTP"):
         SpecEngine(make_engine(plain_model, plain_cfg, "float32"), SpecConfig.parse("3/1/4"))
