@@ -25,6 +25,9 @@ def register(sub) -> None:
     s.add_argument("--num-pages", type=int, default=None, help="KV pages per worker (default: the worker's)")
     s.add_argument("--speculative", default="5/1/6", help="MTP speculation STEPS/TOPK/DRAFT_TOKENS")
     s.add_argument("--no-speculative", action="store_true")
+    s.add_argument("--no-spec-fallback", action="store_true",
+                   help="decode workers keep speculating for every request, even when its drafts are rarely "
+                        "accepted (default: such a request switches to plain decoding)")
     s.add_argument("--compile", action="store_true",
                    help="decode workers run decode / verify steps through compiled graphs (torch.compile, warmed up "
                         "at start: a few minutes the first time on 2 CPU cores, far less once inductor's disk "
@@ -78,12 +81,14 @@ def _raise_shutdown(signum, frame):
     raise _Shutdown(signal.Signals(signum).name)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
-    cfg = LocalClusterConfig(
+def serve_config(args: argparse.Namespace):
+    """``pdserve serve`` flags -> ``LocalClusterConfig``."""
+    from cluster.local import LocalClusterConfig
+    return LocalClusterConfig(
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
         dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size, num_pages=args.num_pages,
-        speculative=None if args.no_speculative else args.speculative, decode_weights=args.decode_weights,
+        speculative=None if args.no_speculative else args.speculative, spec_fallback=not args.no_spec_fallback,
+        decode_weights=args.decode_weights,
         compile_decode=args.compile,
         api_key=args.api_key, routing=args.routing,
         local_prefill_below=args.local_prefill_below, max_failovers=args.max_failovers,
@@ -91,6 +96,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stall_after_s=args.stall_after,
         threads_per_worker=args.threads_per_worker,
         run_dir=args.run_dir, startup_timeout_s=args.startup_timeout)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from cluster.local import ClusterStartError, LocalCluster
+    cfg = serve_config(args)
     old = {s: signal.signal(s, _raise_shutdown) for s in (signal.SIGTERM, signal.SIGINT)}
     rc, cluster = 0, None
     try:

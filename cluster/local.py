@@ -88,9 +88,12 @@ class LocalClusterConfig:
     num_pages: int | None = None
     """KV pages per worker (None: the worker default)."""
     speculative: str | None = "5/1/6"
+    """MTP speculation STEPS/TOPK/DRAFT_TOKENS for the decode workers; None: off."""
+    spec_fallback: bool = True
+    """Decode workers switch a request whose drafts rarely pay off to plain decoding (False:
+    ``decode.server --no-spec-fallback``, every request keeps speculating)."""
     compile_decode: bool = False
     """Decode workers run decode / verify steps through compiled graphs (``decode.server --compile``)."""
-    """MTP speculation STEPS/TOPK/DRAFT_TOKENS for the decode workers; None: off."""
     decode_weights: str = "mxfp4"
     """What the decode workers' routed experts run in: an MX format (``mxfp4``, ``mxfp6_e2m3``, ...: the
     model quantized once and cached under ``$PDSERVE_HOME/quantized``), ``model`` (the checkpoint as it
@@ -234,6 +237,7 @@ class LocalCluster:
             cmd += ["--kv-port", "0"] + (["--shm"] if c.shm else [])
             cmd += ["--quantized-model", self.decode_weights] if self.decode_weights else []
             cmd += ["--speculative", c.speculative] if c.speculative else ["--no-speculative"]
+            cmd += [] if c.spec_fallback else ["--no-spec-fallback"]
             cmd += ["--compile"] if c.compile_decode else []
         return cmd + list(c.extra_worker_args)
 

@@ -78,6 +78,9 @@ class RayLaunchConfig:
     """KV pages per worker (default: the worker's)."""
     speculative: str = "5/1/6"
     """MTP speculation STEPS/TOPK/DRAFT_TOKENS of the decode workers, or off."""
+    no_spec_fallback: bool = False
+    """Decode workers keep speculating for every request, even when its drafts are rarely accepted (default:
+    such a request switches to plain decoding)."""
     compile_decode: bool = False
     """Decode workers run decode / verify steps through compiled graphs (warmed up before they serve)."""
     decode_weights: str | None = None
@@ -250,6 +253,7 @@ def _worker_args(spec: dict, role: str, name: str) -> list[str]:
     if role == "decode":
         args += ["--kv-port", "0", "--speculative", spec["speculative"] or "off"]
         args += ["--compile"] if spec.get("compile_decode") else []
+        args += ["--no-spec-fallback"] if spec.get("no_spec_fallback") else []
         args += ["--quantized-model", spec["decode_weights"]] if spec.get("decode_weights") else []
         args += [] if spec["no_shm"] else ["--shm"]  # used by prefill workers on the same node
     return args

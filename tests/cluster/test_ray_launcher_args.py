@@ -38,3 +38,15 @@ def test_decode_weights_reach_decode_workers_only():
     assert dict(zip(dec[::2], dec[1::2]))["--quantized-model"] == "/q"
     assert "--quantized-model" not in _worker_args(spec(decode_weights="/q"), "prefill", "prefill-0")
     assert "--quantized-model" not in _worker_args(spec(), "decode", "decode-0")
+
+
+def test_no_spec_fallback_from_the_launch_command_line_reaches_decode_workers_only():
+    from cluster.cli import build_parser
+    from cluster.flags import config_from_args
+    cfg = config_from_args(build_parser().parse_args(["launch", "--model", "/m", "--no-spec-fallback"]),
+                           cls=RayLaunchConfig)
+    assert cfg.no_spec_fallback
+    s = {**dataclasses.asdict(cfg), "model_hash": "abc123", "secret": "s", "notes": []}
+    assert "--no-spec-fallback" in _worker_args(s, "decode", "decode-0")
+    assert "--no-spec-fallback" not in _worker_args(s, "prefill", "prefill-0")
+    assert "--no-spec-fallback" not in _worker_args(spec(), "decode", "decode-0")

@@ -1,0 +1,19 @@
+"""What ``pdserve serve`` asks each local worker process to run (pure: nothing is started)."""
+from cluster.cli import build_parser
+from cluster.cli_serve import serve_config
+from cluster.local import LocalCluster
+
+
+def worker_cmds(tmp_path, *flags: str) -> dict[str, list[str]]:
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--decode-weights", "model", "--run-dir",
+                                      str(tmp_path / "run"), *flags])
+    cluster = LocalCluster(serve_config(args))
+    return {role: cluster._worker_cmd(role, 0) for role in ("prefill", "decode")}
+
+
+def test_no_spec_fallback_reaches_the_decode_worker_only(tmp_path):
+    cmds = worker_cmds(tmp_path, "--no-spec-fallback", "--speculative", "3/1/4")
+    assert "--no-spec-fallback" in cmds["decode"] and "--no-spec-fallback" not in cmds["prefill"]
+    dec = cmds["decode"]
+    assert dec[dec.index("--speculative") + 1] == "3/1/4"
+    assert "--no-spec-fallback" not in worker_cmds(tmp_path)["decode"]  # the adaptive fallback stays the default
