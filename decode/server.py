@@ -23,7 +23,7 @@ from engine.runtime import load_model
 from engine.tokenizer import Tokenizer
 from kvtransfer import FailReason, KVReceiver, KVReceiverConfig, ShmKVPool, TransferError
 from protos import rpc, worker_main
-from protos.convert import logprob_to_proto, sampling_from_proto
+from protos.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger("decode.server")
@@ -32,9 +32,11 @@ SERVICE = "pdserve.v1.DecodeWorker"
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, sched: DecodeScheduler, receiver: KVReceiver, cfg, info: dict[str, str], worker_id: str,
-                 address: str, mhash: str) -> None:
+                 address: str, mhash: str, speculator=None) -> None:
         self.sched, self.receiver, self.cfg = sched, receiver, cfg
         self.info, self.worker_id, self.address, self.mhash = info, worker_id, address, mhash
+        self.speculator = speculator
+        """``engine.spec.worker.MTPSpeculator`` when this worker speculates: its stats go in ``WorkerStatus.spec``."""
         self.loop = asyncio.get_running_loop()
 
     async def Reserve(self, request, context):
@@ -119,10 +121,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         tps = self.sched.tokens_out / self.sched.busy_s if self.sched.busy_s else 0.0
         host, port = self.receiver.address
         problem = self.sched.health_problem()
+        spec = self.speculator
         return generation_pb2.WorkerStatus(
             worker_id=self.worker_id, role="decode", address=self.address, kv_address=f"{host}:{port}",
             healthy=not problem, running=self.sched.num_running, pages_total=st.num_pages, pages_free=st.num_free,
             tokens_per_s=tps, model_hash=self.mhash,
+            spec=spec_stats_to_proto(spec.stats(), str(spec.spec)) if spec is not None else None,
             info={**self.info, "preempted": str(self.sched.num_preempted), "preemptions": str(self.sched.preemptions),
                   "spec_fallbacks": str(self.sched.spec_fallbacks),
                   **({"unhealthy": problem} if problem else {})})
@@ -188,7 +192,8 @@ async def amain(args: argparse.Namespace) -> None:
     from engine.quant.prepare import quantized_experts
     mx = sorted({m.spec.fmt.name for m in quantized_experts(model).values()})
     info["routed_experts"] = ",".join(mx) if mx else args.dtype
-    servicer = DecodeServicer(sched, receiver, cfg, info, args.worker_id or f"decode-{port}", address, mhash)
+    info["spec_fallback"] = "on" if spec is not None and sched.spec_fallback else "off"
+    servicer = DecodeServicer(sched, receiver, cfg, info, args.worker_id or f"decode-{port}", address, mhash, spec)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])
     sched.start()

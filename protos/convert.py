@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from engine.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
+from engine.spec.metrics import SpecStats
 from protos.pdserve.v1 import generation_pb2
 
 
@@ -34,3 +35,13 @@ def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
 def logprob_to_proto(entry: tuple[int, float, list[int], list[float]]) -> generation_pb2.TokenLogprob:
     tok, lp, top_ids, top_lps = entry
     return generation_pb2.TokenLogprob(token_id=tok, logprob=lp, top_ids=top_ids, top_logprobs=top_lps)
+
+
+def spec_stats_to_proto(stats: SpecStats, config: str) -> generation_pb2.SpecStats:
+    """A decode worker's speculation counters and rates (``engine.spec.metrics``) for ``WorkerStatus.spec``."""
+    return generation_pb2.SpecStats(
+        config=config, verify_steps=stats.num_verify_steps, accepted_drafts=stats.num_accepted_drafts,
+        draft_tokens=stats.num_draft_tokens, accept_len=stats.accept_len,
+        accept_rate_per_position=stats.accept_rate_per_position, accept_rate_at_least=stats.accept_rate_at_least,
+        drafted_at_depth=stats.drafted_at_depth, reached_at_depth=stats.reached_at_depth,
+        accepted_at_depth=stats.accepted_at_depth)

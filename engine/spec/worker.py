@@ -24,6 +24,7 @@ from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.spec.config import SpecConfig
 from engine.spec.decoder import SpecDecoder
+from engine.spec.metrics import SpecStats
 from engine.spec.seq import SpecSeq
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,10 @@ class MTPSpeculator:
     @property
     def last_verify_s(self) -> float:
         return self.decoder.last_verify_s
+
+    def stats(self) -> SpecStats:
+        """Acceptance counters and rates of every request so far, for draft depths 1..num_steps."""
+        return self.metrics.snapshot(self.spec.num_steps)
 
     def accept_len(self, task: Any) -> float:
         """This request's tokens per verify step so far (1 + mean accepted drafts)."""

@@ -125,7 +125,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "kv_address", "healthy", "running", "queued", "pages_total", "pages_free", "pages_cached", "cache_hit_rate", "tokens_per_s", "model_hash", "info")
+    __slots__ = ("worker_id", "role", "address", "kv_address", "healthy", "running", "queued", "pages_total", "pages_free", "pages_cached", "cache_hit_rate", "tokens_per_s", "model_hash", "info", "spec")
     class InfoEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class WorkerStatus(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -161,7 +162,32 @@ class WorkerStatus(_message.Message):
     tokens_per_s: float
     model_hash: str
     info: _containers.ScalarMap[str, str]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., healthy: _Optional[bool] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., pages_cached: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., model_hash: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    spec: SpecStats
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., healthy: _Optional[bool] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., pages_cached: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., model_hash: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ...) -> None: ...
+
+class SpecStats(_message.Message):
+    __slots__ = ("config", "verify_steps", "accepted_drafts", "draft_tokens", "accept_len", "accept_rate_per_position", "accept_rate_at_least", "drafted_at_depth", "reached_at_depth", "accepted_at_depth")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_RATE_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_RATE_AT_LEAST_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_AT_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    REACHED_AT_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_AT_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    config: str
+    verify_steps: int
+    accepted_drafts: int
+    draft_tokens: int
+    accept_len: float
+    accept_rate_per_position: _containers.RepeatedScalarFieldContainer[float]
+    accept_rate_at_least: _containers.RepeatedScalarFieldContainer[float]
+    drafted_at_depth: _containers.RepeatedScalarFieldContainer[int]
+    reached_at_depth: _containers.RepeatedScalarFieldContainer[int]
+    accepted_at_depth: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, config: _Optional[str] = ..., verify_steps: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accept_len: _Optional[float] = ..., accept_rate_per_position: _Optional[_Iterable[float]] = ..., accept_rate_at_least: _Optional[_Iterable[float]] = ..., drafted_at_depth: _Optional[_Iterable[int]] = ..., reached_at_depth: _Optional[_Iterable[int]] = ..., accepted_at_depth: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("workers", "model")
