@@ -23,6 +23,7 @@ import grpc
 
 from bench.loadgen.config import BenchConfig, Slo
 from bench.loadgen.sweep import report, run_sweep_async
+from cluster.flags import add_api_key_file_arg
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -83,9 +84,13 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--cache-hit", type=float, default=0.6)
-    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--api-key", default=None, help="every user sees it in ps: prefer --api-key-file or "
+                    "$PDSERVE_API_KEY")
+    add_api_key_file_arg(ap)
     ap.add_argument("--out", default="soak-results")
     args = ap.parse_args()
+    args.api_key = rpc.api_key_from_args(args)
+
     def load(seconds: float) -> dict:
         cfg = BenchConfig(target=args.target, workload="prefill-bound", input_len=args.input_len,
                           output_len=args.output_len, cache_hit=args.cache_hit, num_prefixes=4, rps=(args.rps,),

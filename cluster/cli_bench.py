@@ -7,12 +7,14 @@ import sys
 
 def register(sub) -> None:
     from bench.loadgen.config import add_config_args
+    from cluster.flags import add_api_key_file_arg
     p = sub.add_parser("bench", help="benchmark a running router: sweep request rates, report TTFT/ITL/tok/s",
                        description="Sweep Poisson request rates (--rps) or concurrencies against a running "
                                    "router and report throughput, latency percentiles, cache hits, goodput "
                                    "and the knee. Writes OUT/bench.json and OUT/bench.png. "
                                    "See docs/benchmarks.md.")
     add_config_args(p)
+    add_api_key_file_arg(p)
     p.add_argument("--from-json", default=None, metavar="BENCH_JSON",
                    help="re-report a saved bench.json (with --compare: compare two saved runs); sends nothing")
     p.set_defaults(fn=cmd_bench)
@@ -25,7 +27,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.from_json:
         print(report(load_json(args.from_json), args.compare))
         return 0
-    cfg = config_from_args(args)
+    from protos import rpc
+    try:
+        cfg = config_from_args(args, api_key=rpc.api_key_from_args(args))
+    except (ValueError, OSError) as e:
+        print(f"pdserve bench: error: {e}", file=sys.stderr)
+        return 2
     try:
         result, text = run_bench(cfg, progress=sys.stderr.isatty())
     except KeyboardInterrupt:

@@ -14,10 +14,11 @@ import sys
 
 def register(sub) -> None:
     from cluster.ray_launcher import RayLaunchConfig
-    from cluster.flags import add_config_args
+    from cluster.flags import add_api_key_file_arg, add_config_args
 
     la = sub.add_parser("launch", help="start a router and workers as Ray actors on a running Ray cluster")
     add_config_args(la, cls=RayLaunchConfig, skip=("model_hash",))
+    add_api_key_file_arg(la)
     la.add_argument("--json", action="store_true", help="print the deployment as one JSON object")
     la.set_defaults(fn=cmd_launch)
 
@@ -49,7 +50,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 def cmd_launch(args: argparse.Namespace) -> int:
     from cluster.ray_launcher import LaunchError, PlacementError, RayLaunchConfig, launch
     from cluster.flags import config_from_args
-    cfg = config_from_args(args, cls=RayLaunchConfig)
+    from protos import rpc
+    try:
+        cfg = config_from_args(args, cls=RayLaunchConfig, api_key=rpc.api_key_from_args(args))
+    except (ValueError, OSError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
     print(f"pdserve: launching {cfg.prefill} prefill + {cfg.decode} decode workers on Ray ({cfg.address}, namespace "
           f"{cfg.namespace})", file=sys.stderr, flush=True)
     try:

@@ -7,6 +7,8 @@ import signal
 import sys
 import time
 
+from cluster import flags
+
 
 class _Shutdown(Exception):
     """Raised in the main thread by SIGTERM/SIGINT so startup and the serve loop unwind through cleanup."""
@@ -35,7 +37,9 @@ def register(sub) -> None:
     s.add_argument("--decode-weights", default="mxfp4",
                    help="decode workers' routed experts: mxfp4 (default) / mxfp6_e2m3 / mxfp6_e3m2 / mxfp8 (the model "
                         "quantized once, cached), 'model' (the checkpoint as is), or a quantized copy's directory")
-    s.add_argument("--api-key", default=None, help="require 'authorization: Bearer KEY' on the public port")
+    s.add_argument("--api-key", default=None, help="require 'authorization: Bearer KEY' on the public port (every "
+                   "user sees it in ps: prefer --api-key-file or $PDSERVE_API_KEY)")
+    flags.add_api_key_file_arg(s)
     s.add_argument("--routing", default="cache_aware", choices=["cache_aware", "round_robin", "least_load", "random"])
     s.add_argument("--local-prefill-below", type=int, default=0,
                    help="prefill prompts shorter than this on the decode worker (0: always disaggregate)")
@@ -59,7 +63,9 @@ def register(sub) -> None:
     g.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT")
     g.add_argument("--prompt", default=None, help="prompt text (the server needs a tokenizer)")
     g.add_argument("--token-ids", default=None, help="comma-separated prompt token ids")
-    g.add_argument("--api-key", default=None)
+    g.add_argument("--api-key", default=None, help="every user sees it in ps: prefer --api-key-file or "
+                   "$PDSERVE_API_KEY")
+    flags.add_api_key_file_arg(g)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--top-p", type=float, default=None)
@@ -82,15 +88,17 @@ def _raise_shutdown(signum, frame):
 
 
 def serve_config(args: argparse.Namespace):
-    """``pdserve serve`` flags -> ``LocalClusterConfig``."""
+    """``pdserve serve`` flags -> ``LocalClusterConfig`` (ValueError / OSError: a bad flag or key file)."""
     from cluster.local import LocalClusterConfig
+    from protos import rpc
+    api_key = rpc.api_key_from_args(args)
     return LocalClusterConfig(
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
         dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size, num_pages=args.num_pages,
         speculative=None if args.no_speculative else args.speculative, spec_fallback=not args.no_spec_fallback,
         decode_weights=args.decode_weights,
         compile_decode=args.compile,
-        api_key=args.api_key, routing=args.routing,
+        api_key=api_key, routing=args.routing,
         local_prefill_below=args.local_prefill_below, max_failovers=args.max_failovers,
         decode_stall_timeout_s=args.decode_stall_timeout, fault_injection=args.fault_injection, shm=not args.no_shm,
         stall_after_s=args.stall_after,
@@ -100,7 +108,11 @@ def serve_config(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from cluster.local import ClusterStartError, LocalCluster
-    cfg = serve_config(args)
+    try:
+        cfg = serve_config(args)
+    except (ValueError, OSError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
     old = {s: signal.signal(s, _raise_shutdown) for s in (signal.SIGTERM, signal.SIGINT)}
     rc, cluster = 0, None
     try:
@@ -145,6 +157,7 @@ def _watch(cluster) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import grpc
     from cluster.cli import _parse_ids
+    from protos import rpc
     from router.client import Completion, GenerationClient
     ids = _parse_ids(args.token_ids)
     if (ids is None) == (args.prompt is None):
@@ -153,7 +166,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
               min_p=args.min_p, seed=args.seed, stop=args.stop, stop_token_ids=_parse_ids(args.stop_token_ids) or [],
               ignore_eos=args.ignore_eos, priority=args.priority, timeout_s=args.timeout)
     out, t0 = Completion(), time.perf_counter()
-    with GenerationClient(args.target, api_key=args.api_key) as client:
+    try:
+        api_key = rpc.api_key_from_args(args)
+    except (ValueError, OSError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    with GenerationClient(args.target, api_key=api_key) as client:
         try:
             for chunk in client.stream(args.prompt, ids, **kw):
                 out.add(chunk, t0)

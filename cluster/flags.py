@@ -56,3 +56,10 @@ def _kind(f: dataclasses.Field) -> type:
 
 def comma_list(s: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in s.split(",") if x.strip())
+
+
+def add_api_key_file_arg(p: argparse.ArgumentParser) -> None:
+    """``--api-key-file`` next to a parser's ``--api-key`` (``protos.rpc.api_key_from_args`` resolves both,
+    falling back to $PDSERVE_API_KEY)."""
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file (default: $PDSERVE_API_KEY; --api-key shows it in ps)")

@@ -6,7 +6,8 @@
     cluster.stop()           # SIGTERM everything (router first), SIGKILL what is left after the grace period
 
 Every child writes its log to ``run_dir/<name>.log``. The internal plane gets a cluster secret (the
-caller's ``PDSERVE_CLUSTER_SECRET`` or a random one) through the children's environment, never argv.
+caller's ``PDSERVE_CLUSTER_SECRET`` or a random one) through the children's environment, never argv; the
+API key reaches the router the same way (``PDSERVE_API_KEY``), and no other child.
 Children stay in the launcher's process group (Ctrl-C reaches them all) and are asked by the kernel to
 exit if the launcher dies without cleaning up (``PR_SET_PDEATHSIG``), so no worker outlives it.
 """
@@ -209,7 +210,9 @@ class LocalCluster:
         self.decode_weights = resolve_decode_weights(self.model, cfg.decode_weights)
         """The checkpoint decode workers load (None: ``self.model``)."""
         self.secret = rpc.cluster_secret() or secrets.token_hex(16)
-        self.env = {**os.environ, rpc.SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1"}
+        # the API key is the router's alone (workers never see it); like the secret, never in argv
+        self.env = {k: v for k, v in os.environ.items() if k != rpc.API_KEY_ENV}
+        self.env.update({rpc.SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1"})
         self.workers: list[Child] = []
         self.router: Child | None = None
 
@@ -251,7 +254,8 @@ class LocalCluster:
                     self.workers.append(Child(name, self._worker_cmd(role, i), self.env,
                                               os.path.join(self.run_dir, f"{name}.log")))
             self._wait_ready(self.workers, c.startup_timeout_s)
-            self.router = Child("router", self._router_cmd(), self.env, os.path.join(self.run_dir, "router.log"))
+            router_env = {**self.env, **({rpc.API_KEY_ENV: c.api_key} if c.api_key else {})}
+            self.router = Child("router", self._router_cmd(), router_env, os.path.join(self.run_dir, "router.log"))
             self._wait_ready([self.router], c.startup_timeout_s)
         except BaseException:
             self.stop()
@@ -266,8 +270,6 @@ class LocalCluster:
                "--local-prefill-below", str(c.local_prefill_below), "--max-failovers", str(c.max_failovers),
                "--decode-stall-timeout-s", str(c.decode_stall_timeout_s),
                "--startup-timeout-s", str(c.startup_timeout_s)]
-        if c.api_key:
-            cmd += ["--api-key", c.api_key]
         return cmd + (["--fault-injection"] if c.fault_injection else [])
 
     @staticmethod

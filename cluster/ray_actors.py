@@ -41,7 +41,7 @@ class ServerProcess:
     """One pdserve server child supervised by the enclosing actor (see the module docstring)."""
 
     def __init__(self, name: str, role: str, module: str, args: list[str], secret: str, log_dir: str,
-                 startup_timeout_s: float, bind_node_ip: bool = True) -> None:
+                 startup_timeout_s: float, bind_node_ip: bool = True, api_key: str | None = None) -> None:
         self.name, self.role = name, role
         self.draining = False
         self._stopping = False
@@ -52,7 +52,9 @@ class ServerProcess:
             cmd += ["--host", ray.util.get_node_ip_address()]
         os.makedirs(log_dir, exist_ok=True)
         log_path = os.path.join(log_dir, f"{name}.{os.getpid()}.log")
-        env = {**os.environ, rpc.SECRET_ENV: secret, "PYTHONUNBUFFERED": "1"}
+        # secrets through the environment, never argv (ps shows argv to every user); the API key to the router only
+        env = {k: v for k, v in os.environ.items() if k != rpc.API_KEY_ENV}
+        env.update({rpc.SECRET_ENV: secret, "PYTHONUNBUFFERED": "1", **({rpc.API_KEY_ENV: api_key} if api_key else {})})
         self.child = Child(name, cmd, env, log_path)
         self.started_s = time.time()
         try:
@@ -132,7 +134,7 @@ class RouterActor(ServerProcess):
         self._publisher = WorkerListPublisher(ray.get_runtime_context().namespace, poll_interval_s)
         threading.Thread(target=self._publish_loop, name="publish workers", daemon=True).start()
         ServerProcess.__init__(self, ROUTER_NAME, "router", "router.discovery", args, secret, log_dir,
-                               startup_timeout_s, bind_node_ip=False)
+                               startup_timeout_s, bind_node_ip=False, api_key=spec.get("api_key"))
 
     def _publish_loop(self) -> None:
         from router.discovery import write_worker_list

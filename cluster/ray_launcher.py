@@ -264,7 +264,7 @@ def _router_args(spec: dict) -> list[str]:
             "--model", spec["model"], "--startup-timeout-s", str(spec["startup_timeout_s"]),
             "--max-failovers", str(spec["max_failovers"]),
             "--decode-stall-timeout-s", str(spec["decode_stall_timeout_s"])]
-    return args + (["--api-key", spec["api_key"]] if spec["api_key"] else [])
+    return args  # the API key reaches the router through its environment (RouterActor), never argv
 
 
 class _QuietPlacementWarning(logging.Filter):

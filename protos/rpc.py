@@ -3,12 +3,15 @@ check on internal services, health and reflection.
 
 Internal services (workers) require ``authorization: Bearer <cluster secret>`` metadata when a
 secret is configured (``PDSERVE_CLUSTER_SECRET`` or ``--cluster-secret``); the router's public
-port can require an API key the same way. Without a secret, servers bind to loopback only.
+port can require an API key the same way (``api_key``: ``PDSERVE_API_KEY`` or ``--api-key-file``, kept
+out of argv). Without a secret, servers bind to loopback only.
 """
 from __future__ import annotations
 
+import argparse
 import hmac
 import ipaddress
+import logging
 import os
 from typing import Iterable
 
@@ -16,9 +19,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+logger = logging.getLogger(__name__)
+
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Largest gRPC message any pdserve service accepts or sends (a 1M-token prompt as ids is ~5 MB)."""
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+API_KEY_ENV = "PDSERVE_API_KEY"
+"""The router's public API key (read by the router and every client command when no flag gives one)."""
 
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -30,6 +37,33 @@ CHANNEL_OPTIONS = SERVER_OPTIONS[:2] + [("grpc.keepalive_time_ms", 10_000), ("gr
 
 def cluster_secret(explicit: str | None = None) -> str | None:
     return explicit or os.environ.get(SECRET_ENV) or None
+
+
+def api_key(explicit: str | None = None, path: str | None = None) -> str | None:
+    """The router's public API key, from ``--api-key`` (every user of the machine sees it in ``ps``: a
+    warning), else ``--api-key-file`` (the file's content, surrounding whitespace stripped), else
+    ``$PDSERVE_API_KEY``. Raises ValueError for both flags at once or an empty file, OSError for an
+    unreadable one."""
+    if explicit and path:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if explicit:
+        logger.warning("--api-key is visible to every user of this machine (ps, /proc/PID/cmdline): "
+                       "prefer $%s or --api-key-file", API_KEY_ENV)
+        return explicit
+    if path:
+        with open(path) as f:
+            key = f.read().strip()
+        if not key:
+            raise ValueError(f"API key file {path} is empty")
+        if os.stat(path).st_mode & 0o077:
+            logger.warning("API key file %s is readable by other users: chmod 600 it", path)
+        return key
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def api_key_from_args(args: argparse.Namespace) -> str | None:
+    """``api_key`` of a parser given ``--api-key`` and ``cluster.flags.add_api_key_file_arg``."""
+    return api_key(getattr(args, "api_key", None), getattr(args, "api_key_file", None))
 
 
 def is_loopback(host: str) -> bool:

@@ -1,4 +1,7 @@
-"""``python -m router --port 50051 --prefill HOST:PORT,... --decode HOST:PORT,... [--api-key KEY] [--model DIR]``
+"""``python -m router --port 50051 --prefill HOST:PORT,... --decode HOST:PORT,... [--api-key-file PATH] [--model DIR]``
+
+The API key comes from ``--api-key-file``, else ``$PDSERVE_API_KEY`` (``--api-key`` works too, but every
+user of the machine sees it in ``ps``).
 
 Prints ``PDSERVE_READY router HOST:PORT`` once listening, serves until SIGTERM/SIGINT, then stops with a
 grace period. Flags are generated from ``RouterConfig``.
@@ -11,7 +14,8 @@ import logging
 import signal
 import sys
 
-from protos import worker_main
+from cluster import flags
+from protos import rpc, worker_main
 from router.config import RouterConfig, add_config_args, config_from_args
 from router.server import RouterServer
 
@@ -38,6 +42,7 @@ async def amain(cfg: RouterConfig) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("python -m router", description="pdserve router (public gRPC API)")
     add_config_args(p)
+    flags.add_api_key_file_arg(p)
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -46,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = config_from_args(args)
-    except ValueError as e:
+        cfg = config_from_args(args, api_key=rpc.api_key_from_args(args))
+    except (ValueError, OSError) as e:
         print(f"router: error: {e}", file=sys.stderr)
         return 2
     if not cfg.prefill or not cfg.decode:

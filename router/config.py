@@ -22,7 +22,8 @@ class RouterConfig:
     decode: tuple[str, ...] = ()
     """Decode worker gRPC addresses (host:port)."""
     api_key: str | None = None
-    """Require ``authorization: Bearer <api_key>`` on the public services (health and reflection stay open)."""
+    """Require ``authorization: Bearer <api_key>`` on the public services (health and reflection stay open).
+    Default: --api-key-file, else $PDSERVE_API_KEY (this flag shows the key to every user in ps)."""
     cluster_secret: str | None = None
     """Secret for the internal worker plane (default: $PDSERVE_CLUSTER_SECRET)."""
     model: str | None = None

@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from cluster import flags
+from protos import rpc
 from router.config import RouterConfig, add_config_args, config_from_args
 
 logger = logging.getLogger("router.discovery")
@@ -156,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("python -m router.discovery", description="pdserve router with live discovery")
     add_config_args(p, skip=("prefill", "decode"))
     add_config_args(p, cls=DiscoveryConfig)
+    flags.add_api_key_file_arg(p)
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -164,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = config_from_args(args)
+        cfg = config_from_args(args, api_key=rpc.api_key_from_args(args))
         dcfg = config_from_args(args, cls=DiscoveryConfig)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"router: error: {e}", file=sys.stderr)
         return 2
     from protos.worker_main import run

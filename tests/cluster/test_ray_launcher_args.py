@@ -29,8 +29,8 @@ def test_router_args():
     args = _router_args(spec(port=0, api_key="k", routing="round_robin", max_failovers=0))
     flags = dict(zip(args[::2], args[1::2]))
     assert flags == {"--host": "127.0.0.1", "--port": "0", "--routing": "round_robin", "--model": "/m",
-                     "--startup-timeout-s": "300.0", "--max-failovers": "0", "--decode-stall-timeout-s": "30.0",
-                     "--api-key": "k"}
+                     "--startup-timeout-s": "300.0", "--max-failovers": "0", "--decode-stall-timeout-s": "30.0"}
+    assert "k" not in args  # the API key goes through the router's environment only
 
 
 def test_decode_weights_reach_decode_workers_only():

@@ -39,8 +39,8 @@ def served(tiny_dirs, tmp_path_factory):
     # is served by the bench and demo tests)
     sp = ServeProcess(["--model", model, "--prefill", "2", "--decode", "1", "--port", "0", "--dtype", "float32",
                        "--decode-weights", "model",
-                       "--api-key", API_KEY, "--num-pages", str(NUM_PAGES), "--local-prefill-below", "16",
-                       "--run-dir", str(d / "run")], str(d / "serve.out"))
+                       "--num-pages", str(NUM_PAGES), "--local-prefill-below", "16",
+                       "--run-dir", str(d / "run")], str(d / "serve.out"), env={"PDSERVE_API_KEY": API_KEY})
     try:
         sp.wait_listening()
         yield sp, model
@@ -210,6 +210,19 @@ def test_unauthenticated_without_the_api_key(served):
             assert rpc_code(c.cluster_status)[0] == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_the_api_key_is_in_no_command_line(served):
+    """Issue 25: the key was in the router's argv, which every user of the machine sees in ps."""
+    sp = served[0]
+    pids = [sp.proc.pid, *sp.children.values()]
+    assert len(pids) == 5  # serve, router, 2 prefill, 1 decode
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert API_KEY.encode() not in f.read(), pid
+        with open(f"/proc/{pid}/environ", "rb") as f:  # the router's alone among the children
+            has_key = f"PDSERVE_API_KEY={API_KEY}".encode() in f.read().split(b"\0")
+        assert has_key == (pid in (sp.proc.pid, sp.children["router"])), pid
+
+
 def test_health_and_reflection_answer_without_a_key(served):
     with grpc.insecure_channel(served[0].address) as ch:
         h = health_pb2_grpc.HealthStub(ch)
@@ -240,14 +253,23 @@ def test_prompt_beyond_the_decode_pool_is_resource_exhausted(client):
     wait_until(lambda: pages_all_free(client), what="nothing held")
 
 
-def test_generate_cli_streams_the_same_tokens(served, client):
+def test_generate_cli_streams_the_same_tokens(served, client, tmp_path):
     prompt = [11, 12, 13, 14, 15]
     ref = client.generate(token_ids=prompt, max_tokens=8, ignore_eos=True).token_ids
-    cmd = [sys.executable, "-m", "cluster.cli", "generate", "--target", served[0].address, "--api-key", API_KEY,
-           "--token-ids", ",".join(map(str, prompt)), "--max-tokens", "8", "--ignore-eos"]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert [int(x) for x in out.stdout.split()] == ref and "[length: 8 tokens" in out.stderr
+    key_file = tmp_path / "key"
+    key_file.write_text(API_KEY + "\n")
+    key_file.chmod(0o600)
+    base = [sys.executable, "-m", "cluster.cli", "generate", "--target", served[0].address]
+    args = ["--token-ids", ",".join(map(str, prompt)), "--max-tokens", "8", "--ignore-eos"]
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+    for key_args, extra_env in ((["--api-key-file", str(key_file)], {}), ([], {"PDSERVE_API_KEY": API_KEY}),
+                                (["--api-key", API_KEY], {})):
+        out = subprocess.run(base + key_args + args, cwd=REPO, capture_output=True, text=True, timeout=60,
+                             env={**env, **extra_env})
+        assert out.returncode == 0, out.stderr
+        assert [int(x) for x in out.stdout.split()] == ref and "[length: 8 tokens" in out.stderr
+        assert ("visible to every user" in out.stderr) == ("--api-key" in key_args), out.stderr
+    cmd = base + ["--api-key-file", str(key_file)] + args
     bad = subprocess.run(cmd[:-5] + ["--token-ids", "5,999"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
 

@@ -1,0 +1,92 @@
+"""Issue 25: the API key was only accepted in argv, where every user of the machine sees it (``ps``). It now
+comes from ``--api-key-file`` or ``$PDSERVE_API_KEY`` (``--api-key`` still works, with a warning)."""
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from protos import rpc
+from router.client import GenerationClient
+
+KEY = "router-key-0123456789"
+
+
+def test_key_sources_and_their_precedence(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(rpc.API_KEY_ENV, "from-env")
+    path = tmp_path / "key"
+    path.write_text("  from-file\n")
+    path.chmod(0o600)
+    assert rpc.api_key() == "from-env"
+    with caplog.at_level(logging.WARNING, logger="protos.rpc"):
+        assert rpc.api_key(path=str(path)) == "from-file" and not caplog.records
+        assert rpc.api_key("from-flag") == "from-flag"
+        assert "visible to every user" in caplog.text
+        path.chmod(0o644)
+        caplog.clear()
+        assert rpc.api_key(path=str(path)) == "from-file" and "chmod 600" in caplog.text
+    with pytest.raises(ValueError, match="not both"):
+        rpc.api_key("from-flag", str(path))
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        rpc.api_key(path=str(path))
+    with pytest.raises(OSError):
+        rpc.api_key(path=str(tmp_path / "missing"))
+    monkeypatch.delenv(rpc.API_KEY_ENV)
+    assert rpc.api_key() is None
+
+
+@pytest.mark.parametrize("source", ["env", "file"])
+def test_router_process_takes_its_key_from_the_environment_or_a_file(source, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != rpc.API_KEY_ENV}
+    args = ["--port", "0", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9", "--startup-timeout-s", "0.5",
+            "--health-timeout-s", "0.5"]
+    if source == "env":
+        env[rpc.API_KEY_ENV] = KEY
+    else:
+        (tmp_path / "key").write_text(KEY + "\n")
+        (tmp_path / "key").chmod(0o600)
+        args += ["--api-key-file", str(tmp_path / "key")]
+    log_path = tmp_path / "router.log"
+    with open(log_path, "wb") as log:
+        router = subprocess.Popen([sys.executable, "-m", "router", *args], stdout=log, stderr=subprocess.STDOUT,
+                                  env=env)
+    try:
+        address = ready_address(router, log_path)
+        with open(f"/proc/{router.pid}/cmdline", "rb") as f:
+            assert KEY.encode() not in f.read()
+        for key, code in ((None, grpc.StatusCode.UNAUTHENTICATED), ("wrong", grpc.StatusCode.UNAUTHENTICATED),
+                          (KEY, grpc.StatusCode.OK)):
+            with GenerationClient(address, api_key=key) as c:
+                try:
+                    c.cluster_status()
+                    got = grpc.StatusCode.OK
+                except grpc.RpcError as e:
+                    got = e.code()
+            assert got == code, (key, got)
+    finally:
+        router.terminate()
+        router.wait(30)
+    assert "visible to every user" not in log_path.read_text()
+
+
+def ready_address(proc: subprocess.Popen, log_path, timeout_s: float = 60.0) -> str:
+    """The address of a ``python -m router`` from its ``PDSERVE_READY router HOST:PORT`` line (it serves
+    without healthy workers: their addresses here refuse connections)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in log_path.read_text().splitlines():
+            if line.startswith("PDSERVE_READY router "):
+                return line.split()[2]
+        assert proc.poll() is None, log_path.read_text()
+        time.sleep(0.05)
+    raise AssertionError(f"router not ready: {log_path.read_text()[-2000:]}")
+
+
+def test_router_process_refuses_an_unreadable_key_file(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "router", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9",
+                          "--api-key-file", str(tmp_path / "missing")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "missing" in out.stderr
