@@ -17,3 +17,13 @@ def test_no_spec_fallback_reaches_the_decode_worker_only(tmp_path):
     dec = cmds["decode"]
     assert dec[dec.index("--speculative") + 1] == "3/1/4"
     assert "--no-spec-fallback" not in worker_cmds(tmp_path)["decode"]  # the adaptive fallback stays the default
+
+
+def test_the_api_key_reaches_the_router_through_its_environment_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_API_KEY", "k-0123456789")
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--decode-weights", "model", "--run-dir",
+                                      str(tmp_path / "run")])
+    cluster = LocalCluster(serve_config(args))
+    assert cluster.cfg.api_key == "k-0123456789"
+    assert not any("k-0123456789" in a for a in cluster._router_cmd() + cluster._worker_cmd("decode", 0))
+    assert "PDSERVE_API_KEY" not in cluster.env  # the workers' environment
