@@ -88,6 +88,9 @@ def model_dir(tmp_path_factory):
     return init_random_model(TINY_GLM5, str(tmp_path_factory.mktemp("ray_model") / "tiny"))
 
 
+API_KEY = "ray-key-0123456789"
+
+
 def cfg(ray_cluster, model_dir, tmp_path_factory, **kw) -> RayLaunchConfig:
     base = dict(address=ray_cluster.address, namespace=NS, model=model_dir, prefill=2, decode=1, port=0,
                 speculative="off", num_pages=64, threads=1, routing="round_robin", startup_timeout_s=240,
@@ -102,7 +105,7 @@ def assert_nothing_left():
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, model_dir, tmp_path_factory):
     t0 = time.monotonic()
-    st = launch(cfg(ray_cluster, model_dir, tmp_path_factory))
+    st = launch(cfg(ray_cluster, model_dir, tmp_path_factory, api_key=API_KEY))
     print(f"launch took {time.monotonic() - t0:.1f}s")
     return st
 
@@ -143,12 +146,18 @@ def test_cli_reports_a_placement_error(ray_cluster, model_dir, capsys):
 def test_launch_serves_end_to_end(deployment):
     assert deployment.router_address and not deployment.errors
     assert sorted(w["name"] for w in deployment.workers) == ["decode-0", "prefill-0", "prefill-1"]
-    with GenerationClient(deployment.router_address, timeout_s=60) as c:
+    with GenerationClient(deployment.router_address, API_KEY, timeout_s=60) as c:
         outs = [c.generate(token_ids=[5, 6, 7, 8, 9], max_tokens=6, ignore_eos=True) for _ in range(2)]
     assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in outs)
     assert outs[0].token_ids == outs[1].token_ids  # greedy, through two different prefill workers
     assert {o.metrics.prefill_worker for o in outs} == {"prefill-0", "prefill-1"}
     assert {o.metrics.decode_worker for o in outs} == {"decode-0"} and outs[0].metrics.kv_transfer_bytes > 0
+    with GenerationClient(deployment.router_address, timeout_s=60) as c:  # no key
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(token_ids=[5, 6], max_tokens=2)
+    assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    with open(f"/proc/{deployment.router['pid']}/cmdline", "rb") as f:  # issue 25: not in argv (ps)
+        assert API_KEY.encode() not in f.read()
 
 
 def test_placement_spreads_workers_and_pins_the_router(deployment, node_names):
@@ -180,7 +189,7 @@ def test_status_cli(deployment, ray_cluster, capsys):
 def test_killed_worker_actor_is_restarted_and_serves_again(deployment, ray_cluster):
     old = next(w for w in deployment.workers if w["name"] == "prefill-0")
     ray.kill(ray.get_actor("prefill-0", namespace=NS), no_restart=False)
-    with GenerationClient(deployment.router_address, timeout_s=60) as c:
+    with GenerationClient(deployment.router_address, API_KEY, timeout_s=60) as c:
         # meanwhile prefill-1 serves (the router takes the dead worker out of rotation)
         assert c.generate(token_ids=[1, 2, 3], max_tokens=3, ignore_eos=True).finish_reason == "length"
         wait_until(lambda: not pid_alive(old["pid"]), 30, "the killed actor's server to exit")
@@ -210,7 +219,7 @@ def test_scale_down_then_up(deployment, ray_cluster, node_names):
     st = scale(ray_cluster.address, NS, decode=2)
     d1 = next(w for w in st.workers if w["name"] == "decode-1")
     assert d1["node_id"] == freed  # the only node with a free CPU
-    with GenerationClient(st.router_address, timeout_s=60) as c:
+    with GenerationClient(st.router_address, API_KEY, timeout_s=60) as c:
         wait_until(lambda: sum(w.healthy for w in c.cluster_status().workers if w.role == "decode") == 2, 60,
                    "decode-1 in rotation")
         # a long request holds one decode worker busy: the next one goes to the other (fewest running)
