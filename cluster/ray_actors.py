@@ -31,6 +31,7 @@ import ray
 
 from cluster.local import Child, ClusterStartError
 from protos import rpc
+from router.discovery import ensure_private_dir
 
 logger = logging.getLogger(__name__)
 WORKER_NAME = re.compile(r"^(prefill|decode)-(\d+)$")
@@ -50,7 +51,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", module, *args]
         if bind_node_ip:
             cmd += ["--host", ray.util.get_node_ip_address()]
-        os.makedirs(log_dir, exist_ok=True)
+        ensure_private_dir(log_dir)  # beside the worker list, which says where the secret may be sent
         log_path = os.path.join(log_dir, f"{name}.{os.getpid()}.log")
         # secrets through the environment, never argv (ps shows argv to every user); the API key to the router only
         env = {k: v for k, v in os.environ.items() if k != rpc.API_KEY_ENV}
@@ -126,7 +127,7 @@ class RouterActor(ServerProcess):
                  poll_interval_s: float = 0.5) -> None:
         from router.discovery import WorkerList, write_worker_list
         self.spec_ = spec
-        os.makedirs(log_dir, exist_ok=True)
+        ensure_private_dir(log_dir)
         self.list_path = list_path = os.path.join(log_dir, "workers.json")
         args = [*args, "--discovery", f"file:{list_path}", "--discovery-interval-s", str(poll_interval_s)]
         self.published = WorkerList((), ())

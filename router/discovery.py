@@ -10,6 +10,12 @@ The Ray launcher (``cluster/ray_actors.py``) writes this file from the named wor
 its namespace, so workers that Ray restarts on a new port, or that ``pdserve scale`` adds or removes, are
 followed without restarting the router. The router itself never talks to Ray.
 
+The router sends the cluster secret to every address the list names, so whoever can write the list can
+collect the secret. The list therefore lives in a private directory (``ensure_private_dir``: a real
+directory, owned by us, not writable by group or others), is written through a randomly named temporary
+file created with ``O_EXCL`` and renamed over the target (a symlink there is replaced, never followed),
+and the router ignores a list whose file or directory fails the same checks.
+
 Prints ``PDSERVE_READY router HOST:PORT`` once listening, like ``python -m router``.
 """
 from __future__ import annotations
@@ -19,7 +25,9 @@ import asyncio
 import json
 import logging
 import os
+import stat
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -78,12 +86,60 @@ class WorkerList(NamedTuple):
         return json.dumps({"prefill": list(self.prefill), "decode": list(self.decode)}, sort_keys=True)
 
 
+def check_private(path: str, is_dir: bool, st: os.stat_result | None = None) -> None:
+    """Raise ``PermissionError`` unless ``path`` (or the open file whose ``st`` is given) is a real
+    file/directory (not a symlink), owned by this user, and writable by nobody else."""
+    st = st or os.lstat(path)
+    kind = "directory" if is_dir else "file"
+    if not (stat.S_ISDIR(st.st_mode) if is_dir else stat.S_ISREG(st.st_mode)):
+        raise PermissionError(f"{path} is not a plain {kind} (a symlink?): refusing it")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} is owned by uid {st.st_uid}, not by us (uid {os.geteuid()}): refusing it")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
+                              f"refusing it")
+
+
+def ensure_private_dir(path: str) -> str:
+    """Create ``path`` (and its missing parents) with mode 0700, or check an existing one with
+    ``check_private``: a directory somebody else created first (e.g. under /tmp) is refused, not used."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    if parent != path and not os.path.isdir(parent):
+        ensure_private_dir(parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    check_private(path, is_dir=True)
+    return path
+
+
 def write_worker_list(path: str, workers: WorkerList) -> None:
-    """Replace ``path`` atomically (a reader never sees half a file)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(workers.dump())
-    os.replace(tmp, path)
+    """Replace ``path`` atomically (a reader never sees half a file) inside a private directory: a fresh
+    temporary file (random name, ``O_EXCL``, mode 0600) renamed over it."""
+    directory = ensure_private_dir(os.path.dirname(os.path.abspath(path)))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".workers-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(workers.dump())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def read_worker_list(path: str) -> WorkerList:
+    """The list at ``path``; ``PermissionError`` if it or its directory is not private, ``ValueError`` if
+    malformed."""
+    check_private(os.path.dirname(os.path.abspath(path)), is_dir=True)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        check_private(path, is_dir=False, st=os.fstat(fd))  # the file we opened, not whatever is there now
+        return WorkerList.parse(f.read())
 
 
 class FileDiscovery:
@@ -118,8 +174,7 @@ class FileDiscovery:
             return False
         self._seen = stamp
         try:
-            with open(self.cfg.path) as f:
-                workers = WorkerList.parse(f.read())
+            workers = read_worker_list(self.cfg.path)
         except (OSError, ValueError) as e:
             logger.warning("worker list %s ignored: %s", self.cfg.path, e)
             return False
