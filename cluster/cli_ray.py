@@ -5,6 +5,14 @@
     pdserve status --address auto
     pdserve scale --address auto --prefill 3
     pdserve stop --address auto
+
+On one machine, keep every Ray process and pdserve server on loopback (no traffic on the host's address):
+
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray start --head --node-ip-address 127.0.0.1
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 pdserve launch --address 127.0.0.1:6379 ...
+
+(``--node-ip-address`` alone is not enough: Ray resolves 127.0.0.1 to the host's address unless that
+variable turns on its loopback mode.)
 """
 from __future__ import annotations
 

@@ -50,16 +50,29 @@ def wait_until(cond, timeout_s: float, what: str, interval_s: float = 0.2):
         time.sleep(interval_s)
 
 
+LOOPBACK = "127.0.0.1"
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
+    """Every raylet, the GCS, this driver and the actors' servers on 127.0.0.1, never the host's address:
+    ``node_ip_address`` alone is not enough, Ray still resolves 127.0.0.1 to the host's "reachable" IP
+    unless its loopback mode is on: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` for the processes Ray starts,
+    and the constant it sets for this already-imported driver."""
+    from ray._private import ray_constants
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
     c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, resources={"pdtest_node0": 1},
-                                                          include_dashboard=False))
+                                                          include_dashboard=False, node_ip_address=LOOPBACK))
     for i in (1, 2):
-        c.add_node(wait=False, num_cpus=1, resources={f"pdtest_node{i}": 1})
+        c.add_node(wait=False, num_cpus=1, resources={f"pdtest_node{i}": 1}, node_ip_address=LOOPBACK)
     pids = ray_pids(c)
     try:
         c.wait_for_nodes()
-        ray.init(address=c.address, namespace=NS, log_to_driver=False)
+        ray.init(address=c.address, namespace=NS, log_to_driver=False, _node_ip_address=LOOPBACK)
+        assert c.address.startswith(f"{LOOPBACK}:"), c.address
+        assert {n["NodeManagerAddress"] for n in ray.nodes()} == {LOOPBACK}
         yield c
     finally:
         try:
@@ -68,6 +81,7 @@ def ray_cluster():
         finally:
             ray.shutdown()
             c.shutdown()
+            mp.undo()
     wait_until(lambda: not any(pid_alive(p) for p in pids), 30, "the Ray cluster's processes to exit")
 
 
@@ -172,7 +186,7 @@ def test_placement_spreads_workers_and_pins_the_router(deployment, node_names):
 
 def test_internal_plane_binds_the_node_ip_and_needs_the_secret(deployment):
     w = next(w for w in deployment.workers if w["role"] == "prefill")
-    assert w["address"].rpartition(":")[0] == w["node_ip"]
+    assert w["address"].rpartition(":")[0] == w["node_ip"] == LOOPBACK
     with grpc.insecure_channel(w["address"]) as ch:
         with pytest.raises(grpc.RpcError) as e:
             worker_pb2_grpc.PrefillWorkerStub(ch).GetStatus(worker_pb2.StatusRequest(), timeout=10)
