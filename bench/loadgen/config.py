@@ -15,7 +15,7 @@ from typing import Any
 from cluster.flags import field_docs
 
 WORKLOADS = ("prefill-bound", "single-stream", "random", "trace")
-FAULT_KINDS = ("kill-decode", "kill-prefill", "drop-kv")
+FAULT_KINDS = ("kill-decode", "kill-prefill", "drop-kv", "kv-slowloris")
 
 WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     # The reference workload: long prompts that mostly hit the prefix cache, modest outputs.
@@ -130,8 +130,9 @@ class BenchConfig:
     """Inject a fault during the run: KIND@SECONDS after the first step's start. kill-decode / kill-prefill:
     SIGKILL to the busiest worker of that role (it must run on this host). drop-kv: the busiest prefill
     worker cuts its next KV connection mid-transfer (``Admin.InjectFault``; the cluster must run with
-    ``--fault-injection``). The report adds requests completed / failed over / retried / failed and the
-    TTFT and ITL penalty."""
+    ``--fault-injection``). kv-slowloris: connections that never authenticate held open to every decode
+    worker's KV port (loopback only) for the rest of the step. The report adds requests completed / failed
+    over / retried / failed and the TTFT and ITL penalty."""
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:

@@ -3,11 +3,15 @@
 The bench stays a pure gRPC client: it finds the victim through ``Admin.GetClusterStatus`` (workers
 report their pid and host), and kills it with SIGKILL only when it runs on this host; ``drop-kv`` asks
 the router (``Admin.InjectFault``) to have the busiest prefill worker cut its next KV connection
-mid-transfer, which needs a cluster started with ``--fault-injection``.
+mid-transfer, which needs a cluster started with ``--fault-injection``. ``kv-slowloris`` attacks the KV
+data plane's handshake: it holds ``SLOWLORIS_PER_WORKER`` connections that never authenticate open to every
+decode worker's KV port (loopback addresses only) for the rest of the step, re-opening each one the
+receiver closes, and closes them all when the step ends; requests must keep succeeding.
 """
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import signal
 import socket
@@ -19,12 +23,82 @@ from bench.loadgen.runner import RequestRecord
 from bench.loadgen.stats import percentile
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
+SLOWLORIS_PER_WORKER = 80
+"""kv-slowloris: connections held per KV port (more than the 64 that once locked every sender out)."""
+SLOWLORIS_REOPEN_S = 1.0
+"""kv-slowloris: pause before re-opening a connection the receiver closed (bounds the attempt rate)."""
 
-async def inject(channel: grpc.aio.Channel, metadata, kind: str, at_s: float, clock) -> dict[str, Any]:
-    """Sleep ``at_s`` then SIGKILL the busiest ``kind`` worker (or arm ``drop-kv``); returns what was done
-    (or why not)."""
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class KVSlowloris:
+    """``num_per_port`` TCP connections to each of ``addresses`` that send nothing (a handshake that never
+    comes), each re-opened ``reopen_s`` after the receiver closes it, until ``close()``."""
+
+    def __init__(self, addresses: Sequence[tuple[str, int]], num_per_port: int, reopen_s: float) -> None:
+        bad = [h for h, _ in addresses if not _is_loopback(h)]
+        if bad:
+            raise ValueError(f"kv-slowloris attacks loopback addresses only, got {bad}")
+        self.addresses, self.num_per_port, self.reopen_s = list(addresses), num_per_port, reopen_s
+        self.num_opened = 0
+        self.num_closed_by_receiver = 0
+        self.num_connect_errors = 0
+        self._tasks: list[asyncio.Task] = []
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._hold(a), name=f"kv-slowloris-{a[0]}:{a[1]}")
+                       for a in self.addresses for _ in range(self.num_per_port)]
+
+    async def _hold(self, address: tuple[str, int]) -> None:
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection(*address)
+            except OSError:
+                self.num_connect_errors += 1
+                await asyncio.sleep(self.reopen_s)
+                continue
+            self.num_opened += 1
+            self._writers.add(writer)
+            try:
+                while await reader.read(4096):  # an ERROR frame, then EOF: the receiver closed it
+                    pass
+                self.num_closed_by_receiver += 1
+            except ConnectionError:
+                self.num_closed_by_receiver += 1
+            finally:
+                self._writers.discard(writer)
+                writer.close()
+            await asyncio.sleep(self.reopen_s)
+
+    async def close(self) -> dict[str, Any]:
+        """Close every connection; what the attack did."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for w in list(self._writers):
+            w.close()
+        await asyncio.gather(*(w.wait_closed() for w in self._writers), return_exceptions=True)
+        self._writers.clear()
+        return {"slow_connections_per_port": self.num_per_port, "slow_opened": self.num_opened,
+                "slow_closed_by_receiver": self.num_closed_by_receiver,
+                "slow_connect_errors": self.num_connect_errors}
+
+
+async def inject(channel: grpc.aio.Channel, metadata, kind: str, at_s: float, clock,
+                 holders: list[KVSlowloris] | None = None) -> dict[str, Any]:
+    """Sleep ``at_s`` then SIGKILL the busiest ``kind`` worker (or arm ``drop-kv``, or start ``kv-slowloris``,
+    appended to ``holders``: the caller closes it when the step ends); returns what was done (or why not)."""
     await asyncio.sleep(at_s)
     out: dict[str, Any] = {"kind": kind, "planned_at_s": at_s}
+    if kind == "kv-slowloris":
+        return await _start_slowloris(channel, metadata, out, clock, holders if holders is not None else [])
     if kind == "drop-kv":
         try:
             r = await generation_pb2_grpc.AdminStub(channel).InjectFault(
@@ -48,6 +122,30 @@ async def inject(channel: grpc.aio.Channel, metadata, kind: str, at_s: float, cl
                                f"({host!r}): --fault kills local workers only"}
     os.kill(int(victim.info["pid"]), signal.SIGKILL)
     return {**out, "at_s": round(clock(), 3), "worker": victim.worker_id, "address": victim.address}
+
+
+async def _start_slowloris(channel: grpc.aio.Channel, metadata, out: dict[str, Any], clock,
+                           holders: list[KVSlowloris]) -> dict[str, Any]:
+    try:
+        st = await generation_pb2_grpc.AdminStub(channel).GetClusterStatus(
+            generation_pb2.GetClusterStatusRequest(), metadata=metadata, timeout=10)
+    except grpc.aio.AioRpcError as e:
+        return {**out, "error": f"cluster status: {e.code().name} {e.details()}"}
+    decode = [w for w in st.workers if w.role == "decode" and w.kv_address]
+    if not decode:
+        return {**out, "error": "no decode worker reports a KV address"}
+    addresses = []
+    for w in decode:
+        host, _, port = w.kv_address.rpartition(":")
+        addresses.append((host.strip("[]"), int(port)))
+    try:
+        holder = KVSlowloris(addresses, SLOWLORIS_PER_WORKER, SLOWLORIS_REOPEN_S)
+    except ValueError as e:
+        return {**out, "error": str(e)}
+    holder.start()
+    holders.append(holder)
+    return {**out, "at_s": round(clock(), 3), "worker": ",".join(w.worker_id for w in decode),
+            "address": ",".join(w.kv_address for w in decode)}
 
 
 def _p50(values: Sequence[float]) -> float | None:
@@ -94,11 +192,17 @@ def format_fault(f: dict[str, Any] | None) -> str:
 
     def ms(v):
         return "-" if v is None else f"{v * 1e3:.0f} ms"
-    did = "armed a KV connection drop on" if f["kind"] == "drop-kv" else "killed"
+    did = {"drop-kv": "armed a KV connection drop on",
+           "kv-slowloris": f"held {f.get('slow_connections_per_port', '?')} slow unauthenticated connections "
+                           "open to the KV port of"}.get(f["kind"], "killed")
+    slow = ""
+    if "slow_opened" in f:
+        slow = (f"\n  slow connections opened {f['slow_opened']}, closed by the receivers "
+                f"{f['slow_closed_by_receiver']}, refused at connect {f['slow_connect_errors']}")
     return (f"fault {f['kind']} at {f['at_s']:.1f}s: {did} {f['worker']} ({f['address']}) with "
             f"{f['in_flight_at_fault']} requests in flight\n"
             f"  completed {f['completed']}, failed over {f['failed_over']}, prefill retried {f['retried_prefill']}, "
             f"failed {f['failed']} ({f['failed_in_flight']} of those in flight)\n"
             f"  TTFT p50: retried {ms(f['ttft_p50_s']['retried'])} vs undisturbed {ms(f['ttft_p50_s']['undisturbed'])}; "
             f"failover gap p50 {ms(f['itl_s']['failover_gap_p50'])} (max {ms(f['itl_s']['failover_gap_max'])}) "
-            f"vs ITL p50 {ms(f['itl_s']['undisturbed_p50'])}")
+            f"vs ITL p50 {ms(f['itl_s']['undisturbed_p50'])}" + slow)

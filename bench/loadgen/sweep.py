@@ -114,20 +114,24 @@ async def run_sweep_async(cfg: BenchConfig, progress: bool = True) -> Result:
         stats, index, fault_spec, fault = [], 0, cfg.fault_spec(), None
         for k, step in enumerate(_steps(cfg)):
             bar = _Progress(step.label, cfg.warmup_s + duration, progress and not cfg.quiet)
-            injector = None
+            injector, holders, held = None, [], []
             try:
                 runner = StepRunner(stub, workload, cfg, metadata, first_index=index, on_progress=bar)
                 if fault_spec is not None and k == 0:
-                    injector = asyncio.create_task(inject(channel, metadata, *fault_spec, runner.now))
+                    injector = asyncio.create_task(inject(channel, metadata, *fault_spec, runner.now, holders))
                 records = await runner.run(step, cfg.warmup_s, duration, step_num=k)
             finally:
                 bar.close()
                 if injector is not None and not injector.done():
                     injector.cancel()
+                    await asyncio.gather(injector, return_exceptions=True)
+                held = [await h.close() for h in holders]  # kv-slowloris lasts until the step ends
             if injector is not None:
                 fault = ({"kind": fault_spec[0], "planned_at_s": fault_spec[1], "note": "the step ended first"}
                          if injector.cancelled() else fault_stats(injector.result(), records.records))
                 fault["step"] = step.label
+                for h in held:
+                    fault.update(h)
             index = runner.next_index
             stats.append(step_stats(records, cfg))
     steps = [_asdict(s) for s in stats]

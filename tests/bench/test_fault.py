@@ -1,9 +1,17 @@
-"""``--fault``: flag parsing and the fault report's arithmetic on synthetic records with known answers."""
+"""``--fault``: flag parsing and the fault report's arithmetic on synthetic records with known answers;
+``kv-slowloris`` against a real KV receiver."""
+import asyncio
+import os
+import time
+
 import pytest
 
 from bench.loadgen.config import BenchConfig
-from bench.loadgen.fault import fault_stats, format_fault
+from bench.loadgen.fault import KVSlowloris, fault_stats, format_fault
 from bench.loadgen.runner import OK, RequestRecord
+from engine.kvcache.layout import KVComponent, KVLayout
+from engine.kvcache.pool import KVPool
+from kvtransfer import KVReceiver, KVReceiverConfig, LoopThread
 
 
 def test_fault_flag_parsing():
@@ -14,6 +22,7 @@ def test_fault_flag_parsing():
         with pytest.raises(ValueError, match="KIND@SECONDS"):
             BenchConfig(rps=(1,), fault=bad)
     assert BenchConfig(rps=(1,), fault="drop-kv@30s").fault_spec() == ("drop-kv", 30.0)
+    assert BenchConfig(rps=(1,), fault="kv-slowloris@2s").fault_spec() == ("kv-slowloris", 2.0)
 
 
 def rec(t_send, chunks, status=OK, failovers=0, retries=0):
@@ -50,3 +59,53 @@ def test_fault_not_injected_is_reported_not_hidden():
     f = fault_stats({"kind": "kill-decode", "planned_at_s": 3.0, "error": "no healthy decode worker reports a pid"},
                     [])
     assert "not injected: no healthy decode worker" in format_fault(f)
+
+
+def fds() -> dict[str, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # the listing's own fd
+    return out
+
+
+def test_kv_slowloris_holds_reopens_and_closes_every_connection():
+    """Against a real receiver whose handshake timeout is 0.5 s: the slow connections are opened, closed by
+    the receiver, re-opened; ``close()`` leaves no connection on either side."""
+    layout = KVLayout("glm4_moe", 2, 4, "bfloat16", (KVComponent("k", (2, 16)), KVComponent("v", (2, 16))))
+    lt = LoopThread("test-slowloris-rx")
+    rx = KVReceiver(KVPool(layout, 8), KVReceiverConfig(cluster_secret=b"s" * 16, handshake_timeout_s=0.5))
+    lt.run(rx.start())
+    fds0 = fds()
+
+    async def attack() -> dict:
+        holder = KVSlowloris([rx.address], num_per_port=10, reopen_s=0.1)
+        holder.start()
+        await asyncio.sleep(1.5)
+        return await holder.close()
+
+    try:
+        done = asyncio.run(attack())
+        assert done["slow_opened"] >= 20 and done["slow_closed_by_receiver"] >= 10, done
+        deadline = time.monotonic() + 5.0  # the receiver (in this process too) sees the last ones close
+        while rx.stats().num_connections and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rx.stats().num_connections == 0
+        assert fds() == fds0
+    finally:
+        lt.run(rx.stop(grace_s=0.1))
+        lt.stop()
+    with pytest.raises(ValueError, match="loopback"):
+        KVSlowloris([("192.0.2.1", 1)], 1, 1.0)
+
+
+def test_kv_slowloris_report():
+    fault = {"kind": "kv-slowloris", "planned_at_s": 1.0, "at_s": 1.0, "worker": "decode-0",
+             "address": "127.0.0.1:7000"}
+    f = fault_stats(fault, [rec(0.5, [1.1, 1.2]), rec(2.0, [2.1, 2.2])])
+    f.update(slow_connections_per_port=80, slow_opened=160, slow_closed_by_receiver=80, slow_connect_errors=0)
+    text = format_fault(f)
+    assert "held 80 slow unauthenticated connections open to the KV port of decode-0" in text
+    assert "completed 2" in text and "failed 0" in text and "slow connections opened 160" in text

@@ -87,6 +87,25 @@ def test_cli_bench_discovers_vocab_from_the_cluster(served):
     assert "conc 2" in run.stdout
 
 
+def test_cli_bench_fault_kv_slowloris_every_request_still_succeeds(served):
+    """``--fault kv-slowloris@1s``: 80 connections that never authenticate held open to the decode worker's
+    KV port (re-opened as the receiver times them out) for the rest of the step; every request succeeds and
+    the report says what the attack did."""
+    address, d = served
+    out = d / "slowloris"
+    run = subprocess.run(cli("bench", "--target", address, "--workload", "random", "--input-range", "64,256",
+                             "--output-len", "8", "--concurrency", "2", "--warmup", "0", "--duration", "8",
+                             "--fault", "kv-slowloris@1s", "--out", str(out), "--quiet"), cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads((out / "bench.json").read_text())
+    s = result["steps"][0]
+    assert s["num_ok"] >= 2 and s["success_rate"] == 1.0, (s["failures"], s["failure_examples"])
+    fault = result["fault"]
+    assert fault["kind"] == "kv-slowloris" and fault["failed"] == 0 and fault["slow_opened"] >= 80, fault
+    assert "held 80 slow unauthenticated connections" in run.stdout
+
+
 def test_decode_workers_serve_mxfp4_by_default(served):
     """``pdserve serve`` without ``--decode-weights``: the decode worker's routed experts are MXFP4 (the model
     quantized once into the cache), the prefill worker's are the checkpoint's own."""
