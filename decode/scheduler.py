@@ -23,16 +23,20 @@ even alone in the pool ends with a clear error (never a hang), and its pages are
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import torch
+
 from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
+from engine.spec.prefill import MTPChunk, mtp_prefill_batch
 from protos.worker_main import Heartbeat
 
 logger = logging.getLogger(__name__)
@@ -79,6 +83,9 @@ class DecodeTask:
     spec_tokens: int = 0
     spec_off: bool = False
     """Speculation stopped paying for this request (see ``DecodeScheduler.spec_fallback``): plain steps."""
+    draft_hidden: torch.Tensor | None = None
+    """``[H]`` the MTP draft state shipped with the KV (``engine.spec.seq.SpecSeq.draft_hidden``): the first
+    round speculates. None: it verifies the last token alone and its draft extend creates the state."""
 
     def __post_init__(self) -> None:
         if self.sampler is None:
@@ -261,9 +268,12 @@ class DecodeScheduler:
         out = self.model(ForwardBatch.build([BatchRequest(t.pages, 0, t.prompt_ids) for t in tasks], P, dev),
                          self.pool)
         firsts = sample(out.logits, [t.sampler for t in tasks]).token_ids.tolist()
-        if self.model.has_mtp:  # the draft layer's KV over the prompt, as a prefill worker ships it (KV only)
-            reqs = [BatchRequest(t.pages, 0, t.prompt_ids[1:] + [f]) for t, f in zip(tasks, firsts)]
-            self.model.mtp_kv(ForwardBatch.build(reqs, P, dev), self.pool, out.hidden)
+        if self.model.has_mtp:  # the draft layer's KV over the prompt and, when speculating, the draft state
+            offsets = [0] + list(itertools.accumulate(len(t.prompt_ids) for t in tasks))
+            chunks = [MTPChunk(t.pages, 0, t.prompt_ids, out.hidden[offsets[i]:offsets[i + 1]], f,
+                               draft=self.spec is not None) for i, (t, f) in enumerate(zip(tasks, firsts))]
+            for t, res in zip(tasks, mtp_prefill_batch(self.model, self.pool, chunks)):
+                t.draft_hidden = res.draft_hidden
         with self._cv:
             for t, f in zip(tasks, firsts):
                 t.cached_len = len(t.prompt_ids)
@@ -373,9 +383,10 @@ class DecodeScheduler:
         for s in range(0, n, self.recompute_chunk):
             e = min(n, s + self.recompute_chunk)
             out = self.model(ForwardBatch.build([BatchRequest(task.pages, s, seq[s:e])], P, dev), self.pool)
-            if self.model.has_mtp:  # the token after the chunk is known: no pair is deferred; KV only
-                self.model.mtp_kv(ForwardBatch.build([BatchRequest(task.pages, s, seq[s + 1:e + 1])], P, dev),
-                                  self.pool, out.hidden)
+            if self.model.has_mtp:  # the token after the chunk is known: no pair is deferred
+                [res] = mtp_prefill_batch(self.model, self.pool, [MTPChunk(
+                    task.pages, s, seq[s:e], out.hidden, seq[e], draft=e == n and self.spec is not None)])
+                task.draft_hidden = res.draft_hidden  # the last chunk's: the request speculates at once
 
     def _ensure_pages(self, task: DecodeTask, num_tokens: int) -> None:
         need = self.pool.pages_for(num_tokens) - len(task.pages)

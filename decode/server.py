@@ -15,6 +15,7 @@ import time
 
 import grpc
 import msgpack
+import torch
 
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
 from engine.kvcache import KVLayout, PoolExhausted
@@ -22,6 +23,7 @@ from engine.loader import model_hash
 from engine.runtime import load_model
 from engine.tokenizer import Tokenizer
 from kvtransfer import FailReason, KVReceiver, KVReceiverConfig, ShmKVPool, TransferError
+from kvtransfer.config import DraftLayout
 from protos import rpc, worker_main
 from protos.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
@@ -90,7 +92,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 await context.abort(code, f"KV transfer for {rid} failed: {e}")
             output = list(request.output_prefix)
             task = DecodeTask(rid, prompt, output, params, list(res.page_ids),
-                              cached_len=len(prompt) + len(output) - 1, emit=emit, deadline=deadline)
+                              cached_len=len(prompt) + len(output) - 1, emit=emit, deadline=deadline,
+                              draft_hidden=draft_state(res.draft, self.receiver.config.draft, self.sched.pool.device))
             try:
                 self.sched.add(task)
             except PoolExhausted as e:
@@ -132,6 +135,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                   **({"unhealthy": problem} if problem else {})})
 
 
+def draft_state(raw: bytes | None, layout: DraftLayout | None, device: torch.device) -> torch.Tensor | None:
+    """The MTP draft state shipped with the KV (``DraftLayout``: verified raw values) as a ``[H]`` tensor."""
+    if raw is None or layout is None:
+        return None
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, layout.dtype)).to(device)
+
+
 def coalesce(ev: TokenEvent, queue: asyncio.Queue) -> TokenEvent:
     """``ev`` merged with the events queued behind it, up to the last one: when the stream fell behind
     the scheduler, one message carries them all (the finishing event's reason and message, the newest
@@ -167,10 +177,12 @@ async def amain(args: argparse.Namespace) -> None:
     model, cfg = load_model(args.quantized_model or model_dir, args.dtype, args.device)
     layout = KVLayout.for_model(cfg, args.page_size, args.kv_dtype or args.dtype)
     pool = _make_pool(layout, args.num_pages, args.shm)
-    receiver = KVReceiver(pool, KVReceiverConfig(host=args.host, port=args.kv_port,
+    spec = build_speculator(args, model, cfg, pool)
+    # a speculating worker asks prefill for the MTP draft state with every KV transfer (first round speculates)
+    draft = DraftLayout(cfg.hidden_size, str(model.lm_head.weight.dtype).removeprefix("torch.")) if spec else None
+    receiver = KVReceiver(pool, KVReceiverConfig(host=args.host, port=args.kv_port, draft=draft,
                                                   cluster_secret=secret.encode() if secret else None))
     await receiver.start()
-    spec = build_speculator(args, model, cfg, pool)
     if args.compile:
         from engine.runtime import warm_up_decode
         model.compile_decode()

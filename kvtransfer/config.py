@@ -80,6 +80,39 @@ def _check_positive(obj: object, *names: str) -> None:
             raise ValueError(f"{name} must be > 0, got {value!r}")
 
 
+DRAFT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class DraftLayout:
+    """The speculative draft state a decode worker asks prefill to ship with a request's KV (MTP): the MTP
+    layer's normed output at the prompt's last pair (``engine.spec.seq.SpecSeq.draft_hidden``), so the first
+    decode round after the transfer already speculates. It travels in FINISH, checksummed like a payload;
+    a FINISH without it (a prefill worker that has no MTP layer, or an older one) fails the transfer."""
+
+    hidden_size: int
+    """Values in the state (the model's hidden size)."""
+    dtype: str
+    """Their dtype on the wire: the decode worker's compute dtype (``float32``, ``bfloat16``, ``float16``)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DRAFT_DTYPE_BYTES:
+            raise ValueError(f"draft dtype must be one of {sorted(DRAFT_DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.hidden_size < 1:
+            raise ValueError(f"draft hidden_size must be >= 1, got {self.hidden_size}")
+
+    @property
+    def num_bytes(self) -> int:
+        return self.hidden_size * DRAFT_DTYPE_BYTES[self.dtype]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"hidden_size": self.hidden_size, "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object] | None) -> "DraftLayout | None":
+        return None if d is None else cls(int(d["hidden_size"]), str(d["dtype"]))  # type: ignore[call-overload]
+
+
 @dataclass(frozen=True, slots=True)
 class KVReceiverConfig:
     """Decode side: where to listen, how long reservations live, what frames to accept."""
@@ -94,6 +127,8 @@ class KVReceiverConfig:
     """Shared secret for the mutual HMAC handshake; defaults to ``$PDSERVE_CLUSTER_SECRET``."""
     ticket_ttl_s: float = 60.0
     """A reservation that receives no frame within this long is freed (EXPIRED)."""
+    draft: DraftLayout | None = None
+    """The draft state every ticket asks for (a speculating decode worker); None: KV only."""
     stall_timeout_s: float = 10.0
     """A transfer that started but makes no progress for this long is freed (STALLED)."""
     claim_timeout_s: float = 60.0

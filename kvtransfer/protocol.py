@@ -38,7 +38,8 @@ import xxhash
 from kvtransfer.config import ChecksumKind
 from kvtransfer.errors import FailReason, ProtocolError, TransferError
 
-PDSERVE_KV_PROTOCOL_VERSION = 2
+PDSERVE_KV_PROTOCOL_VERSION = 3
+"""3: FINISH carries the speculative draft state (``dh``, ``dc``)."""
 MAGIC = b"PDKV"
 PREFIX = struct.Struct("!4sIQ")
 MAX_HEADER_BYTES = 64 * 1024
@@ -48,6 +49,8 @@ PREAUTH_MAX_HEADER_BYTES = 4096
 MAX_PAGES_PER_FRAME = 4096
 MAX_REQ_ID_LEN = 256
 MAX_DETAIL_LEN = 2048
+MAX_DRAFT_BYTES = 48 * 1024
+"""Largest draft state a FINISH carries (GLM-5: hidden 6144 in bf16 is 12 KiB, in fp32 24 KiB)."""
 NONCE_BYTES = 32
 PROOF_BYTES = 32  # HMAC-SHA256
 TRAILER = struct.Struct("<Q")
@@ -93,6 +96,8 @@ class FrameType(enum.IntEnum):
     SHM_LAYER = 13
     """shm: one layer's rows for [ts, te) were copied into the receiver's pages."""
     FINISH = 20
+    """Every layer was sent; with ``dh`` the speculative draft state the ticket asks for (``DraftLayout``) and
+    ``dc`` its checksum (the handshake's TCP kind; None when that is none)."""
     DONE = 21
     ABORT = 22
     """Either side gives up one request (reason + detail); for shm it also ends the sender's lease."""
@@ -153,7 +158,7 @@ SCHEMAS: dict[FrameType, dict[str, Check]] = {
     FrameType.SHM_OPEN: {**_REQ, "dg": _bin(32, exact=True)},
     FrameType.SHM_OPENED: dict(_REQ),
     FrameType.SHM_LAYER: {**_REQ, **_SPAN, "crc": _opt(_int(0, U64_MAX))},
-    FrameType.FINISH: {**_REQ, "nt": _TOKEN},
+    FrameType.FINISH: {**_REQ, "nt": _TOKEN, "dh": _opt(_bin(MAX_DRAFT_BYTES)), "dc": _opt(_int(0, U64_MAX))},
     FrameType.DONE: {**_REQ, "nb": _int(0, U63_MAX)},
     FrameType.ABORT: {**_REQ, **_REASON},
     FrameType.ABORT_ACK: dict(_REQ),

@@ -98,7 +98,8 @@ class KVReceiver:
         port = sock.getsockname()[1]
         self._address = (cfg.ticket_host, port)
         self.manager = ReservationManager(self.pool, host=cfg.ticket_host, port=port, receiver_id=self.receiver_id,
-                                          ticket_ttl_s=cfg.ticket_ttl_s, max_reserved_pages=cfg.max_reserved_pages)
+                                          ticket_ttl_s=cfg.ticket_ttl_s, max_reserved_pages=cfg.max_reserved_pages,
+                                          draft=cfg.draft)
         self._server = await self._loop.create_server(lambda: RxConnection(self).reader, sock=sock)
         self._reaper = self._loop.create_task(self._reap_forever(), name="kvtransfer-reaper")
         log.info("kvtransfer: receiver %s listening on %s:%d", self.receiver_id, cfg.host, port)

@@ -412,8 +412,32 @@ class RxConnection:
                        if n != res.ticket.num_tokens]
             return self._fail_res(res, ProtocolError(FailReason.INCOMPLETE, "FINISH before all tokens arrived: "
                                                      + ", ".join(missing[:8])))
+        try:
+            res.draft = self._draft_state(res, f["dh"], f["dc"])
+        except ProtocolError as err:
+            return self._fail_res(res, err)
         self.rx.complete(res)
         self.send(FrameType.DONE, {"rid": res.req_id, "tid": res.ticket.ticket_id, "nb": res.num_bytes})
+
+    def _draft_state(self, res: Reservation, draft: bytes | None, crc: int | None) -> bytes | None:
+        """FINISH's draft state, checked against what the ticket asked for and against its checksum."""
+        want = res.ticket.draft
+        if want is None:
+            if draft is not None:
+                raise ProtocolError(FailReason.BAD_FRAME, "FINISH carries a draft state the ticket did not ask for")
+            return None
+        if draft is None or len(draft) != want.num_bytes:
+            raise ProtocolError(FailReason.INCOMPLETE, f"FINISH without the draft state the ticket asks for "
+                                f"({want.hidden_size} {want.dtype} values; got "
+                                f"{'none' if draft is None else f'{len(draft)} bytes'}): the prefill worker "
+                                "computes no MTP draft state (no MTP layer, or a mismatched model)")
+        if crc is None:
+            if self.ck is not ChecksumKind.NONE or self.cfg.require_checksum:
+                raise ProtocolError(FailReason.BAD_FRAME, "draft state without its checksum")
+        elif self.ck is ChecksumKind.NONE or checksum(self.ck, [memoryview(draft)]) != crc:
+            self.rx.num_rejected_frames += 1
+            raise ProtocolError(FailReason.CORRUPT, "draft state checksum mismatch")
+        return draft
 
     def _on_abort(self, f: dict[str, Any], payload_len: int) -> None:
         """The sender gave up; it has stopped writing (for shm, its ABORT releases the lease)."""

@@ -145,12 +145,23 @@ class KVSender:
             raise err
         self._lt.call(self._enqueue, LayerItem(st, layer, src_arr, token_start, token_end))
 
-    def finish(self, ticket: TransferTicket) -> concurrent.futures.Future:
-        """All layers of all tokens were queued: ask the receiver to verify and complete.
+    def finish(self, ticket: TransferTicket, draft: bytes | None = None) -> concurrent.futures.Future:
+        """All layers of all tokens were queued: ask the receiver to verify and complete. ``draft``: the
+        speculative draft state the ticket asks for (``ticket.draft``: exactly its ``num_bytes``), else None.
 
         Returns a Future resolving to ``SendResult`` or raising ``TransferError``; it resolves
-        within ``finish_timeout_s`` of FINISH being written.
+        within ``finish_timeout_s`` of FINISH being written. A draft state that does not match the ticket's
+        fails the transfer (INCOMPATIBLE): the decode worker would otherwise speculate on garbage.
         """
+        want = ticket.draft
+        if (want is None) != (draft is None) or (want is not None and len(draft) != want.num_bytes):  # type: ignore[arg-type]
+            err = TransferError(FailReason.INCOMPATIBLE, (
+                f"the decode worker asks for a draft state of {want.hidden_size} {want.dtype} values "
+                f"({want.num_bytes} bytes: it speculates with an MTP layer) but this prefill worker "
+                + ("has none (no MTP layer?)" if draft is None else f"has {len(draft)} bytes (another model?)")
+            ) if want is not None else "the ticket asks for no draft state but one was given", ticket.req_id)
+            self._lt.call(self._abort, ticket, err)
+            raise err
         with self._lock:
             if ticket.ticket_id in self._ended:
                 return self._ended[ticket.ticket_id]
@@ -160,7 +171,7 @@ class KVSender:
             if st.finish_queued or st.error is not None:
                 return st.future
             st.finish_queued = True
-        self._lt.call(self._enqueue, FinishItem(st))
+        self._lt.call(self._enqueue, FinishItem(st, draft))
         return st.future
 
     def cancel(self, ticket: TransferTicket, detail: str = "cancelled by the prefill worker") -> None:

@@ -34,10 +34,10 @@ from typing import Any, NamedTuple
 import numpy as np
 from engine.kvcache.layout import KVLayout
 from engine.kvcache.pool import KVPool, PoolExhausted
-from kvtransfer.config import TransportKind
+from kvtransfer.config import DraftLayout, TransportKind
 from kvtransfer.errors import FailReason, ProtocolError, TransferError
 from kvtransfer.payload import page_array
-from kvtransfer.protocol import MAX_REQ_ID_LEN, pack_u32
+from kvtransfer.protocol import MAX_DRAFT_BYTES, MAX_REQ_ID_LEN, pack_u32
 
 TOMBSTONES = 4096
 """How many finished ticket ids keep their fate, so late frames get the real reason."""
@@ -71,8 +71,13 @@ class TransferTicket:
     layout: KVLayout
     expires_at_s: float
     """Unix time after which the receiver frees the reservation if no frame arrived."""
+    draft: DraftLayout | None = None
+    """The speculative draft state the decode worker wants in FINISH; None: KV only."""
 
     def __post_init__(self) -> None:
+        if self.draft is not None and self.draft.num_bytes > MAX_DRAFT_BYTES:
+            raise ValueError(f"a draft state of {self.draft.num_bytes} bytes exceeds the protocol's "
+                             f"{MAX_DRAFT_BYTES}")
         if not 0 < len(self.req_id) <= MAX_REQ_ID_LEN:
             raise ValueError(f"req_id must be 1..{MAX_REQ_ID_LEN} chars, got {len(self.req_id)}")
         if self.num_tokens < 1:
@@ -99,7 +104,7 @@ class TransferTicket:
         return {"req_id": self.req_id, "ticket_id": self.ticket_id, "host": self.host, "port": self.port,
                 "receiver_id": self.receiver_id, "num_tokens": self.num_tokens, "page_ids": list(self.page_ids),
                 "generations": list(self.generations), "layout": self.layout.to_dict(),
-                "expires_at_s": self.expires_at_s}
+                "expires_at_s": self.expires_at_s, "draft": None if self.draft is None else self.draft.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TransferTicket":
@@ -108,7 +113,8 @@ class TransferTicket:
                        port=int(d["port"]), receiver_id=str(d["receiver_id"]), num_tokens=int(d["num_tokens"]),
                        page_ids=tuple(int(p) for p in d["page_ids"]),
                        generations=tuple(int(g) for g in d["generations"]),
-                       layout=KVLayout.from_dict(d["layout"]), expires_at_s=float(d["expires_at_s"]))
+                       layout=KVLayout.from_dict(d["layout"]), expires_at_s=float(d["expires_at_s"]),
+                       draft=DraftLayout.from_dict(d.get("draft")))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed ticket dict: {e!r}") from None
 
@@ -128,6 +134,8 @@ class TransferResult(NamedTuple):
     completed_at_s: float
     layer_done_at_s: tuple[float, ...]
     """time.monotonic() at which each layer's last token arrived."""
+    draft: bytes | None = None
+    """The draft state the ticket asked for (``DraftLayout``: raw values, verified), else None."""
 
 
 @dataclass(slots=True, eq=False)
@@ -157,6 +165,8 @@ class Reservation:
     transport: TransportKind = TransportKind.TCP
     num_bytes: int = 0
     completed_at: float = 0.0
+    draft: bytes | None = None
+    """The verified draft state from FINISH (when the ticket asked for one)."""
     error: TransferError | None = None
     waiter: Any = None
     """asyncio.Future resolved when the reservation completes or fails (set by the receiver)."""
@@ -172,18 +182,21 @@ class Reservation:
 
     def result(self) -> TransferResult:
         return TransferResult(self.req_id, self.ticket.page_ids, self.ticket.num_tokens, self.num_bytes,
-                              self.transport, self.reserved_at, self.completed_at, tuple(self.layer_done_at))
+                              self.transport, self.reserved_at, self.completed_at, tuple(self.layer_done_at),
+                              self.draft)
 
 
 class ReservationManager:
     """Owns every decode page reserved for incoming transfers; frees each exactly once."""
 
     def __init__(self, pool: KVPool, *, host: str, port: int, receiver_id: str, ticket_ttl_s: float,
-                 max_reserved_pages: int | None = None) -> None:
+                 max_reserved_pages: int | None = None, draft: DraftLayout | None = None) -> None:
         self.pool = pool
         self.host, self.port, self.receiver_id = host, port, receiver_id
         self.ticket_ttl_s = ticket_ttl_s
         self.max_reserved_pages = max_reserved_pages
+        self.draft = draft
+        """The draft state every ticket asks for (``KVReceiverConfig.draft``)."""
         self._active: dict[str, Reservation] = {}
         self._draining: dict[str, Reservation] = {}
         self._tombstones: OrderedDict[str, FailReason] = OrderedDict()
@@ -233,7 +246,7 @@ class ReservationManager:
         ticket = TransferTicket(req_id=req_id, ticket_id=secrets.token_hex(16), host=self.host, port=self.port,
                                 receiver_id=self.receiver_id, num_tokens=num_tokens, page_ids=tuple(pages),
                                 generations=tuple(gens), layout=self.pool.layout,
-                                expires_at_s=time.time() + self.ticket_ttl_s)
+                                expires_at_s=time.time() + self.ticket_ttl_s, draft=self.draft)
         layers = self.pool.layout.num_layers
         return Reservation(ticket=ticket, reserved_at=now, deadline=now + self.ticket_ttl_s,
                            page_bytes=pack_u32(pages), gen_bytes=pack_u32(gens), page_arr=page_array(pages),

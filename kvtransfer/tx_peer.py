@@ -148,6 +148,8 @@ class OpenItem(NamedTuple):
 
 class FinishItem(NamedTuple):
     send: OutgoingTransfer
+    draft: bytes | None = None
+    """The speculative draft state (``TransferTicket.draft``), sent in FINISH."""
 
 
 class AbortItem(NamedTuple):
@@ -428,7 +430,7 @@ class TxPeer:
                     if st.lease is None:
                         resolve_future(st.opened, None)
                 else:
-                    await self._write_finish(st)
+                    await self._write_finish(st, item.draft)
             except (OSError, asyncio.TimeoutError) as e:
                 self.fail(self._conn_error(e, "writing to"))
                 return
@@ -514,9 +516,10 @@ class TxPeer:
         except OSError:
             pass
 
-    async def _write_finish(self, st: OutgoingTransfer) -> None:
+    async def _write_finish(self, st: OutgoingTransfer, draft: bytes | None) -> None:
+        crc = None if draft is None else checksum(self.cfg.checksum, [memoryview(draft)])
         await self._send(encode_frame(FrameType.FINISH, {"rid": st.ticket.req_id, "tid": st.ticket.ticket_id,
-                                                         "nt": st.ticket.num_tokens}))
+                                                         "nt": st.ticket.num_tokens, "dh": draft, "dc": crc}))
         if not st.failed:
             st.state = SendState.FINISHING
             st.finish_timer = self.loop.call_later(self.cfg.finish_timeout_s, self.sender.finish_timed_out, st)

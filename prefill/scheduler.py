@@ -30,10 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
+from engine.spec.prefill import MTPChunk, mtp_prefill_batch
 from protos.worker_main import Heartbeat
 from prefill.radix import Match, RadixCache
 from prefill.sink import KVSink, LocalSink, TransferFailed
@@ -111,6 +114,8 @@ class PrefillTask:
     abort_reason: str = ""
     first_token: int = -1
     first_logprob: float | None = None
+    draft_hidden: torch.Tensor | None = None
+    """``[H]`` the MTP draft state after the last chunk (shipped with the KV when the decode side asks)."""
     t_forward_done: float = 0.0
 
 
@@ -307,13 +312,15 @@ class PrefillScheduler:
                 t = chunks[i][0]
                 t.first_token = int(res.token_ids[j])
                 t.first_logprob = float(res.logprobs[j]) if res.logprobs is not None else None
-        if self.model.has_mtp:
-            nxt = [t.token_ids[s + 1:e] + ([t.token_ids[e]] if e < len(t.token_ids) else [t.first_token])
-                   for t, s, e in chunks]
-            mtp_batch = ForwardBatch.build([BatchRequest(t.pages, s, n) for (t, s, _), n in zip(chunks, nxt)],
-                                           P, self.pool.device)
-            mtp_batch.on_layer_done = ship
-            self.model.mtp_kv(mtp_batch, self.pool, out.hidden)  # only its KV is shipped: no attention/MoE/head
+        if self.model.has_mtp:  # the draft layer's KV over every chunk, the draft state of finishing ones
+            offsets = [0] + list(itertools.accumulate(e - s for _, s, e in chunks))
+            mtp = [MTPChunk(t.pages, s, t.token_ids[s:e], out.hidden[offsets[i]:offsets[i + 1]],
+                            t.token_ids[e] if e < len(t.token_ids) else t.first_token, draft=e == len(t.token_ids))
+                   for i, (t, s, e) in enumerate(chunks)]
+            for (t, _, _), res in zip(chunks, mtp_prefill_batch(self.model, self.pool, mtp)):
+                if res.draft_hidden is not None:
+                    t.draft_hidden = res.draft_hidden
+            ship(self.model.cfg.num_hidden_layers)
         with self._cv:
             for t, s, e in chunks:
                 t.computed = e
@@ -326,7 +333,7 @@ class PrefillScheduler:
     def _finish(self, task: PrefillTask) -> None:
         t0 = time.monotonic()
         try:
-            sr = task.sink.finish()
+            sr = task.sink.finish(task.draft_hidden)
         except Exception as e:  # noqa: BLE001
             with self._cv:
                 self._release(task)

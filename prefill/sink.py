@@ -4,7 +4,8 @@ The scheduler calls, for each request, in this order and from its own thread::
 
     start(pages, cached_len)            once, before the first chunk (ship the cached prefix)
     send(layer, token_start, token_end) after each layer of each chunk (rows are in ``pages``)
-    finish() -> SinkResult              after the last chunk and the MTP pass; blocks until acked
+    finish(draft) -> SinkResult         after the last chunk and the MTP pass (``draft``: its draft state, or
+                                        None without an MTP layer); blocks until acked
     abort(reason)                       instead of finish on any failure or cancellation
 
 A sink must never block ``send`` for long (it queues); ``finish`` raises ``TransferFailed``
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from typing import NamedTuple
+
+import torch
 
 
 class TransferFailed(RuntimeError):
@@ -33,7 +36,7 @@ class KVSink(ABC):
     def send(self, layer: int, token_start: int, token_end: int) -> None: ...
 
     @abstractmethod
-    def finish(self) -> SinkResult: ...
+    def finish(self, draft: torch.Tensor | None = None) -> SinkResult: ...
 
     @abstractmethod
     def abort(self, reason: str) -> None: ...
@@ -48,7 +51,8 @@ class LocalSink(KVSink):
     def send(self, layer: int, token_start: int, token_end: int) -> None:
         pass
 
-    def finish(self) -> SinkResult:
+    def finish(self, draft: torch.Tensor | None = None) -> SinkResult:
+        self.draft = draft
         return SinkResult(0, 0.0)
 
     def abort(self, reason: str) -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from kvtransfer import KVSender, TransferError, TransferTicket
 from prefill.sink import KVSink, SinkResult, TransferFailed
 
@@ -33,12 +35,16 @@ class TransferSink(KVSink):
         except (TransferError, ValueError) as e:  # recorded; finish() reports it
             self.error = e
 
-    def finish(self) -> SinkResult:
+    def finish(self, draft: torch.Tensor | None = None) -> SinkResult:
         if self.error is not None:
             self.sender.cancel(self.ticket, f"prefill side error: {self.error}")
             raise TransferFailed(str(self.error))
+        want = self.ticket.draft
+        state = None  # the draft state in the decode worker's dtype, as raw bytes (never pickle)
+        if want is not None and draft is not None:
+            state = draft.to(getattr(torch, want.dtype)).contiguous().view(torch.uint8).cpu().numpy().tobytes()
         try:
-            res = self.sender.finish(self.ticket).result(timeout=self.timeout_s)
+            res = self.sender.finish(self.ticket, state).result(timeout=self.timeout_s)
         except TransferError as e:
             raise TransferFailed(str(e)) from e
         except TimeoutError as e:

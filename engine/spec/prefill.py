@@ -55,6 +55,9 @@ class MTPChunk:
     pair ``e-1`` to the next call (one-token lag)."""
     carry_hidden: torch.Tensor | None = None
     """``h_{c-1}`` from the previous chunk's result when its boundary pair is still deferred."""
+    draft: bool = True
+    """With ``next_token``: compute the MTP output at pair ``e-1`` (the draft state). False: its KV only (an
+    inner chunk of a prefill worker, whose draft state nobody reads)."""
 
 
 class MTPPrefillResult(NamedTuple):
@@ -93,7 +96,7 @@ def mtp_prefill_batch(model: GlmForCausalLM, pool: KVPool, chunks: Sequence[MTPC
     # just writes its KV (``mtp_kv``, no attention / MoE / LM head), then one forward runs those last pairs.
     kv_reqs, kv_hid, out_reqs, out_hid, rows = [], [], [], [], {}
     for i, (start, ids, hid) in enumerate(plans):
-        n_kv = len(ids) - (chunks[i].next_token is not None)
+        n_kv = len(ids) - (chunks[i].next_token is not None and chunks[i].draft)
         if n_kv > 0:
             kv_reqs.append(BatchRequest(chunks[i].pages, start, ids[:n_kv]))
             kv_hid.append(hid[:n_kv])
@@ -112,6 +115,8 @@ def mtp_prefill_batch(model: GlmForCausalLM, pool: KVPool, chunks: Sequence[MTPC
     for i, ch in enumerate(chunks):
         if ch.next_token is None:
             results.append(MTPPrefillResult(ch.hiddens[-1], None, None))
+        elif not ch.draft:
+            results.append(MTPPrefillResult(None, None, None))
         else:
             j = rows[i]
             results.append(MTPPrefillResult(None, out.hidden[last[j]], out.logits[j]))

@@ -186,7 +186,8 @@ def test_large_payloads_are_verified_before_finish():
             for layer, payload in enumerate(payloads):
                 crc = zlib.crc32(payload) ^ (layer == bad_layer)
                 peer.frame(FrameType.LAYER, *_layer_frame(ticket, layer, 0, 40, payload, crc))
-            peer.frame(FrameType.FINISH, {"rid": ticket.req_id, "tid": ticket.ticket_id, "nt": 40})
+            peer.frame(FrameType.FINISH, {"rid": ticket.req_id, "tid": ticket.ticket_id, "nt": 40, "dh": None,
+                                          "dc": None})
             if bad_layer is None:
                 assert peer.expect(FrameType.DONE)["nb"] == sum(map(len, payloads))
                 res = h.wait(ticket.req_id)

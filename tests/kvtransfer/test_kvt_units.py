@@ -44,19 +44,21 @@ def test_non_loopback_bind_needs_a_secret(monkeypatch):
 # --- frames -------------------------------------------------------------------------------------
 
 def test_frame_roundtrip_and_schema():
-    raw = encode_frame(FrameType.FINISH, {"rid": "r", "tid": "t", "nt": 5})
+    fin = {"rid": "r", "tid": "t", "nt": 5, "dh": None, "dc": None}
+    raw = encode_frame(FrameType.FINISH, fin)
     prefix = decode_prefix(raw[:16], MAX_HEADER_BYTES, 0)
     h = decode_header(raw[16:16 + prefix.header_len], 0)
-    assert h.type is FrameType.FINISH and h.fields == {"rid": "r", "tid": "t", "nt": 5}
-    bad = [({"rid": "r", "tid": "t"}, "fields"), ({"rid": "r", "tid": "t", "nt": -1}, "bounds"),
-           ({"rid": "r", "tid": "t", "nt": "5"}, "bounds"), ({"rid": "", "tid": "t", "nt": 1}, "bounds"),
-           ({"rid": "r", "tid": "t", "nt": 1, "x": 1}, "fields")]
+    assert h.type is FrameType.FINISH and h.fields == fin
+    bad = [({"rid": "r", "tid": "t"}, "fields"), ({**fin, "nt": -1}, "bounds"),
+           ({**fin, "nt": "5"}, "bounds"), ({**fin, "rid": ""}, "bounds"),
+           ({**fin, "x": 1}, "fields"), ({**fin, "dh": "text"}, "bounds"), ({**fin, "dh": bytes(48 * 1024 + 1)}, "bounds"),
+           ({**fin, "dc": -1}, "bounds")]
     for fields, what in bad:
         raw = encode_frame(FrameType.FINISH, fields)
         with pytest.raises(ProtocolError, match=what):
             decode_header(raw[16:], 0)
     with pytest.raises(ProtocolError, match="carry no payload"):
-        decode_header(encode_frame(FrameType.FINISH, {"rid": "r", "tid": "t", "nt": 5})[16:], 10)
+        decode_header(encode_frame(FrameType.FINISH, fin)[16:], 10)
     with pytest.raises(ProtocolError, match="magic"):
         decode_prefix(b"XXXX" + raw[4:16], MAX_HEADER_BYTES, 0)
     with pytest.raises(ProtocolError, match="payload_len"):
