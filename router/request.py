@@ -79,7 +79,9 @@ class GenerateRun:
         self.metrics = generation_pb2.RequestMetrics()
         self.cached_tokens = 0
         self.first_token: int | None = None
-        self._accept: list[float] = []
+        self._accept: list[list[float]] = []
+        """Per decode attempt: [its worker's accept length so far (cumulative over the request's rounds there),
+        the tokens it streamed]."""
         self._detok = Detokenizer(core.codec) if core.codec is not None else None
         self._live_calls: list = []
 
@@ -113,7 +115,8 @@ class GenerateRun:
             r.usage.prompt_tokens = len(self.original.prompt_ids)
             r.usage.cached_tokens = self.cached_tokens
             r.usage.completion_tokens = len(self.emitted)
-            self.metrics.accept_len = sum(self._accept) / len(self._accept) if self._accept else 0.0
+            spec = [(a, n) for a, n in self._accept if a > 0 and n > 0]  # failover: weighted by tokens
+            self.metrics.accept_len = sum(a * n for a, n in spec) / sum(n for _, n in spec) if spec else 0.0
             r.metrics.CopyFrom(self.metrics)
         return r
 
@@ -320,6 +323,8 @@ class GenerateRun:
         call = dw.stub.Decode(req, metadata=self.core.registry.metadata, timeout=self.remaining())
         self._live_calls.append(call)
         chunks, stall = call.__aiter__(), self.core.cfg.decode_stall_timeout_s
+        attempt = [0.0, 0]
+        self._accept.append(attempt)
         try:
             while True:
                 left = self.remaining()
@@ -343,8 +348,9 @@ class GenerateRun:
                 if ids and self.metrics.ttft_s == 0:  # local prefill: the decode worker's first token
                     self.metrics.ttft_s = time.monotonic() - self.t0
                 self.emitted += ids
-                if chunk.accept_len > 0:
-                    self._accept.append(chunk.accept_len)
+                if chunk.accept_len > 0:  # the worker's figure so far: the last one covers every round
+                    attempt[0] = chunk.accept_len
+                attempt[1] += len(ids)
                 yield self._response(ids, chunk.finish_reason, chunk.logprobs)
                 if chunk.finish_reason:
                     return

@@ -1,4 +1,4 @@
-"""Speculation statistics over real gRPC: ``pdserve serve --speculative 3/1/4 --no-spec-fallback`` (router +
+"""Speculation statistics over real gRPC: ``pdserve serve --speculative 5/1/6 --no-spec-fallback`` (router +
 1 prefill + 1 decode worker processes) on the shipped default model, read back with ``GetClusterStatus``.
 
 The decode worker's per-position acceptance rates travel as ``WorkerStatus.spec`` through the router;
@@ -6,14 +6,20 @@ they are checked against their own counts and against the tokens the client rece
 emits its accepted drafts plus one token; the last step of a request may be cut at ``max_tokens``).
 """
 import os
+import sys
 
 import pytest
+import torch
 
 from engine.defaults import SHIPPED_DEFAULT
+from engine.runtime import load_model
+from engine.sampling import SamplingParams
+from engine.spec import run_speculative
+from engine.tokenizer import Tokenizer
 from router.client import GenerationClient
 from serve_helpers import ServeProcess, pages_all_free, wait_until
 
-NUM_STEPS = 3
+NUM_STEPS = 5
 PROMPTS = ["import os\n\n\ndef read_lines(path):\n", "class Config:\n    def __init__(self, name):\n"]
 MAX_TOKENS = 40
 
@@ -44,9 +50,9 @@ def test_cluster_status_reports_per_position_acceptance(client):
     pre = next(w for w in st.workers if w.role == "prefill")
     dec = next(w for w in st.workers if w.role == "decode")
     assert not pre.HasField("spec") and dec.HasField("spec")
-    assert dec.info["spec_fallback"] == "off" and dec.info["speculative"] == "3/1/4"  # --no-spec-fallback arrived
+    assert dec.info["spec_fallback"] == "off" and dec.info["speculative"] == "5/1/6"  # --no-spec-fallback arrived
     before = dec.spec
-    assert before.config == "3/1/4" and list(before.accept_rate_per_position) == [0.0] * NUM_STEPS
+    assert before.config == "5/1/6" and list(before.accept_rate_per_position) == [0.0] * NUM_STEPS
     emitted = 0
     for p in PROMPTS:
         out = client.generate(prompt=p, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -65,4 +71,39 @@ def test_cluster_status_reports_per_position_acceptance(client):
     assert s.reached_at_depth[0] == s.drafted_at_depth[0]  # depth 1 is tried whenever there are drafts
     assert 0 < s.accept_rate_per_position[0] < 1 and s.reached_at_depth[-1] > 0
     assert s.accept_len == pytest.approx(1 + s.accepted_drafts / s.verify_steps)
+    wait_until(lambda: pages_all_free(client), what="every page back")
+
+
+def heldout_prompts(n: int, num_tokens: int, tok) -> list[list[int]]:
+    """The default model's held-out files (never trained on), ``num_tokens`` tokens from the start of each."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from scripts.default_model.corpus import CorpusError, load_corpus
+    manifest = os.path.join(os.path.dirname(SHIPPED_DEFAULT), os.pardir, "corpus", "manifest.json")
+    try:
+        texts = [text for _, text in load_corpus(manifest)["heldout"][:n]]
+    except CorpusError:  # another CPython's stdlib: our own test sources are not in the corpus either
+        here = os.path.dirname(os.path.abspath(__file__))
+        texts = [open(os.path.join(here, f)).read() for f in sorted(os.listdir(here)) if f.endswith(".py")][:n]
+    return [tok.encode(t)[:num_tokens] for t in texts]
+
+
+def test_served_accept_length_matches_in_process_run(client):
+    """The decode worker's rounds speculate as ``pdserve run`` does: the first round after the transfer has
+    the shipped draft state, so the served accept length is the in-process one (within 5%)."""
+    model, cfg = load_model(SHIPPED_DEFAULT, "float32", "cpu")
+    prompts = heldout_prompts(4, 200, Tokenizer.from_model_dir(SHIPPED_DEFAULT))
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    before = decode_status(client).spec
+    served = []
+    for p in prompts:
+        out = client.generate(token_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True)
+        served.append(out.metrics.accept_len)
+    torch.set_num_threads(1)
+    local = [run_speculative(model, cfg, [p], params, f"{NUM_STEPS}/1/{NUM_STEPS + 1}").metrics.accept_len
+             for p in prompts]
+    assert sum(served) / len(served) == pytest.approx(sum(local) / len(local), rel=0.05), (served, local)
+    s = decode_status(client).spec
+    assert s.verify_steps > before.verify_steps
+    # every round of these requests drafted: none waited for a draft state after its transfer
+    assert s.drafted_at_depth[0] - before.drafted_at_depth[0] == s.verify_steps - before.verify_steps
     wait_until(lambda: pages_all_free(client), what="every page back")
