@@ -41,7 +41,8 @@ class CopySink(KVSink):
         for c in self.src.layout.components:
             self.dst.flat(layer, c.name)[dst] = self.src.flat(layer, c.name)[src]
 
-    def finish(self):
+    def finish(self, draft=None):
+        self.draft = draft  # the MTP draft state prefill would ship with the KV
         return SinkResult(0, 0.0)
 
     def abort(self, reason):
@@ -66,15 +67,15 @@ def pd_generate(tiny, prompts, params, dec_pages=64, max_running=64, spec=None, 
         rid = f"r{i}"
         reserved = dpool.allocator.alloc(dpool.pages_for(len(ids)), rid)
         firsts = {}
-        pre.submit(PrefillTask(rid, ids, params, on_done=lambda r, rid=rid: firsts.__setitem__(rid, r),
-                               sink=CopySink(ppool, dpool, reserved)))
+        sink = CopySink(ppool, dpool, reserved)
+        pre.submit(PrefillTask(rid, ids, params, on_done=lambda r, rid=rid: firsts.__setitem__(rid, r), sink=sink))
         while rid not in firsts:
             pre.step()
         pre._finisher.shutdown(wait=True)
         pre._finisher = type(pre._finisher)(max_workers=1)
         events[rid] = []
         dec.add(DecodeTask(rid, ids, [firsts[rid].first_token], params, reserved, len(ids),
-                           emit=events[rid].append))
+                           emit=events[rid].append, draft_hidden=sink.draft if spec else None))
     for _ in range(500):
         if not dec.step():
             break

@@ -34,7 +34,8 @@ class CaptureSink(KVSink):
     def send(self, layer, s, e):
         self.sent.append((layer, s, e))
 
-    def finish(self):
+    def finish(self, draft=None):
+        self.draft = draft
         P = self.pool.page_size
         n = max(e for _, _, e in self.sent)
         slots = torch.tensor([self.pages[j // P] * P + j % P for j in range(n)])
