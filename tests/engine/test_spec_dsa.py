@@ -94,7 +94,20 @@ def first_difference(a, b):
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
+def bf16_gemm_rows_alike() -> bool:
+    """Does this CPU's bf16 GEMM round a row the same whatever the row count (1 for decode, N for verify)?
+    True on CPUs with AMX / AVX512-BF16 kernels (oneDNN); where it is not, a bf16 verify step's keys differ
+    from a decode step's by an ulp and DSA's hard top-k may select differently: a property of the kernels
+    (nothing speculation can fix), so those runs are skipped with this reason."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(8, 64, generator=g).bfloat16()
+    full = torch.nn.functional.linear(x, w)
+    return all(torch.equal(torch.nn.functional.linear(x[i:i + 1], w)[0], full[i]) for i in range(8))
+
+
 def check_spec_equals_plain(dirs, name, dtype, spec):
+    if dtype == "bfloat16" and not bf16_gemm_rows_alike():
+        pytest.skip("this CPU's bf16 GEMMs round a row differently at different row counts")
     model, cfg = get_model(dirs, name, dtype)
     ref = plain_greedy(dirs, name, dtype)
     eng = SpecEngine(Engine(model, cfg, kv_dtype=dtype, page_size=8, num_pages=512), SpecConfig.parse(spec))
