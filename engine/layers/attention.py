@@ -103,10 +103,10 @@ def dsa_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     scores, never on the row's shape, so decode, verify, batched (padded) rows, chunked prefill and the
     compiled graphs select the same keys. One int64 top-k: the high 32 bits are the fp32 score mapped
     to an order-preserving integer, the low 32 bits rank positions (lower first)."""
-    s = scores.float()
-    bits = s.masked_fill(s == 0, 0.0).view(torch.int32)  # -0.0 == +0.0: one bit pattern for both
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # monotone in the float value
-    pos = torch.arange(s.shape[-1], device=s.device, dtype=torch.int64)
+    bits = scores.float().view(torch.int32)
+    mag = bits & 0x7FFFFFFF  # integer ops only: no compiler pass may fold them the way it may fold float ones
+    ordered = torch.where(bits < 0, -mag, mag).to(torch.int64)  # monotone in the float value; -0.0 == +0.0
+    pos = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
     return (ordered * (1 << 32) + ((1 << 32) - 1 - pos)).topk(k, dim=-1).indices
 
 
