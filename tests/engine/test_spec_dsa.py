@@ -16,13 +16,13 @@ scores 0). The DSA paper and transformers leave the order of equal scores to ``t
 choice depends on the row's length; pdserve breaks ties by position (``dsa_topk``). The transformers
 reference runs with the same rule, written here independently as a stable sort.
 """
-import contextlib
 import os
 
 import pytest
 import torch
 from test_spec import make_predictable
 from test_spec_verify import P_VALUE_MIN, chi_square_p_value
+from tiny import stable_topk, transformers_ties_by_position
 
 from engine.batch import BatchRequest, ForwardBatch
 from engine.checkpoint import TINY_GLM5, init_random_model
@@ -122,11 +122,6 @@ def check_spec_equals_plain(dirs, name, dtype, spec):
 
 # -- the selection itself -------------------------------------------------------------------------------
 
-def stable_topk(scores, k):
-    """The reference rule: sort by score, equal scores in position order (a stable sort), keep k."""
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-
-
 def test_dsa_topk_is_a_total_order_independent_of_the_row_shape():
     g = torch.Generator().manual_seed(0)
     S, k = 300, 16
@@ -171,31 +166,6 @@ def test_ties_at_the_kth_score_happen_in_these_models(dirs):
 
 
 # -- plain greedy == transformers ----------------------------------------------------------------------
-
-@contextlib.contextmanager
-def transformers_ties_by_position():
-    """transformers' DSA indexer with equal scores ordered by position, as pdserve orders them."""
-    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
-    orig_forward, orig_topk = m.GlmMoeDsaIndexer.forward, torch.Tensor.topk
-
-    def topk(t, k, dim=-1, largest=True, sorted=True):
-        assert dim == -1 and largest
-        idx = stable_topk(t + 0.0, k)
-        return torch.return_types.topk((t.gather(-1, idx), idx))
-
-    def forward(self, *args, **kwargs):
-        torch.Tensor.topk = topk
-        try:
-            return orig_forward(self, *args, **kwargs)
-        finally:
-            torch.Tensor.topk = orig_topk
-
-    m.GlmMoeDsaIndexer.forward = forward
-    try:
-        yield
-    finally:
-        m.GlmMoeDsaIndexer.forward = orig_forward
-
 
 @pytest.mark.parametrize("name", ["full", "shared"])
 def test_plain_greedy_equals_transformers_past_index_topk(dirs, name):

@@ -1,6 +1,8 @@
 """Factories for tiny random GLM checkpoints built and saved with transformers (the reference)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 DSA_CFG = dict(
@@ -41,3 +43,33 @@ def make_hf_model(kind: str, seed: int = 0, **overrides):
             elif name.endswith("layernorm.weight") or name.endswith("norm.weight"):
                 b.uniform_(0.8, 1.2)
     return model.eval()
+
+
+def stable_topk(scores, k):
+    """The reference rule: sort by score, equal scores in position order (a stable sort), keep k."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+@contextlib.contextmanager
+def transformers_ties_by_position():
+    """transformers' DSA indexer with equal scores ordered by position, as pdserve orders them."""
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
+    orig_forward, orig_topk = m.GlmMoeDsaIndexer.forward, torch.Tensor.topk
+
+    def topk(t, k, dim=-1, largest=True, sorted=True):
+        assert dim == -1 and largest
+        idx = stable_topk(t + 0.0, k)
+        return torch.return_types.topk((t.gather(-1, idx), idx))
+
+    def forward(self, *args, **kwargs):
+        torch.Tensor.topk = topk
+        try:
+            return orig_forward(self, *args, **kwargs)
+        finally:
+            torch.Tensor.topk = orig_topk
+
+    m.GlmMoeDsaIndexer.forward = forward
+    try:
+        yield
+    finally:
+        m.GlmMoeDsaIndexer.forward = orig_forward

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
+from tiny import transformers_ties_by_position
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -110,7 +111,7 @@ def test_pdserve_matches_transformers(shipped):
     assert len(ids) > cfg.index_topk  # the DSA indexer selects a subset in both implementations
     hf_logging.set_verbosity_error()
     hf = GlmMoeDsaForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
-    with torch.inference_mode():
+    with torch.inference_mode(), transformers_ties_by_position():  # equal indexer scores: the earlier key
         ref = hf(input_ids=torch.tensor([ids])).logits[0].float()
     ours, _ = _pdserve_forward(model, cfg, ids)
     assert (ours - ref).abs().max().item() < 1e-3
