@@ -22,8 +22,7 @@ from engine.kvcache import KVLayout, PoolExhausted
 from engine.loader import model_hash
 from engine.runtime import load_model
 from engine.tokenizer import Tokenizer
-from kvtransfer import FailReason, KVReceiver, KVReceiverConfig, ShmKVPool, TransferError
-from kvtransfer.config import DraftLayout
+from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, ShmKVPool, TransferError
 from protos import rpc, worker_main
 from protos.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc

@@ -13,8 +13,10 @@ A transfer, end to end (decode side states: ``TransferState``; prefill side: ``S
     decode  frame accepted                     RECEIVING  request, pages, generations, size, order,
                                                           checksum (XXH3 trailer)
                                                           checked; bytes land in the reserved pages
-    prefill sender.finish(ticket)              FINISHING  FINISH frame
-    decode  every layer x token verified       COMPLETE   DONE frame back to the sender
+    prefill sender.finish(ticket, draft)       FINISHING  FINISH frame (with the MTP draft state when the
+                                                          ticket's ``DraftLayout`` asks: a speculating decode)
+    decode  every layer x token verified       COMPLETE   DONE frame back to the sender; the draft state
+                                                          (size, checksum) rides on ``TransferResult.draft``
             await receiver.wait_complete()     CLAIMED    pages now owned by the decode request
     prefill DONE received                      DONE       source pages unpinned
 
@@ -27,7 +29,7 @@ Modules: ``config`` (frozen configs, the env var), ``protocol`` (frames, limits,
 (socket I/O), ``rx_conn``/``receiver`` (decode side), ``tx_peer``/``sender`` (prefill side),
 ``shm`` (shared-memory pool), ``admission`` (connection budgets on the KV port), ``loop`` (event loop thread).
 """
-from kvtransfer.config import ChecksumKind, KVReceiverConfig, KVSenderConfig, TransportKind, WireDType
+from kvtransfer.config import ChecksumKind, DraftLayout, KVReceiverConfig, KVSenderConfig, TransportKind, WireDType
 from kvtransfer.errors import FailReason, TransferError
 from kvtransfer.loop import LoopThread
 from kvtransfer.protocol import PDSERVE_KV_PROTOCOL_VERSION
@@ -37,7 +39,7 @@ from kvtransfer.shm import ShmKVPool
 from kvtransfer.ticket import TransferResult, TransferState, TransferTicket
 from kvtransfer.tx_peer import SendResult, SendState
 
-__all__ = ["ChecksumKind", "FailReason", "KVReceiver", "KVReceiverConfig", "KVSender", "KVSenderConfig", "LayerHook",
+__all__ = ["ChecksumKind", "DraftLayout", "FailReason", "KVReceiver", "KVReceiverConfig", "KVSender", "KVSenderConfig", "LayerHook",
            "LayerSend", "LoopThread", "PDSERVE_KV_PROTOCOL_VERSION", "ReceiverStats", "SendResult", "SendState",
            "ShmKVPool", "TransferError", "TransferResult", "TransferState", "TransferTicket", "TransportKind",
            "WireDType"]
