@@ -197,8 +197,9 @@ class KVSenderConfig:
     connect_timeout_s: float = 5.0
     handshake_timeout_s: float = 5.0
     connect_retry_s: float = 15.0
-    """A refused or reset connect (a busy receiver, see ``admission.py``) is retried for at most this long,
-    and never past the latest expiry of the tickets waiting for it."""
+    """A connection the receiver refuses (ERROR busy / timeout) or resets (its limits, see ``admission.py``) is
+    retried for at most this long, and never past the latest expiry of the tickets waiting for it. Nothing
+    listening (ECONNREFUSED) and connect timeouts are not retried: the caller fails over at once."""
     connect_backoff_s: float = 0.05
     """First wait before a retried connect; doubles per attempt."""
     connect_backoff_max_s: float = 1.0

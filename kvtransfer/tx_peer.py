@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RETRYABLE = frozenset({FailReason.BUSY, FailReason.TIMEOUT, FailReason.PEER_DIED})
-"""Receiver refusals worth another connect (its limits, a handshake it timed out); the rest are final."""
+RETRYABLE = frozenset({FailReason.BUSY, FailReason.TIMEOUT})
+"""Receiver refusals (ERROR frames) worth another connect: its limits, a handshake it timed out."""
 
 MAX_QUEUED_FRAMES = 2
 """Frames handed to the send thread but not yet written (one on the wire, one ready behind it)."""
@@ -206,9 +206,11 @@ class TxPeer:
         return TransferError(FailReason.PEER_DIED, f"{where}: {type(e).__name__}: {e}")
 
     async def _connect_retrying(self) -> None:
-        """Connect; a refused, reset or busy connection (the receiver's limits, see ``admission.py``) is
-        retried with exponential backoff while some transfer queued here can still use it: until the
-        latest ticket expiry, at most ``connect_retry_s``. A wrong secret or layout is final."""
+        """Connect; a connection the receiver accepted and then refused (ERROR busy or timeout, or a reset /
+        EOF from a receiver whose limits are full, see ``admission.py``) is retried with exponential backoff
+        while some transfer queued here can still use it: until the latest ticket expiry, at most
+        ``connect_retry_s``. Nothing listening (ECONNREFUSED: the worker is gone), a connect timeout, a wrong
+        secret or layout are final, so the caller fails over at once."""
         cfg = self.cfg
         give_up_mono = time.monotonic() + cfg.connect_retry_s
         delay = cfg.connect_backoff_s
@@ -219,7 +221,9 @@ class TxPeer:
                 if e.reason not in RETRYABLE:
                     raise
                 err: BaseException = e
-            except (OSError, asyncio.TimeoutError) as e:
+            except ConnectionRefusedError:
+                raise
+            except ConnectionError as e:
                 err = e
             if self.sock is not None:
                 self.sock.close()
@@ -228,8 +232,9 @@ class TxPeer:
             left = min(give_up_mono - time.monotonic(), expiry - time.time())
             if self.closed or left < delay:
                 raise err
-            self.sender.retry_log.warning(f"{self.address}", "kvtransfer: connecting to %s:%d failed (attempt %d: %s); "
-                                   "retrying in %.2fs", self.address[0], self.address[1], attempt, err, delay)
+            self.sender.retry_log.warning(f"{self.address}", "kvtransfer: connecting to %s:%d failed (attempt %d: "
+                                          "%s); retrying in %.2fs", self.address[0], self.address[1], attempt, err,
+                                          delay)
             await asyncio.sleep(delay)
             delay = min(2 * delay, cfg.connect_backoff_max_s)
 

@@ -250,3 +250,25 @@ def test_token_bucket_and_rate_limited_log():
             logger.removeHandler(handler)
     msgs = [r.getMessage() for r in handler.records]
     assert len(msgs) == 2 and "49 more" in msgs[1], msgs
+
+
+def test_nothing_listening_fails_at_once_without_retries():
+    """ECONNREFUSED: the decode worker is gone; retrying would only delay the router's failover."""
+    lay = make_layout(num_layers=2)
+    dst, src = make_pool(lay, 16), make_pool(lay, 16)
+    s0 = src.allocator.num_used
+    with receiver(dst) as h:
+        ticket = h.rx.reserve("orphan", 8)
+    sender = make_sender(src)  # the receiver has stopped: its port is closed
+    try:
+        pages = src.allocator.alloc(2, "req")
+        t0 = time.monotonic()
+        sender.send_layer(ticket, 0, pages, 0, 8)
+        with pytest.raises(TransferError) as exc:
+            sender.finish(ticket).result(timeout=30)
+        assert exc.value.reason is FailReason.PEER_DIED and "ConnectionRefused" in str(exc.value), exc.value
+        assert time.monotonic() - t0 < 1.0
+        src.allocator.decref(pages)
+    finally:
+        sender.close()
+    assert src.allocator.num_used == s0
