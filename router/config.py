@@ -39,7 +39,8 @@ class RouterConfig:
     max_request_bytes: int = 0
     """Largest GenerateRequest the public port accepts (gRPC's max receive message length: larger messages
     get RESOURCE_EXHAUSTED from gRPC itself). 0: derived from the served model at start, max_context * 32
-    + 64 KiB (``router.validate.max_request_bytes``); 64 MiB when no worker reports within health_timeout_s."""
+    + 64 KiB (``router.validate.max_request_bytes``), max_context as the first worker reports it within
+    health_timeout_s, else from --model's config.json; 64 MiB when neither is known."""
     max_inflight: int = 256
     """Requests the router admits at once; beyond it, RESOURCE_EXHAUSTED (no unbounded queue)."""
     health_interval_s: float = 1.0

@@ -26,7 +26,7 @@ from router.policy import make_policy
 from router.registry import Registry, Worker
 from router.request import GenerateRun
 from router.text import TextCodec
-from router.validate import RequestError, check_prompt, max_request_bytes, precheck
+from router.validate import RequestError, check_prompt, max_context_of, max_request_bytes, precheck
 
 logger = logging.getLogger(__name__)
 PUBLIC_SERVICES = ("pdserve.v1.Generation", "pdserve.v1.Admin")
@@ -233,17 +233,20 @@ class RouterServer:
                     len(self.cfg.prefill), len(self.cfg.decode), self.cfg.routing)
 
     async def _request_limit(self) -> int:
-        """``cfg.max_request_bytes``, or derived from the served model's context (``max_request_bytes``),
-        waiting one health poll for a worker to report it; without one, the generic gRPC limit."""
+        """``cfg.max_request_bytes``, or derived from the served model's context (``max_request_bytes``):
+        as a worker reports it (waiting one health poll), else from ``--model``'s config.json (a router
+        with discovery starts before its workers); without either, the generic gRPC limit."""
         if self.cfg.max_request_bytes:
             return self.cfg.max_request_bytes
-        info = await self.core.registry.wait_model_info(self.cfg.health_timeout_s)
-        if info is None:
-            logger.warning("no worker reported the model within %.1fs: the public port accepts messages of up to "
-                           "%d bytes (set --max-request-bytes to bound them)", self.cfg.health_timeout_s,
-                           rpc.MAX_MESSAGE_BYTES)
+        info = await self.core.registry.wait_model_info(self.cfg.health_timeout_s) if self.cfg.prefill or \
+            self.cfg.decode else None
+        max_context = info.max_context if info is not None else max_context_of(self.cfg.model)
+        if max_context is None:
+            logger.warning("no worker reported the model within %.1fs and --model names none: the public port "
+                           "accepts messages of up to %d bytes (set --max-request-bytes to bound them)",
+                           self.cfg.health_timeout_s, rpc.MAX_MESSAGE_BYTES)
             return rpc.MAX_MESSAGE_BYTES
-        return max_request_bytes(info.max_context)
+        return max_request_bytes(max_context)
 
     async def _update_health(self) -> None:
         await self._set_serving(self.core.registry.serving())

@@ -7,7 +7,9 @@ it) and takes the documented default of 16; a Python client refuses ``max_tokens
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -39,6 +41,19 @@ MAX_STOP_STRING_LEN = 256
 REQUEST_OVERHEAD_BYTES = 64 * 1024
 """Room for everything in a GenerateRequest but the prompt: the id (128 B), 1024 stop ids (<= 5 KiB),
 16 stop strings of 256 characters (<= 17 KiB) and the other sampling fields (~100 B)."""
+
+
+def max_context_of(model_dir: str | None) -> int | None:
+    """``max_position_embeddings`` from a model directory's config.json (what the workers report as
+    ``max_context``), or None when there is none to read."""
+    if not model_dir:
+        return None
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            n = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return n if isinstance(n, int) and n > 0 else None
 
 
 def max_request_bytes(max_context: int) -> int:

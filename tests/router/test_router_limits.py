@@ -10,6 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from protos import rpc
 from router.validate import (MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEXT_BYTES_PER_TOKEN,
                              REQUEST_OVERHEAD_BYTES)
 from router_fakes import MAX_CONTEXT, FakeCluster, write_tokenizer
@@ -109,4 +110,22 @@ def test_stop_conditions_are_capped(kw, needle):
             n = MAX_STOP_TOKEN_IDS  # at the cap: served
             ok = await fc.client.generate(token_ids=[5, 6], max_tokens=3, stop_token_ids=[300] * n)
             assert ok.finish_reason == "length"
+    run(go())
+
+
+def test_the_message_limit_comes_from_the_model_dir_when_no_worker_answers(tmp_path):
+    """A router with discovery (pdserve launch) starts before its workers: --model's config.json sizes it."""
+    async def go():
+        from router.config import RouterConfig
+        from router.server import RouterServer
+        (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+        for model, want in ((str(tmp_path), 4096 * MAX_TEXT_BYTES_PER_TOKEN + REQUEST_OVERHEAD_BYTES),
+                            (None, rpc.MAX_MESSAGE_BYTES)):
+            srv = RouterServer(RouterConfig(port=0, prefill=("127.0.0.1:9",), decode=("127.0.0.1:9",), model=model,
+                                            health_timeout_s=0.2))
+            await srv.start()
+            try:
+                assert srv.max_request_bytes == want
+            finally:
+                await srv.stop()
     run(go())
