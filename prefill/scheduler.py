@@ -91,6 +91,8 @@ class PrefillResult:
     prefill_s: float
     transfer_s: float
     transfer_bytes: int
+    first_top: tuple[list[int], list[float]] = ([], [])
+    """The ``params.logprobs`` most likely first tokens and their logprobs (empty lists when not asked)."""
 
 
 @dataclass(eq=False)
@@ -114,6 +116,7 @@ class PrefillTask:
     abort_reason: str = ""
     first_token: int = -1
     first_logprob: float | None = None
+    first_top: tuple[list[int], list[float]] = ([], [])
     draft_hidden: torch.Tensor | None = None
     """``[H]`` the MTP draft state after the last chunk (shipped with the KV when the decode side asks)."""
     t_forward_done: float = 0.0
@@ -312,6 +315,9 @@ class PrefillScheduler:
                 t = chunks[i][0]
                 t.first_token = int(res.token_ids[j])
                 t.first_logprob = float(res.logprobs[j]) if res.logprobs is not None else None
+                n = t.params.logprobs
+                if n and res.top_ids is not None:
+                    t.first_top = (res.top_ids[j, :n].tolist(), res.top_logprobs[j, :n].tolist())
         if self.model.has_mtp:  # the draft layer's KV over every chunk, the draft state of finishing ones
             offsets = [0] + list(itertools.accumulate(e - s for _, s, e in chunks))
             mtp = [MTPChunk(t.pages, s, t.token_ids[s:e], out.hidden[offsets[i]:offsets[i + 1]],
@@ -357,7 +363,7 @@ class PrefillScheduler:
             req_id=task.req_id, first_token=task.first_token, first_logprob=task.first_logprob,
             cached_tokens=task.num_cached, queue_s=task.t_start - task.t_arrival,
             prefill_s=task.t_forward_done - task.t_start, transfer_s=time.monotonic() - t0,
-            transfer_bytes=sr.num_bytes))
+            transfer_bytes=sr.num_bytes, first_top=task.first_top))
 
     # -- cleanup -------------------------------------------------------------------------------
     def _release(self, task: PrefillTask, insert: bool = False) -> None:

@@ -86,7 +86,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self.sched.abort(request.request_id, "cancelled by the client")
             raise
         if isinstance(res, PrefillResult):
-            lp = generation_pb2.TokenLogprob(token_id=res.first_token, logprob=res.first_logprob or 0.0)
+            lp = generation_pb2.TokenLogprob(token_id=res.first_token, logprob=res.first_logprob or 0.0,
+                                             top_ids=res.first_top[0], top_logprobs=res.first_top[1])
             return worker_pb2.PrefillResponse(
                 request_id=res.req_id, first_token=res.first_token, cached_tokens=res.cached_tokens,
                 queue_s=res.queue_s, prefill_s=res.prefill_s, transfer_s=res.transfer_s,
