@@ -194,7 +194,7 @@ def pct(xs, q):
 
 
 def start_router(worker_addr: str, profile: str | None = None) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, *(["-m", "cProfile", "-o", profile] if profile else []), "-m", "router", "--port", "0",
+    cmd = [sys.executable, *(["-m", "cProfile", "-o", profile] if profile else []), "-m", "router", "--port", "0", "--http-port", "0",
            "--prefill", worker_addr, "--decode", worker_addr, "--cluster-secret", SECRET, "--log-level", "WARNING"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, text=True)

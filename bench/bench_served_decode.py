@@ -34,7 +34,7 @@ def run(flags: list[str], prompts: list[str], max_tokens: int) -> tuple[list[flo
     with tempfile.TemporaryDirectory() as d:
         out_path = os.path.join(d, "serve.out")
         with open(out_path, "wb") as log:
-            p = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", "0",
+            p = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", "0", "--http-port", "0",
                                   "--run-dir", os.path.join(d, "run"), *flags],
                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

@@ -103,7 +103,7 @@ def served(flags: list[str], ids: list[int], args) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out_path = os.path.join(d, "serve.out")
         with open(out_path, "wb") as log:
-            p = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", "0", "--prefill", "1",
+            p = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", "0", "--http-port", "0", "--prefill", "1",
                                   "--decode", "1", "--decode-weights", "model", "--dtype", args.dtype,
                                   "--threads-per-worker", str(args.threads), "--run-dir", os.path.join(d, "run"),
                                   *flags], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -121,6 +121,8 @@ def _print(st, as_json: bool) -> None:
         return
     if st.router is not None:
         print(f"router      {st.router['address']:<22} node {st.router['node_id'][:8]}  (namespace {st.namespace})")
+        if st.router.get("http_address"):
+            print(f"router      OpenAI-compatible HTTP on http://{st.router['http_address']}/v1")
     for w in sorted(st.workers, key=lambda w: (w["role"], w["name"])):
         flags = [f for f, on in (("restarted", w["restarted"]), ("draining", w["draining"])) if on]
         print(f"{w['name']:<11} {w['address']:<22} node {w['node_id'][:8]}  pid {w['pid']:<7} {' '.join(flags)}")

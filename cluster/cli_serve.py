@@ -21,6 +21,11 @@ def register(sub) -> None:
     s.add_argument("--decode", type=int, default=1, help="decode worker processes")
     s.add_argument("--host", default="127.0.0.1", help="router bind address")
     s.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
+    s.add_argument("--http-port", type=int, default=flags.DEFAULT_HTTP_PORT,
+                   help="OpenAI-compatible HTTP port of the router (/v1/completions, /v1/chat/completions, /metrics; "
+                        "0: off, -1: any free port)")
+    s.add_argument("--served-model-name", default="",
+                   help="the model name HTTP clients send (default: the model directory's last component)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp8_e4m3"])
     s.add_argument("--page-size", type=int, default=16)
@@ -94,6 +99,7 @@ def serve_config(args: argparse.Namespace):
     api_key = rpc.api_key_from_args(args)
     return LocalClusterConfig(
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
+        http_port=args.http_port, served_model_name=args.served_model_name,
         dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size, num_pages=args.num_pages,
         speculative=None if args.no_speculative else args.speculative, spec_fallback=not args.no_spec_fallback,
         decode_weights=args.decode_weights,
@@ -122,6 +128,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{cluster.decode_weights or 'as in the model'})", flush=True)
         cluster.start()
         print(f"pdserve: listening on {cluster.router_address}", flush=True)
+        if cluster.http_address:
+            print(f"pdserve: OpenAI-compatible HTTP on http://{cluster.http_address}/v1", flush=True)
         for ch in cluster.children:
             print(f"pdserve:   {ch.name:<10} pid {ch.pid:<7} {ch.address}  log {ch.log_path}", flush=True)
         rc = _watch(cluster)

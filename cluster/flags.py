@@ -9,6 +9,11 @@ import ast
 import dataclasses
 import inspect
 
+DEFAULT_HTTP_PORT = 8000
+"""``--http-port`` of ``python -m router``, ``pdserve serve`` and ``pdserve launch`` (vLLM's port). The
+config dataclasses of the router and the local cluster default to off, so a router built in a test or a
+library binds nothing it was not asked to."""
+
 
 def field_docs(cls) -> dict[str, str]:
     """The docstring under each field of dataclass ``cls`` (the single source of the flag help)."""

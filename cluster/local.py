@@ -80,6 +80,10 @@ class LocalClusterConfig:
     """Router bind address (workers always bind to loopback)."""
     port: int = 50051
     """Router port (0: any free port)."""
+    http_port: int = 0
+    """Router's OpenAI-compatible HTTP port (0: off, -1: any free port; ``pdserve serve`` defaults to 8000)."""
+    served_model_name: str = ""
+    """The model name HTTP clients send ("": the model directory's last component)."""
     dtype: str = "float32"
     """Weights dtype of the workers."""
     kv_dtype: str | None = None
@@ -146,6 +150,8 @@ class Child:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, preexec_fn=_die_with_parent)
         self.address: str | None = None
+        self.http_address: str | None = None
+        """The router's OpenAI-compatible HTTP address (``http HOST:PORT`` on its ready line), if it serves one."""
         self.cleaned = False
         """Its shm segments were removed after it exited."""
 
@@ -160,7 +166,10 @@ class Child:
         with open(self.log_path, "rb") as f:
             for line in f.read().decode(errors="replace").splitlines():
                 if line.startswith(READY_PREFIX):
-                    self.address = line.split()[2]
+                    words = line.split()
+                    self.address = words[2]
+                    if words[3:4] == ["http"]:
+                        self.http_address = words[4]
                     return True
         if self.proc.poll() is not None:
             raise ClusterStartError(f"{self.name} (pid {self.pid}) exited with code {self.proc.returncode} before "
@@ -221,6 +230,11 @@ class LocalCluster:
         return self.router.address if self.router is not None and self.router.address else ""
 
     @property
+    def http_address(self) -> str:
+        """The router's OpenAI-compatible HTTP HOST:PORT ("" when off or not started)."""
+        return self.router.http_address or "" if self.router is not None else ""
+
+    @property
     def children(self) -> list[Child]:
         return self.workers + ([self.router] if self.router is not None else [])
 
@@ -265,11 +279,13 @@ class LocalCluster:
         c = self.cfg
         pre = ",".join(w.address for w in self.workers if w.name.startswith("prefill"))
         dec = ",".join(w.address for w in self.workers if w.name.startswith("decode"))
-        cmd = [sys.executable, "-m", "router", "--host", c.host, "--port", str(c.port), "--prefill", pre,
+        cmd = [sys.executable, "-m", "router", "--host", c.host, "--port", str(c.port),
+               "--http-port", str(c.http_port), "--prefill", pre,
                "--decode", dec, "--routing", c.routing, "--model", self.model,
                "--local-prefill-below", str(c.local_prefill_below), "--max-failovers", str(c.max_failovers),
                "--decode-stall-timeout-s", str(c.decode_stall_timeout_s),
                "--startup-timeout-s", str(c.startup_timeout_s)]
+        cmd += ["--served-model-name", c.served_model_name] if c.served_model_name else []
         return cmd + (["--fault-injection"] if c.fault_injection else [])
 
     @staticmethod

@@ -94,7 +94,8 @@ class ServerProcess:
     def info(self) -> dict:
         """Where this server listens and how it is doing (plain types: crosses Ray)."""
         ctx = ray.get_runtime_context()
-        return {"name": self.name, "role": self.role, "address": self.child.address, "pid": self.child.pid,
+        return {"name": self.name, "role": self.role, "address": self.child.address,
+                "http_address": self.child.http_address or "", "pid": self.child.pid,
                 "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
                 "restarted": ctx.was_current_actor_reconstructed, "draining": self.draining,
                 "alive": self.child.proc.poll() is None, "log_path": self.child.log_path,

@@ -29,6 +29,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from cluster.flags import DEFAULT_HTTP_PORT
 from cluster.local import ClusterStartError
 from cluster.ray_placement import PLACEMENTS, PlacementError, demands_for
 
@@ -64,6 +65,8 @@ class RayLaunchConfig:
     """Router bind address, on the launching node (beyond loopback only with --api-key)."""
     port: int = 50051
     """Router port (0: any free port)."""
+    http_port: int = DEFAULT_HTTP_PORT
+    """Router's OpenAI-compatible HTTP port, on the launching node (0: off, -1: any free port)."""
     api_key: str | None = None
     """Require this bearer token on the router's public port."""
     routing: str = "cache_aware"
@@ -260,7 +263,8 @@ def _worker_args(spec: dict, role: str, name: str) -> list[str]:
 
 
 def _router_args(spec: dict) -> list[str]:
-    args = ["--host", spec["host"], "--port", str(spec["port"]), "--routing", spec["routing"],
+    args = ["--host", spec["host"], "--port", str(spec["port"]), "--http-port", str(spec["http_port"]),
+            "--routing", spec["routing"],
             "--model", spec["model"], "--startup-timeout-s", str(spec["startup_timeout_s"]),
             "--max-failovers", str(spec["max_failovers"]),
             "--decode-stall-timeout-s", str(spec["decode_stall_timeout_s"])]

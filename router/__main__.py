@@ -1,9 +1,11 @@
-"""``python -m router --port 50051 --prefill HOST:PORT,... --decode HOST:PORT,... [--api-key-file PATH] [--model DIR]``
+"""``python -m router --port 50051 --http-port 8000 --prefill HOST:PORT,... --decode HOST:PORT,...
+[--api-key-file PATH] [--model DIR]``
 
 The API key comes from ``--api-key-file``, else ``$PDSERVE_API_KEY`` (``--api-key`` works too, but every
 user of the machine sees it in ``ps``).
 
-Prints ``PDSERVE_READY router HOST:PORT`` once listening, serves until SIGTERM/SIGINT, then stops with a
+Prints ``PDSERVE_READY router HOST:PORT [http HOST:PORT]`` once listening (gRPC, then the OpenAI-compatible
+HTTP port unless ``--http-port 0``), serves until SIGTERM/SIGINT, then stops with a
 grace period. Flags are generated from ``RouterConfig``.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 
 from cluster import flags
 from protos import rpc, worker_main
-from router.config import RouterConfig, add_config_args, config_from_args
+from router.config import DEFAULT_HTTP_PORT, RouterConfig, add_config_args, config_from_args
 from router.server import RouterServer
 
 logger = logging.getLogger("router")
@@ -29,7 +31,8 @@ async def amain(cfg: RouterConfig) -> None:
     if missing:
         logger.warning("workers not healthy yet (serving anyway, they join when healthy): %s", ", ".join(missing))
     worker_main.freeze_startup_heap()  # ~26k start-up objects out of every full collection (~10-20 ms each) on the loop
-    print(f"PDSERVE_READY router {srv.address}", flush=True)
+    http = f" http {srv.http.address}" if srv.http is not None else ""
+    print(f"PDSERVE_READY router {srv.address}{http}", flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -42,6 +45,7 @@ async def amain(cfg: RouterConfig) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("python -m router", description="pdserve router (public gRPC API)")
     add_config_args(p)
+    p.set_defaults(http_port=DEFAULT_HTTP_PORT)
     flags.add_api_key_file_arg(p)
     p.add_argument("--log-level", default="INFO")
     return p

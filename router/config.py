@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from cluster import flags
 
 ROUTING_POLICIES = ("cache_aware", "round_robin", "least_load", "random")
+DEFAULT_HTTP_PORT = flags.DEFAULT_HTTP_PORT
 MAX_FAILOVERS = 99
 """Bounds the ``.f<n>`` suffix of internal request ids (``router.validate.MAX_ID_SUFFIX_LEN``)."""
 
@@ -17,6 +18,13 @@ class RouterConfig:
     """Address the public gRPC port binds to (beyond loopback only with an API key)."""
     port: int = 50051
     """Public gRPC port (0: pick a free one; the chosen one is printed)."""
+    http_port: int = 0
+    """OpenAI-compatible HTTP port (``/v1/completions``, ``/v1/chat/completions``, ``/metrics``) on the same
+    host: 0 turns it off, -1 picks a free port (the chosen one is printed). The commands (``python -m router``,
+    ``pdserve serve``, ``pdserve launch``) default to 8000 (``DEFAULT_HTTP_PORT``)."""
+    served_model_name: str = ""
+    """The model name HTTP clients send (default: the last path component of the workers' model dir; the
+    full model dir is accepted too)."""
     prefill: tuple[str, ...] = ()
     """Prefill worker gRPC addresses (host:port)."""
     decode: tuple[str, ...] = ()
@@ -73,6 +81,8 @@ class RouterConfig:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [-1, 65535] (0: off, -1: any free port), got {self.http_port}")
         if not 0 <= self.max_failovers <= MAX_FAILOVERS:
             raise ValueError(f"max_failovers must be in [0, {MAX_FAILOVERS}], got {self.max_failovers}")
         if self.max_request_bytes < 0:

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -22,6 +22,8 @@ from google.protobuf.message import DecodeError
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.openai_server import OpenAIServer
 from router.policy import make_policy
 from router.registry import Registry, Worker
 from router.request import GenerateRun
@@ -45,6 +47,7 @@ class RouterCore:
         self._codec_tried = cfg.model is not None
         self.inflight = 0
         self._tasks: set[asyncio.Task] = set()
+        self.metrics = RouterMetrics()
         self._tokenizer = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="router-tokenize")
 
     @contextlib.contextmanager
@@ -75,6 +78,49 @@ class RouterCore:
         """Tokenize on the tokenizer threads: a long text never stalls the event loop (health checks and
         every other stream keep flowing)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer, self.codec.encode, text)
+
+    async def open_run(self, request: generation_pb2.GenerateRequest, time_left_s: float | None,
+                       t0: float, api: str) -> GenerateRun:
+        """Admission and validation shared by every front door (gRPC ``Generate``, the OpenAI HTTP API):
+        the request becomes a ``GenerateRun`` whose deadline is the client's (``time_left_s``, None: none)
+        capped by ``request_timeout_s``, or ``RequestError`` (counted in the metrics) says why not."""
+        try:
+            if self.inflight >= self.cfg.max_inflight:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"router is at its limit of "
+                                   f"{self.cfg.max_inflight} requests in flight; retry later")
+            model = self.registry.model_info()
+            if model is None or not self.registry.serving():
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill and decode workers: " +
+                                   _why_unavailable(self.registry))
+            self.ensure_codec(model.model_dir, model.has_tokenizer)
+            # everything cheap first: a text is tokenized (off the loop) only once the rest is valid
+            precheck(request, model, self.codec is not None)
+            text_ids = await self.encode(request.text) if request.WhichOneof("prompt") == "text" else None
+            valid = check_prompt(request, model, text_ids)
+        except RequestError as e:
+            self.metrics.refused(request.request_id, e.code, api, e.message)
+            raise
+        left = math.inf if time_left_s is None else time_left_s
+        budget = self.cfg.request_timeout_s if math.isinf(left) else min(left, self.cfg.request_timeout_s)
+        return GenerateRun(self, valid, request.request_id, request.priority, t0 + budget, t0)
+
+    async def serve(self, run: GenerateRun, api: str) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """``run.stream()`` counted in flight, observed by the metrics and logged once it ends (one access
+        log line per request, however it ends)."""
+        obs = self.metrics.start(run, api)
+        with self.admitted():
+            try:
+                async with contextlib.aclosing(run.stream()) as responses:
+                    async for resp in responses:
+                        obs.chunk(resp)
+                        yield resp
+            except RequestError as e:
+                obs.end(e.code)
+                raise
+            except BaseException:
+                obs.end(grpc.StatusCode.CANCELLED)
+                raise
+            obs.end(grpc.StatusCode.OK)
 
     async def abort_on(self, w: Worker, rid: str, why: str) -> None:
         try:
@@ -122,39 +168,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         core, t0 = self.core, time.monotonic()
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed GenerateRequest: {request.error}")
-        if core.inflight >= core.cfg.max_inflight:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"router is at its limit of {core.cfg.max_inflight} requests in flight; retry later")
-        model = core.registry.model_info()
-        if model is None or not core.registry.serving():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy prefill and decode workers: " +
-                                _why_unavailable(core.registry))
-        core.ensure_codec(model.model_dir, model.has_tokenizer)
-        try:  # everything cheap first: a text is tokenized (off the loop) only once the rest is valid
-            precheck(request, model, core.codec is not None)
-            text_ids = await core.encode(request.text) if request.WhichOneof("prompt") == "text" else None
-            valid = check_prompt(request, model, text_ids)
+        try:
+            run = await core.open_run(request, context.time_remaining(), t0, "grpc")
         except RequestError as e:
             await context.abort(e.code, e.message)
-        left = context.time_remaining()
-        budget = core.cfg.request_timeout_s if left is None or math.isinf(left) else min(left,
-                                                                                          core.cfg.request_timeout_s)
-        run = GenerateRun(core, valid, request.request_id, request.priority, t0 + budget, t0)
         context.add_done_callback(lambda ctx: run.abort("rpc ended") if ctx.cancelled() else None)
-        with core.admitted():
-            try:
-                async with contextlib.aclosing(run.stream()) as responses:
-                    async for resp in responses:
-                        try:  # a client that stops reading must not hold the handler past the request's budget
-                            async with asyncio.timeout(run.remaining()):
-                                await context.write(resp)
-                        except TimeoutError:
-                            run.abort("client stopped reading")
-                            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                               "deadline exceeded while the client was not reading the stream"
-                                               ) from None
-            except RequestError as e:
-                await context.abort(e.code, e.message)
+        try:
+            async with contextlib.aclosing(core.serve(run, "grpc")) as responses:
+                async for resp in responses:
+                    try:  # a client that stops reading must not hold the handler past the request's budget
+                        async with asyncio.timeout(run.remaining()):
+                            await context.write(resp)
+                    except TimeoutError:
+                        run.abort("client stopped reading")
+                        raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                           "deadline exceeded while the client was not reading the stream"
+                                           ) from None
+        except RequestError as e:
+            await context.abort(e.code, e.message)
 
 
 def _why_unavailable(reg: Registry) -> str:
@@ -208,6 +239,8 @@ class RouterServer:
         self._serving: bool | None = None
         self.max_request_bytes = 0
         """The public port's gRPC max receive message length (set by ``start``)."""
+        self.http: OpenAIServer | None = None
+        """The OpenAI-compatible HTTP front door (``cfg.http_port``; None when off)."""
 
     @property
     def address(self) -> str:
@@ -229,6 +262,14 @@ class RouterServer:
         self.core.registry.on_change = lambda: self.core.spawn(self._update_health())
         await self._update_health()
         await self.server.start()
+        if self.cfg.http_port:
+            self.http = OpenAIServer(self.core, self.cfg.host, self.cfg.http_port, self.cfg.api_key,
+                                     self.max_request_bytes, self.cfg.grace_s)
+            try:
+                await self.http.start()
+            except OSError:
+                await self.stop()
+                raise
         logger.info("router listening on %s (%d prefill, %d decode workers, routing %s)", self.address,
                     len(self.cfg.prefill), len(self.cfg.decode), self.cfg.routing)
 
@@ -259,7 +300,8 @@ class RouterServer:
     async def stop(self) -> None:
         if self.server is not None:
             await self._set_serving(False)
-            await self.server.stop(grace=self.cfg.grace_s)
+            await asyncio.gather(self.server.stop(grace=self.cfg.grace_s),
+                                 self.http.stop() if self.http is not None else asyncio.sleep(0))
         await self.core.drain(timeout_s=self.cfg.rpc_timeout_s)
         await self.core.registry.close()
 

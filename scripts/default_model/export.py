@@ -67,6 +67,12 @@ def config_dict(model, dtype: torch.dtype) -> dict:
     return conf
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}# assistant:\n{% endif %}")
+"""The default model writes Python: a chat is rendered as comments ("# user: ...") and the answer follows
+"# assistant:" on a new line (served by ``/v1/chat/completions``, rendered as transformers renders it)."""
+
+
 def export(model, tokenizer, out_dir: str, dtype: torch.dtype = torch.bfloat16,
            extra_files: dict[str, str] | None = None) -> str:
     """config.json, model.safetensors, tokenizer.json (+ tokenizer_config.json, ``extra_files``) into ``out_dir``."""
@@ -88,7 +94,7 @@ def export(model, tokenizer, out_dir: str, dtype: torch.dtype = torch.bfloat16,
     with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
                    "add_bos_token": False, "model_max_length": model.hf.config.max_position_embeddings,
-                   "clean_up_tokenization_spaces": False}, f, indent=2)
+                   "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}, f, indent=2)
         f.write("\n")
     for fname, text in (extra_files or {}).items():
         with open(os.path.join(tmp, fname), "w") as f:

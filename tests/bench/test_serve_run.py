@@ -30,7 +30,7 @@ def served(tmp_path_factory):
                    timeout=300)
     log_path = d / "serve.out"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cli("serve", "--model", str(d / "model"), "--port", "0", "--run-dir", str(d / "run")),
+        proc = subprocess.Popen(cli("serve", "--model", str(d / "model"), "--port", "0", "--http-port", "0", "--run-dir", str(d / "run")),
                                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300

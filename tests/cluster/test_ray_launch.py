@@ -106,7 +106,7 @@ API_KEY = "ray-key-0123456789"
 
 
 def cfg(ray_cluster, model_dir, tmp_path_factory, **kw) -> RayLaunchConfig:
-    base = dict(address=ray_cluster.address, namespace=NS, model=model_dir, prefill=2, decode=1, port=0,
+    base = dict(address=ray_cluster.address, namespace=NS, model=model_dir, prefill=2, decode=1, port=0, http_port=0,
                 speculative="off", num_pages=64, threads=1, routing="round_robin", startup_timeout_s=240,
                 placement_timeout_s=20, max_restarts=3, log_dir=str(tmp_path_factory.getbasetemp() / "raylogs"))
     return RayLaunchConfig(**{**base, **kw})

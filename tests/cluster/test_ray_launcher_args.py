@@ -26,9 +26,9 @@ def test_worker_args_carry_the_model_hash_threads_and_no_secret():
 
 
 def test_router_args():
-    args = _router_args(spec(port=0, api_key="k", routing="round_robin", max_failovers=0))
+    args = _router_args(spec(port=0, http_port=-1, api_key="k", routing="round_robin", max_failovers=0))
     flags = dict(zip(args[::2], args[1::2]))
-    assert flags == {"--host": "127.0.0.1", "--port": "0", "--routing": "round_robin", "--model": "/m",
+    assert flags == {"--host": "127.0.0.1", "--port": "0", "--http-port": "-1", "--routing": "round_robin", "--model": "/m",
                      "--startup-timeout-s": "300.0", "--max-failovers": "0", "--decode-stall-timeout-s": "30.0"}
     assert "k" not in args  # the API key goes through the router's environment only
 

@@ -41,10 +41,14 @@ class ServeProcess:
     def __init__(self, args: list[str], out_path: str, env: dict | None = None) -> None:
         self.out_path = out_path
         self._out = open(out_path, "wb")
+        if "--http-port" not in args:  # the default (8000) would clash between concurrent test runs
+            args = [*args, "--http-port", "0"]
         self.proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", *args], cwd=REPO,
                                      stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, **(env or {})})
         self.address = ""
+        self.http_url = ""
+        """``http://HOST:PORT/v1`` of the OpenAI-compatible front door ("" when off)."""
         self.children: dict[str, int] = {}
 
     def output(self) -> str:
@@ -58,6 +62,8 @@ class ServeProcess:
             m = re.search(r"pdserve: listening on (\S+)", out)
             if m and "router" in out.split(m.group(0))[1]:
                 self.address = m.group(1)
+                h = re.search(r"pdserve: OpenAI-compatible HTTP on (\S+)", out)
+                self.http_url = h.group(1) if h else ""
                 self.children = {name: int(pid) for name, pid in
                                  re.findall(r"pdserve:\s+(\S+)\s+pid (\d+)", out)}
                 return self.address

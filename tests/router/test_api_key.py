@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -42,8 +44,8 @@ def test_key_sources_and_their_precedence(tmp_path, monkeypatch, caplog):
 @pytest.mark.parametrize("source", ["env", "file"])
 def test_router_process_takes_its_key_from_the_environment_or_a_file(source, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != rpc.API_KEY_ENV}
-    args = ["--port", "0", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9", "--startup-timeout-s", "0.5",
-            "--health-timeout-s", "0.5"]
+    args = ["--port", "0", "--http-port", "-1", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9",
+            "--startup-timeout-s", "0.5", "--health-timeout-s", "0.5"]
     if source == "env":
         env[rpc.API_KEY_ENV] = KEY
     else:
@@ -67,10 +69,24 @@ def test_router_process_takes_its_key_from_the_environment_or_a_file(source, tmp
                 except grpc.RpcError as e:
                     got = e.code()
             assert got == code, (key, got)
+        http = ready_line(log_path).split()[4]  # "PDSERVE_READY router HOST:PORT http HOST:PORT": the same key
+        for key, status in ((None, 401), ("wrong", 401), (KEY, 200)):
+            req = urllib.request.Request(f"http://{http}/v1/models",
+                                         headers={"Authorization": f"Bearer {key}"} if key else {})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    got_status = r.status
+            except urllib.error.HTTPError as e:
+                got_status = e.code
+            assert got_status == status, (key, got_status)
     finally:
         router.terminate()
         router.wait(30)
     assert "visible to every user" not in log_path.read_text()
+
+
+def ready_line(log_path) -> str:
+    return next(line for line in log_path.read_text().splitlines() if line.startswith("PDSERVE_READY router "))
 
 
 def ready_address(proc: subprocess.Popen, log_path, timeout_s: float = 60.0) -> str:
