@@ -7,7 +7,7 @@ decode workers' pages.
 
 Attacks: a text prompt of ``--text-mib`` MiB; ``--stop-ids`` stop token ids; a 250-character request id
 (repeated ``--long-ids`` times); ``--unauth`` concurrent unauthenticated messages of ``--unauth-mib`` MiB
-(only meaningful when the router requires an API key).
+(only meaningful when the router requires an API key). 0 skips an attack.
 """
 from __future__ import annotations
 
@@ -92,6 +92,15 @@ def decode_pages_free(client: GenerationClient) -> int:
     return sum(w.pages_free for w in client.cluster_status().workers if w.role == "decode")
 
 
+def long_ids(client: GenerationClient, target: str, num: int) -> dict:
+    before = decode_pages_free(client)
+    results = [attempt(client, target, token_ids=list(range(10, 60)), request_id=f"{i:03d}" + "x" * 247)
+               for i in range(num)]
+    time.sleep(1.0)  # aborts settle
+    return {"num": num, "codes": sorted({r["code"] for r in results}), "message": results[0]["message"],
+            "decode_pages_free_before": before, "decode_pages_free_after": decode_pages_free(client)}
+
+
 def unauthenticated(target: str, num: int, mib: float) -> dict:
     raw = make_request(prompt="a" * int(mib * 2**20)).SerializeToString()
 
@@ -125,17 +134,14 @@ def main(argv: list[str] | None = None) -> None:
     key = rpc.api_key_from_args(args)
     report: dict = {"rss_mib_start": rss_mib(args.router_pid)}
     with GenerationClient(args.target, api_key=key, timeout_s=600) as c:
-        text = "hello world " * int(args.text_mib * 2**20 / 12)
-        report["text"] = {"mib": args.text_mib, **attempt(c, args.target, prompt=text)}
-        report["stop_ids"] = {"num": args.stop_ids, **attempt(c, args.target, token_ids=[5, 6, 7],
-                                                               stop_token_ids=[9] * args.stop_ids)}
-        before = decode_pages_free(c)
-        results = [attempt(c, args.target, token_ids=list(range(10, 60)), request_id=f"{i:03d}" + "x" * 247)
-                   for i in range(args.long_ids)]
-        time.sleep(1.0)  # aborts settle
-        report["long_ids"] = {"num": args.long_ids, "codes": sorted({r["code"] for r in results}),
-                              "message": results[0]["message"] if results else "",
-                              "decode_pages_free_before": before, "decode_pages_free_after": decode_pages_free(c)}
+        if args.text_mib:
+            text = "hello world " * int(args.text_mib * 2**20 / 12)
+            report["text"] = {"mib": args.text_mib, **attempt(c, args.target, prompt=text)}
+        if args.stop_ids:
+            report["stop_ids"] = {"num": args.stop_ids, **attempt(c, args.target, token_ids=[5, 6, 7],
+                                                                   stop_token_ids=[9] * args.stop_ids)}
+        if args.long_ids:
+            report["long_ids"] = long_ids(c, args.target, args.long_ids)
     if args.unauth and key:
         report["unauthenticated"] = {"num": args.unauth, "mib": args.unauth_mib,
                                      **unauthenticated(args.target, args.unauth, args.unauth_mib)}

@@ -101,26 +101,25 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         if ok:
             return await continuation(handler_call_details)
         what = self._what
-
-        async def deny(request_or_iterator, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                f"missing or wrong {what} in 'authorization: Bearer ...' metadata")
-
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
+
+        # Request-streaming handlers whatever the method: gRPC reads a unary request whole (up to the max
+        # receive size) before calling its handler; a stream handler that never reads refuses the call
+        # with only the metadata read (20 unauthenticated 60 MiB messages: peak RSS 2 GB -> 65 MB).
+        async def deny(request_iterator, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"missing or wrong {what} in 'authorization: Bearer ...' metadata")
+
         if handler.response_streaming:
-            async def deny_stream(request, context):
-                await deny(request, context)
+            async def deny_stream(request_iterator, context):
+                await deny(request_iterator, context)
                 yield  # pragma: no cover
-            kind = grpc.unary_stream_rpc_method_handler if not handler.request_streaming else \
-                grpc.stream_stream_rpc_method_handler
-            return kind(deny_stream, request_deserializer=handler.request_deserializer,
-                        response_serializer=handler.response_serializer)
-        kind = grpc.unary_unary_rpc_method_handler if not handler.request_streaming else \
-            grpc.stream_unary_rpc_method_handler
-        return kind(deny, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(deny_stream, request_deserializer=handler.request_deserializer,
+                                                         response_serializer=handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(deny, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

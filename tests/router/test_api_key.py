@@ -1,5 +1,6 @@
 """Issue 25: the API key was only accepted in argv, where every user of the machine sees it (``ps``). It now
 comes from ``--api-key-file`` or ``$PDSERVE_API_KEY`` (``--api-key`` still works, with a warning)."""
+import asyncio
 import logging
 import os
 import subprocess
@@ -106,3 +107,48 @@ def test_router_process_refuses_an_unreadable_key_file(tmp_path):
     out = subprocess.run([sys.executable, "-m", "router", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9",
                           "--api-key-file", str(tmp_path / "missing")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "missing" in out.stderr
+
+
+@pytest.mark.parametrize("response_streaming", [False, True])
+def test_an_unauthenticated_call_is_refused_before_its_request_is_read(response_streaming):
+    """Issue 25: 20 unauthenticated 60 MiB messages took the router to 2.9 GB: the request was read whole
+    (and deserialized) before the interceptor's refusal ran. Now the refusal never reads it."""
+    async def go():
+        parsed = []
+
+        def deserialize(raw: bytes) -> bytes:
+            parsed.append(len(raw))
+            return raw
+
+        async def unary(request, context):
+            return b"ok"
+
+        async def stream(request, context):
+            yield b"ok"
+        kind = grpc.unary_stream_rpc_method_handler if response_streaming else grpc.unary_unary_rpc_method_handler
+        handler = kind(stream if response_streaming else unary, request_deserializer=deserialize,
+                       response_serializer=lambda b: b)
+        server = rpc.make_server(KEY, "API key")
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.S", {"M": handler}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                method = ch.unary_stream if response_streaming else ch.unary_unary
+                call = method("/t.S/M", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+                async def result(metadata):
+                    try:
+                        out = [r async for r in call(b"x" * 100_000, metadata=metadata, timeout=10)] \
+                            if response_streaming else await call(b"x" * 100_000, metadata=metadata, timeout=10)
+                        return grpc.StatusCode.OK, out
+                    except grpc.aio.AioRpcError as e:
+                        return e.code(), e.details()
+                code, msg = await result(rpc.auth_metadata("wrong"))
+                assert code == grpc.StatusCode.UNAUTHENTICATED and "API key" in msg
+                assert parsed == []  # never read
+                code, out = await result(rpc.auth_metadata(KEY))
+                assert code == grpc.StatusCode.OK and parsed == [100_000]
+        finally:
+            await server.stop(0)
+    asyncio.run(asyncio.wait_for(go(), 30))
