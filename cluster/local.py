@@ -248,6 +248,7 @@ class LocalCluster:
             cmd += ["--num-pages", str(c.num_pages)]
         threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // (c.num_prefill + c.num_decode))
         cmd += ["--threads", str(threads), "--stall-after", str(c.stall_after_s)]
+        cmd += ["--metrics-port", "-1"]  # Prometheus /metrics on a free port, listed in GetClusterStatus
         if role == "prefill" and c.fault_injection:
             cmd += ["--fault-injection"]
         if role == "decode":

@@ -24,6 +24,7 @@ from engine.runtime import load_model
 from engine.tokenizer import Tokenizer
 from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, ShmKVPool, TransferError
 from protos import rpc, worker_main
+from protos.worker_metrics import serve_metrics
 from protos.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
@@ -119,6 +120,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AbortResponse(found=found)
 
     async def GetStatus(self, request, context):
+        return self.status()
+
+    def status(self) -> generation_pb2.WorkerStatus:
         st = self.sched.pool.stats()
         tps = self.sched.tokens_out / self.sched.busy_s if self.sched.busy_s else 0.0
         host, port = self.receiver.address
@@ -132,6 +136,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             info={**self.info, "preempted": str(self.sched.num_preempted), "preemptions": str(self.sched.preemptions),
                   "spec_fallbacks": str(self.sched.spec_fallbacks),
                   **({"unhealthy": problem} if problem else {})})
+
+
+    def counters(self) -> dict[str, tuple[float, str]]:
+        """Monotonic totals for /metrics (``protos.worker_metrics``)."""
+        s = self.sched
+        return {"generation_tokens": (s.tokens_out, "Tokens decoded (the first token of a request comes from "
+                                      "its prefill)"),
+                "num_preemptions": (s.preemptions, "Requests preempted to free KV pages"),
+                "spec_decode_fallbacks": (s.spec_fallbacks, "Requests switched from speculation to plain decoding")}
 
 
 def draft_state(raw: bytes | None, layout: DraftLayout | None, device: torch.device) -> torch.Tensor | None:
@@ -212,6 +225,9 @@ async def amain(args: argparse.Namespace) -> None:
     await rpc.set_serving(hs, [SERVICE])
     host, kv_port = receiver.address
     logger.info("decode worker %s serving on %s, KV data plane %s:%d", servicer.worker_id, address, host, kv_port)
+    if args.metrics_port:
+        info["metrics_port"] = str(serve_metrics(args.host, max(args.metrics_port, 0), servicer.status,
+                                                 servicer.counters))
     print(f"PDSERVE_READY decode {address} kv={host}:{kv_port}", flush=True)
 
     async def on_stop():

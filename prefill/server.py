@@ -24,6 +24,7 @@ from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, Pr
 from prefill.sink import LocalSink, TransferFailed
 from prefill.transfer import TransferSink
 from protos import rpc, worker_main
+from protos.worker_metrics import serve_metrics
 from protos.convert import sampling_from_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
@@ -40,6 +41,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.info, self.worker_id, self.address, self.mhash = info, worker_id, address, mhash
         self.loop = asyncio.get_running_loop()
         self.subscribers: set[asyncio.Queue] = set()
+        self.kv_transfers, self.kv_bytes, self.kv_seconds = 0, 0, 0.0
+        """KV transfers completed since start, their bytes and seconds (the /metrics counters)."""
 
     # called from scheduler threads
     def publish(self, stored: list[int], evicted: list[int]) -> None:
@@ -86,6 +89,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self.sched.abort(request.request_id, "cancelled by the client")
             raise
         if isinstance(res, PrefillResult):
+            if res.transfer_bytes:
+                self.kv_transfers += 1
+                self.kv_bytes += res.transfer_bytes
+                self.kv_seconds += res.transfer_s
             lp = generation_pb2.TokenLogprob(token_id=res.first_token, logprob=res.first_logprob or 0.0,
                                              top_ids=res.first_top[0], top_logprobs=res.first_top[1])
             return worker_pb2.PrefillResponse(
@@ -99,6 +106,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.AbortResponse(found=self.sched.abort(request.request_id, "aborted by the router"))
 
     async def GetStatus(self, request, context):
+        return self.status()
+
+    def status(self) -> generation_pb2.WorkerStatus:
         st = self.sched.pool.stats()
         c = self.sched.cache
         rate = c.hit_tokens / c.query_tokens if c.query_tokens else 0.0
@@ -112,6 +122,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                          "kv_drops_armed": str(self.sender.drops_armed),
                                          "kv_drops_fired": str(self.sender.drops_fired),
                                          **({"unhealthy": problem} if problem else {})})
+
+    def counters(self) -> dict[str, tuple[float, str]]:
+        """Monotonic totals for /metrics (``protos.worker_metrics``)."""
+        c = self.sched.cache
+        return {"prefix_cache_queries": (c.query_tokens, "Prompt tokens looked up in the prefix cache"),
+                "prefix_cache_hits": (c.hit_tokens, "Prompt tokens found in the prefix cache"),
+                "prefill_tokens_computed": (self.sched.tokens_done, "Prompt tokens prefilled (cache misses)"),
+                "kv_transfers": (self.kv_transfers, "KV transfers to decode workers"),
+                "kv_transfer_bytes": (self.kv_bytes, "KV bytes shipped to decode workers"),
+                "kv_transfer_seconds": (self.kv_seconds, "Seconds spent shipping KV")}
 
     async def InjectFault(self, request, context):
         """``drop-kv``: cut the KV connection of each of the next ``count`` transfers mid-transfer."""
@@ -201,6 +221,9 @@ async def amain(args: argparse.Namespace) -> None:
     await server.start()
     await rpc.set_serving(hs, [SERVICE])
     logger.info("prefill worker %s serving on %s (model %s, hash %s)", servicer.worker_id, address, model_dir, mhash)
+    if args.metrics_port:
+        info["metrics_port"] = str(serve_metrics(args.host, max(args.metrics_port, 0), servicer.status,
+                                                 servicer.counters))
     print(f"PDSERVE_READY prefill {address}", flush=True)
 
     async def on_stop():

@@ -86,6 +86,9 @@ def common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-after", type=float, default=60.0,
                    help="seconds a scheduler may go without finishing a step while it has work before the worker "
                         "reports itself unhealthy (the router then drains it)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus /metrics of this worker on its own port (0: off, -1: any free port; reported "
+                        "as info['metrics_port'] in its status)")
     p.add_argument("--log-level", default="INFO")
 
 

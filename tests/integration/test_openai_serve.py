@@ -249,3 +249,32 @@ def test_metrics_count_every_request_and_token(served, oai, grpc_client, model_n
     lines = re.findall(r"request \S+ api=grpc status=OK finish=length prompt_tokens=2 cached_tokens=\d+ "
                        r"completion_tokens=4 ttft_ms=[\d.]+ e2e_ms=[\d.]+ prefill=prefill-0 decode=decode-0", log)
     assert lines, log[-2000:]
+
+
+def test_every_worker_serves_metrics_on_the_port_its_status_reports(served, oai, grpc_client, model_name):
+    workers = {w.role: w for w in grpc_client.cluster_status().workers}
+
+    def scrape_worker(role: str) -> dict[str, float]:
+        w = grpc_client.cluster_status().workers
+        port = next(x for x in w if x.role == role).info["metrics_port"]
+        status, _, body = http_get(f"http://127.0.0.1:{port}/metrics")
+        assert status == 200
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in body.decode().splitlines()
+                                         if line and not line.startswith("#"))}
+    pre, dec = scrape_worker("prefill"), scrape_worker("decode")
+    prompt = list(range(3, 60))
+    usages = [oai.completions.create(model=model_name, prompt=prompt, max_tokens=7,
+                                     extra_body={"ignore_eos": True}).usage for _ in range(2)]
+    wait_until(lambda: all_back(grpc_client), 30, "requests done")
+    pre2, dec2 = scrape_worker("prefill"), scrape_worker("decode")
+    p, d = (f'{{worker="{workers[r].worker_id}"}}' for r in ("prefill", "decode"))
+    assert pre2["pdserve:prefix_cache_queries_total" + p] - pre["pdserve:prefix_cache_queries_total" + p] == 2 * 57
+    assert pre2["pdserve:prefix_cache_hits_total" + p] - pre["pdserve:prefix_cache_hits_total" + p] == \
+        sum(u.prompt_tokens_details.cached_tokens for u in usages) > 0
+    assert pre2["pdserve:kv_transfers_total" + p] - pre["pdserve:kv_transfers_total" + p] == 2
+    assert pre2["pdserve:kv_transfer_bytes_total" + p] > pre["pdserve:kv_transfer_bytes_total" + p]
+    # the first token of each request is the prefill worker's; the decode worker decodes the other 6
+    assert dec2["pdserve:generation_tokens_total" + d] - dec["pdserve:generation_tokens_total" + d] == 2 * 6
+    st = {w.role: w for w in grpc_client.cluster_status().workers}["decode"]
+    assert dec2["pdserve:kv_pages_free" + d] == st.pages_free == st.pages_total == dec2["pdserve:kv_pages_total" + d]
+    assert dec2["pdserve:num_requests_running" + d] == 0 and dec2["pdserve:kv_cache_usage_perc" + d] == 0
