@@ -36,6 +36,7 @@ import re
 import secrets
 import socket
 import struct
+import sys
 import threading
 import weakref
 from typing import NamedTuple
@@ -209,6 +210,7 @@ class ShmKVPool(KVPool):
         try:
             reserve_space(fd, self.segment_bytes)
             mm = mmap.mmap(fd, self.segment_bytes)
+            prefault(mm)
         except BaseException:
             _unlink(path)
             raise
@@ -229,6 +231,23 @@ class ShmKVPool(KVPool):
     def close(self) -> None:
         """Unlink the segment name (mappings stay valid until their tensors are dropped)."""
         self._finalizer()
+
+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
+"""Linux >= 5.14 (Python's mmap module does not name it yet)."""
+
+
+def prefault(mm: mmap.mmap) -> None:
+    """Map every page of a fresh (reserved, zero) segment into this process now, as a private pool's
+    ``torch.zeros`` does: else the pages fault in one by one as transfers first write them, mid-transfer, and
+    the worker's RSS creeps up by the pool's size over its first hours (a soak read that as a leak)."""
+    if MADV_POPULATE_WRITE is not None:
+        try:
+            mm.madvise(MADV_POPULATE_WRITE)
+            return
+        except OSError:  # an older kernel: EINVAL
+            pass
+    torch.frombuffer(mm, dtype=torch.uint8).zero_()
 
 
 class ShmAttachment:
