@@ -18,7 +18,10 @@ the pool runs out, the youngest running request is preempted (vLLM's recompute p
 are freed, its tokens so far are kept, and once enough pages are free again its KV is recomputed from
 the prompt and the tokens it already produced (chunked, with the MTP layer's KV for speculation) and it
 continues as if nothing happened: the client sees a pause, not an error. A request that cannot fit
-even alone in the pool ends with a clear error (never a hang), and its pages are freed.
+even alone in the whole pool ends with a clear error (never a hang), and its pages are freed. A running
+request is never ended or starved for room that reservations of incoming transfers hold: when it is the
+only one left to run it waits for them (keeping its pages), and no new reservation is granted while any
+admitted request waits for pages (``refusal()``, asked by ``Reserve``, which also applies ``max_running``).
 """
 from __future__ import annotations
 
@@ -129,6 +132,8 @@ class DecodeScheduler:
         self.recompute_chunk = 2048
         """Tokens per forward when a preempted request's KV is recomputed."""
         self._pending_prefill: list[DecodeTask] = []
+        self._num_waiting = 0
+        """Running requests that skipped the last step waiting for pages held by reservations."""
         self._tasks: dict[str, DecodeTask] = {}
         self._cv = threading.Condition()
         self._stop = False
@@ -185,6 +190,28 @@ class DecodeScheduler:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def num_pending(self) -> int:
+        """Local prefills waiting for the next step (admitted, not yet running)."""
+        return len(self._pending_prefill)
+
+    def refusal(self, num_reserved: int) -> str:
+        """Why a new reservation must be refused now, or "" (the decode worker's ``Reserve`` asks before it
+        allocates anything): ``max_running`` counts the requests whose KV is on its way (``num_reserved``
+        reservations) as running, so the limit holds before the prefill, not after the transfer; and
+        requests already admitted come first: none is given pages while one waits for them (preempted,
+        or running but short of its next page)."""
+        with self._cv:
+            admitted = len(self._running) + len(self._pending_prefill) + num_reserved
+            if admitted >= self.max_running:
+                return (f"max_running={self.max_running} requests are running or on their way "
+                        f"({len(self._running)} running, {len(self._pending_prefill)} prefilling, "
+                        f"{num_reserved} reserved)")
+            if self._preempted or self._num_waiting:
+                return (f"the KV pool is short: {len(self._preempted)} preempted and {self._num_waiting} running "
+                        f"requests wait for pages")
+            return ""
 
     @property
     def num_preempted(self) -> int:
@@ -247,8 +274,9 @@ class DecodeScheduler:
         with self._cv:
             before = len(self._running)
             tasks = self._make_room()
+            changed = len(self._running) != before
         if not tasks:  # progress: a local prefill, a resumed request, or one ended or preempted just now
-            return bool(local or resumed or before)
+            return bool(local or resumed or changed)
         t0 = time.perf_counter()
         if self.spec is not None:
             new_tokens = self._spec_and_plain_step(tasks)
@@ -320,20 +348,32 @@ class DecodeScheduler:
     # -- preemption --------------------------------------------------------------------------------
     def _make_room(self) -> list[DecodeTask]:
         """Give every running request the page its next token needs, oldest first, preempting the youngest
-        while the pool is short; -> the requests that run this step. Under ``_cv``."""
+        while the pool is short; -> the requests that run this step. Under ``_cv``.
+
+        A request ends for lack of room only when it alone needs more than the whole pool. When it is the
+        only one left to run and the rest of the pool is held by others (reservations of incoming
+        transfers, local prefills) it waits for them, keeping its pages, and skips the step; meanwhile
+        ``refusal()`` turns new reservations away, so what holds the pool can only shrink: a transfer
+        completes (its request then runs and, being younger, is preempted first), fails or expires."""
+        waiting: list[DecodeTask] = []
         for task in sorted(self._running, key=lambda t: t.arrival):
             while task in self._running:
                 try:
                     self._ensure_pages(task, task.cached_len + 1)
                     break
                 except PoolExhausted as e:
-                    victim = max(self._running, key=lambda t: t.arrival)
-                    if victim is task and len(self._running) == 1:  # it alone fills the pool
+                    need = self.pool.pages_for(task.cached_len + 1)
+                    if need > self.pool.num_pages:
                         self._finish(task, "error", f"decode KV pool exhausted: {e}; this request alone needs "
-                                                    f"more than the pool's {self.pool.num_pages} pages")
-                    else:
-                        self._preempt(victim)
-        return list(self._running)
+                                                    f"{need} pages, more than the pool's {self.pool.num_pages}")
+                        break
+                    victim = max((t for t in self._running if t not in waiting), key=lambda t: t.arrival)
+                    if victim is task and all(t is task or t in waiting for t in self._running):
+                        waiting.append(task)  # the pages it needs are held by others than running requests
+                        break
+                    self._preempt(victim)
+        self._num_waiting = len(waiting)
+        return [t for t in self._running if t not in waiting]
 
     def _preempt(self, task: DecodeTask) -> None:
         self._running.remove(task)

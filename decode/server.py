@@ -3,7 +3,8 @@
     python -m decode.server --model DIR --port 50071 --kv-port 0 [--speculative 5/1/6 | --no-speculative]
 
 ``Reserve`` sets pages aside and returns a transfer ticket (RESOURCE_EXHAUSTED when they do not
-fit: nothing is allocated). ``Decode`` waits for the complete, verified transfer, then joins the
+fit, when ``--max-running`` requests are running or reserved, or while admitted requests wait for
+pages: nothing is allocated). ``Decode`` waits for the complete, verified transfer, then joins the
 continuous batch and streams tokens; cancelling it frees the request's pages.
 """
 from __future__ import annotations
@@ -44,6 +45,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Reserve(self, request, context):
         if request.num_tokens < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_tokens must be >= 1")
+        refusal = self.sched.refusal(self.receiver.stats().num_active)
+        if refusal:  # before anything is allocated, so before the prefill: the router tries the next worker
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.worker_id} cannot take the "
+                                                                        f"request: {refusal}")
         try:  # a refused reservation holds no page (the manager allocates last and frees on any error)
             ticket = self.receiver.reserve(request.request_id, request.num_tokens)
         except TransferError as e:
@@ -103,7 +108,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             while True:
                 ev = coalesce(await queue.get(), queue)
                 yield worker_pb2.DecodeChunk(token_ids=ev.token_ids, finish_reason=ev.finish_reason,
-                                             accept_len=ev.accept_len,
+                                             message=ev.message, accept_len=ev.accept_len,
                                              logprobs=[logprob_to_proto(x) for x in ev.logprobs])
                 if ev.finish_reason:
                     if ev.finish_reason == "error":
@@ -130,7 +135,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         spec = self.speculator
         return generation_pb2.WorkerStatus(
             worker_id=self.worker_id, role="decode", address=self.address, kv_address=f"{host}:{port}",
-            healthy=not problem, running=self.sched.num_running, pages_total=st.num_pages, pages_free=st.num_free,
+            healthy=not problem, running=self.sched.num_running,
+            queued=self.sched.num_pending + self.receiver.stats().num_active,  # admitted, KV on its way
+            pages_total=st.num_pages, pages_free=st.num_free,
             tokens_per_s=tps, model_hash=self.mhash,
             spec=spec_stats_to_proto(spec.stats(), str(spec.spec)) if spec is not None else None,
             info={**self.info, "preempted": str(self.sched.num_preempted), "preemptions": str(self.sched.preemptions),

@@ -41,8 +41,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _RETRIABLE_PREFILL = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL)
-_FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
-"""Decode stream errors that mean the worker (not the request) failed: the request resumes elsewhere."""
+_FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                   grpc.StatusCode.RESOURCE_EXHAUSTED)
+"""Decode stream errors that mean the worker (not the request) failed, or has no room for it after all
+(RESOURCE_EXHAUSTED: full between its reservation and the stream): the request resumes elsewhere."""
 
 
 class Phase(enum.Enum):
@@ -105,10 +107,11 @@ class GenerateRun:
         for w, rid in self.touched:
             self.core.spawn(self.core.abort_on(w, rid, why))
 
-    def _response(self, ids: list[int], finish: str = "", logprobs=()) -> generation_pb2.GenerateResponse:
+    def _response(self, ids: list[int], finish: str = "", logprobs=(), message: str = ""
+                  ) -> generation_pb2.GenerateResponse:
         text = self._detok.step(ids) if self._detok is not None and ids else ""
         r = generation_pb2.GenerateResponse(request_id=self.client_id, token_ids=ids, text=text,
-                                            finish_reason=finish, logprobs=logprobs)
+                                            finish_reason=finish, logprobs=logprobs, message=message)
         if finish:
             if self._detok is not None:
                 r.text += self._detok.flush()
@@ -351,7 +354,7 @@ class GenerateRun:
                 if chunk.accept_len > 0:  # the worker's figure so far: the last one covers every round
                     attempt[0] = chunk.accept_len
                 attempt[1] += len(ids)
-                yield self._response(ids, chunk.finish_reason, chunk.logprobs)
+                yield self._response(ids, chunk.finish_reason, chunk.logprobs, chunk.message)
                 if chunk.finish_reason:
                     return
         except grpc.aio.AioRpcError as e:

@@ -278,3 +278,67 @@ def test_stream_coalesces_events_that_queued_behind_it():
     assert first.token_ids == [2, 3, 4, 5] and first.finish_reason == "length" and first.message == "done"
     assert [lp[0] for lp in first.logprobs] == [2, 3] and first.accept_len == 2.5
     assert alone.token_ids == [7] and left == 1
+
+
+def local_run(dec, rid, prompt, params):
+    evs = []
+    dec.add_local(DecodeTask(rid, prompt, [], params, [], 0, emit=evs.append))
+    return evs
+
+
+def test_a_running_request_waits_for_pages_that_reservations_hold(tiny):
+    """Reservations of incoming transfers hold every free page when the only running request needs its next
+    page: it waits (keeping its pages, refusing new reservations) instead of ending with "alone needs more
+    than the pool" (issue 25: a 2,112-token request ended so with a 4,096-page pool), then finishes with
+    the tokens of an unobstructed run once the reservations are gone; every page back."""
+    model, cfg = tiny
+    prompt, params = list(range(3, 33)), SamplingParams(max_tokens=20, ignore_eos=True)  # 30 + 20 tokens: 4 pages
+    pool = KVPool(KVLayout.for_model(cfg, P, "float32"), 8)
+    free_run = DecodeScheduler(model, pool, cfg.eos_token_ids)
+    ref = local_run(free_run, "ref", prompt, params)
+    while free_run.step():
+        pass
+    assert ref[-1].finish_reason == "length" and pool.allocator.num_used == 0
+
+    dec = DecodeScheduler(model, pool, cfg.eos_token_ids)
+    evs = local_run(dec, "r", prompt, params)
+    dec.step()  # prefilled: 2 pages
+    squat = pool.allocator.alloc(pool.allocator.num_free, "kvtransfer:incoming")  # reservations take the rest
+    steps = 0
+    while dec.step():
+        steps += 1
+        assert steps < 50
+    assert not evs[-1].finish_reason and dec.num_running == 1 and 1 < len(tokens(evs)) < 20
+    assert "wait for pages" in dec.refusal(0)
+    for _ in range(3):  # still waiting, not spinning, not ended
+        assert not dec.step() and not evs[-1].finish_reason
+    pool.allocator.decref(squat)
+    while dec.step():
+        pass
+    assert evs[-1].finish_reason == "length" and tokens(evs) == tokens(ref)
+    assert pool.allocator.num_used == 0 and dec.refusal(0) == ""
+
+
+def test_only_a_request_bigger_than_the_whole_pool_ends_for_room(tiny):
+    model, cfg = tiny
+    pool = KVPool(KVLayout.for_model(cfg, P, "float32"), 3)
+    dec = DecodeScheduler(model, pool, cfg.eos_token_ids)
+    evs = local_run(dec, "big", list(range(3, 33)), SamplingParams(max_tokens=40, ignore_eos=True))
+    while dec.step():
+        pass
+    assert evs[-1].finish_reason == "error"
+    assert "alone needs 4 pages, more than the pool's 3" in evs[-1].message, evs[-1].message
+    assert len(tokens(evs)) == 48 - 30 + 1 and pool.allocator.num_used == 0  # it ran while the pool held it
+
+
+def test_refusal_counts_reservations_as_running(tiny):
+    model, cfg = tiny
+    pool = KVPool(KVLayout.for_model(cfg, P, "float32"), 16)
+    dec = DecodeScheduler(model, pool, cfg.eos_token_ids, max_running=2)
+    assert dec.refusal(1) == ""
+    assert "max_running=2" in dec.refusal(2)
+    local_run(dec, "a", list(range(3, 20)), SamplingParams(max_tokens=4))
+    assert "max_running=2" in dec.refusal(1) and dec.refusal(0) == ""
+    dec.abort("a")
+    dec.step()
+    assert dec.refusal(1) == "" and pool.allocator.num_used == 0

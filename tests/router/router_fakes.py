@@ -49,6 +49,10 @@ class Behaviour:
     """Answer every data call (Reserve/Prefill) with this status."""
     hang: bool = False
     """Prefill never answers (until cancelled)."""
+    decode_code: grpc.StatusCode | None = None
+    """Decode: refuse the stream with this status (after the reservation was granted)."""
+    decode_error: str = ""
+    """Decode: end the stream after the first chunk with finish_reason "error" and this message."""
     extra_info: dict = field(default_factory=dict)
 
 
@@ -224,8 +228,15 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
         elif rid not in self.filled:
             self.reserved.pop(rid, None)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV for {rid} never arrived")
+        if self.b.decode_code is not None:
+            self.reserved.pop(rid, None)
+            await context.abort(self.b.decode_code, f"fake decode {self.worker_id} refuses the stream")
         self.streams += 1
         try:
+            if self.b.decode_error:
+                yield worker_pb2.DecodeChunk(token_ids=[next_token(out[-1])])
+                yield worker_pb2.DecodeChunk(finish_reason="error", message=self.b.decode_error)
+                return
             while True:
                 last = out[-1]
                 if last in sp.stop_token_ids or (last == EOS and not sp.ignore_eos):
