@@ -61,6 +61,10 @@ class RouterConfig:
     """Timeout of the short worker calls (Reserve, Abort)."""
     request_timeout_s: float = 600.0
     """Upper bound on a request's lifetime when the client sets no deadline."""
+    stream_write_timeout_s: float = 20.0
+    """Longest a response may wait for the client to take it (a client that stops reading: a zero HTTP/2
+    flow-control window) before the request is cancelled and its slot released. Much shorter than
+    ``request_timeout_s``: a blocked stream holds one of ``max_inflight`` slots while it waits."""
     transfer_timeout_s: float = 60.0
     """How long a decode worker waits for the prompt's KV after Decode starts."""
     max_failovers: int = 2
@@ -91,6 +95,7 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("health_interval_s", "health_timeout_s", "rpc_timeout_s", "request_timeout_s",
+                     "stream_write_timeout_s",
                      "transfer_timeout_s", "decode_stall_timeout_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -26,6 +26,7 @@ from router.metrics import RouterMetrics
 from router.openai_server import OpenAIServer
 from router.policy import make_policy
 from router.registry import Registry, Worker
+from router.relay import relay
 from router.request import GenerateRun
 from router.text import TextCodec
 from router.validate import RequestError, check_prompt, max_context_of, max_request_bytes, precheck
@@ -95,7 +96,8 @@ class RouterCore:
             self.ensure_codec(model.model_dir, model.has_tokenizer)
             # everything cheap first: a text is tokenized (off the loop) only once the rest is valid
             precheck(request, model, self.codec is not None)
-            text_ids = await self.encode(request.text) if request.WhichOneof("prompt") == "text" else None
+            with self.admitted():  # a text waiting for the tokenizer holds a slot (the check above saw it free)
+                text_ids = await self.encode(request.text) if request.WhichOneof("prompt") == "text" else None
             valid = check_prompt(request, model, text_ids)
         except RequestError as e:
             self.metrics.refused(request.request_id, e.code, api, e.message)
@@ -105,22 +107,28 @@ class RouterCore:
         return GenerateRun(self, valid, request.request_id, request.priority, t0 + budget, t0)
 
     async def serve(self, run: GenerateRun, api: str) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """``run.stream()`` counted in flight, observed by the metrics and logged once it ends (one access
-        log line per request, however it ends)."""
-        obs = self.metrics.start(run, api)
+        """``observe(run)`` counted in flight while it runs."""
         with self.admitted():
-            try:
-                async with contextlib.aclosing(run.stream()) as responses:
-                    async for resp in responses:
-                        obs.chunk(resp)
-                        yield resp
-            except RequestError as e:
-                obs.end(e.code)
-                raise
-            except BaseException:
-                obs.end(grpc.StatusCode.CANCELLED)
-                raise
-            obs.end(grpc.StatusCode.OK)
+            async with contextlib.aclosing(self.observe(run, api)) as responses:
+                async for resp in responses:
+                    yield resp
+
+    async def observe(self, run: GenerateRun, api: str) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """``run.stream()`` observed by the metrics and logged once it ends (one access log line per
+        request, however it ends)."""
+        obs = self.metrics.start(run, api)
+        try:
+            async with contextlib.aclosing(run.stream()) as responses:
+                async for resp in responses:
+                    obs.chunk(resp)
+                    yield resp
+        except RequestError as e:
+            obs.end(e.code)
+            raise
+        except BaseException:
+            obs.end(grpc.StatusCode.CANCELLED)
+            raise
+        obs.end(grpc.StatusCode.OK)
 
     async def abort_on(self, w: Worker, rid: str, why: str) -> None:
         try:
@@ -173,19 +181,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except RequestError as e:
             await context.abort(e.code, e.message)
         context.add_done_callback(lambda ctx: run.abort("rpc ended") if ctx.cancelled() else None)
-        try:
-            async with contextlib.aclosing(core.serve(run, "grpc")) as responses:
-                async for resp in responses:
-                    try:  # a client that stops reading must not hold the handler past the request's budget
-                        async with asyncio.timeout(run.remaining()):
-                            await context.write(resp)
-                    except TimeoutError:
-                        run.abort("client stopped reading")
-                        raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                           "deadline exceeded while the client was not reading the stream"
-                                           ) from None
-        except RequestError as e:
-            await context.abort(e.code, e.message)
+        with core.admitted():  # until the client took every response or was cut off (router/relay.py)
+            try:
+                await relay(run, core.observe(run, "grpc"), context.write, core.cfg.stream_write_timeout_s)
+            except RequestError as e:
+                await context.abort(e.code, e.message)
 
 
 def _why_unavailable(reg: Registry) -> str:

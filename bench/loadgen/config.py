@@ -15,7 +15,7 @@ from typing import Any
 from cluster.flags import field_docs
 
 WORKLOADS = ("prefill-bound", "single-stream", "random", "trace")
-FAULT_KINDS = ("kill-decode", "kill-prefill", "drop-kv", "kv-slowloris")
+FAULT_KINDS = ("kill-decode", "kill-prefill", "drop-kv", "kv-slowloris", "slow-readers")
 
 WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     # The reference workload: long prompts that mostly hit the prefix cache, modest outputs.
@@ -131,8 +131,10 @@ class BenchConfig:
     SIGKILL to the busiest worker of that role (it must run on this host). drop-kv: the busiest prefill
     worker cuts its next KV connection mid-transfer (``Admin.InjectFault``; the cluster must run with
     ``--fault-injection``). kv-slowloris: connections that never authenticate held open to every decode
-    worker's KV port (loopback only) for the rest of the step. The report adds requests completed / failed
-    over / retried / failed and the TTFT and ITL penalty."""
+    worker's KV port (loopback only) for the rest of the step. slow-readers: 256 ``Generate`` streams to
+    the router that are never read (one HTTP/2 connection with a zero flow-control window, held to the end
+    of the step). The report adds requests completed / failed over / retried / failed, the TTFT and ITL
+    penalty, and how long after the fault the first request sent succeeded."""
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:

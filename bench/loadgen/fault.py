@@ -6,7 +6,10 @@ the router (``Admin.InjectFault``) to have the busiest prefill worker cut its ne
 mid-transfer, which needs a cluster started with ``--fault-injection``. ``kv-slowloris`` attacks the KV
 data plane's handshake: it holds ``SLOWLORIS_PER_WORKER`` connections that never authenticate open to every
 decode worker's KV port (loopback addresses only) for the rest of the step, re-opening each one the
-receiver closes, and closes them all when the step ends; requests must keep succeeding.
+receiver closes, and closes them all when the step ends; requests must keep succeeding. ``slow-readers``
+opens ``SLOW_READER_STREAMS`` ``Generate`` streams to the router that it never reads (``slowreader.py``)
+and holds them until the step ends: the router must give their slots back after its
+``stream_write_timeout_s`` and keep serving everyone else.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from typing import Any, Sequence
 import grpc
 
 from bench.loadgen.runner import RequestRecord
+from bench.loadgen.slowreader import SlowReaders
 from bench.loadgen.stats import percentile
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -27,6 +31,8 @@ SLOWLORIS_PER_WORKER = 80
 """kv-slowloris: connections held per KV port (more than the 64 that once locked every sender out)."""
 SLOWLORIS_REOPEN_S = 1.0
 """kv-slowloris: pause before re-opening a connection the receiver closed (bounds the attempt rate)."""
+SLOW_READER_STREAMS = 256
+"""slow-readers: never-read streams (the router's default ``max_inflight``)."""
 
 
 def _is_loopback(host: str) -> bool:
@@ -91,14 +97,39 @@ class KVSlowloris:
                 "slow_connect_errors": self.num_connect_errors}
 
 
+class SlowReadersHolder:
+    """``slow-readers`` held until the step ends (``close()``, like ``KVSlowloris``)."""
+
+    def __init__(self, slow: SlowReaders) -> None:
+        self.slow = slow
+
+    async def close(self) -> dict[str, Any]:
+        ended = self.slow.num_ended()  # HTTP/2 streams the router ended (it cannot send behind a full window)
+        await asyncio.to_thread(self.slow.close)
+        return {"slow_streams_ended_by_router": ended}
+
+
 async def inject(channel: grpc.aio.Channel, metadata, kind: str, at_s: float, clock,
-                 holders: list[KVSlowloris] | None = None) -> dict[str, Any]:
-    """Sleep ``at_s`` then SIGKILL the busiest ``kind`` worker (or arm ``drop-kv``, or start ``kv-slowloris``,
-    appended to ``holders``: the caller closes it when the step ends); returns what was done (or why not)."""
+                 holders: list | None = None, target: str = "", api_key: str | None = None) -> dict[str, Any]:
+    """Sleep ``at_s`` then SIGKILL the busiest ``kind`` worker (or arm ``drop-kv``, or start ``kv-slowloris``
+    or ``slow-readers`` (to ``target``), appended to ``holders``: the caller closes it when the step ends);
+    returns what was done (or why not)."""
     await asyncio.sleep(at_s)
     out: dict[str, Any] = {"kind": kind, "planned_at_s": at_s}
     if kind == "kv-slowloris":
         return await _start_slowloris(channel, metadata, out, clock, holders if holders is not None else [])
+    if kind == "slow-readers":
+        request = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(max_tokens=64))
+        request.token_ids.ids.extend([2] * 16)
+        slow = SlowReaders(target, SLOW_READER_STREAMS, request, api_key=api_key)
+        try:
+            await asyncio.to_thread(slow.start)
+        except OSError as e:
+            return {**out, "error": f"cannot connect to {target}: {e}"}
+        if holders is not None:
+            holders.append(SlowReadersHolder(slow))
+        return {**out, "at_s": round(clock(), 3), "worker": "router", "address": target,
+                "streams": SLOW_READER_STREAMS}
     if kind == "drop-kv":
         try:
             r = await generation_pb2_grpc.AdminStub(channel).InjectFault(
@@ -179,7 +210,9 @@ def fault_stats(fault: dict[str, Any], records: Sequence[RequestRecord]) -> dict
             "ttft_p50_s": {"retried": _p50([r.ttft_s for r in moved if r.retries and r.ttft_s is not None]),
                            "undisturbed": _p50([r.ttft_s for r in calm if r.ttft_s is not None])},
             "itl_s": {"failover_gap_p50": _p50(gaps), "failover_gap_max": max(gaps) if gaps else None,
-                      "undisturbed_p50": _p50(itl_calm)}}
+                      "undisturbed_p50": _p50(itl_calm)},
+            "first_ok_sent_after_s": min((r.t_send - t for r in records if r.ok and r.t_send is not None
+                                          and r.t_send >= t), default=None)}
 
 
 def format_fault(f: dict[str, Any] | None) -> str:
@@ -194,13 +227,16 @@ def format_fault(f: dict[str, Any] | None) -> str:
         return "-" if v is None else f"{v * 1e3:.0f} ms"
     did = {"drop-kv": "armed a KV connection drop on",
            "kv-slowloris": f"held {f.get('slow_connections_per_port', '?')} slow unauthenticated connections "
-                           "open to the KV port of"}.get(f["kind"], "killed")
+                           "open to the KV port of",
+           "slow-readers": f"opened {f.get('streams')} never-read streams to the"}.get(f["kind"], "killed")
+    first_ok = f.get("first_ok_sent_after_s")
     slow = ""
     if "slow_opened" in f:
         slow = (f"\n  slow connections opened {f['slow_opened']}, closed by the receivers "
                 f"{f['slow_closed_by_receiver']}, refused at connect {f['slow_connect_errors']}")
     return (f"fault {f['kind']} at {f['at_s']:.1f}s: {did} {f['worker']} ({f['address']}) with "
-            f"{f['in_flight_at_fault']} requests in flight\n"
+            f"{f['in_flight_at_fault']} requests in flight; first request sent after it that succeeded: "
+            f"{'none' if first_ok is None else f'+{first_ok:.1f}s'}\n"
             f"  completed {f['completed']}, failed over {f['failed_over']}, prefill retried {f['retried_prefill']}, "
             f"failed {f['failed']} ({f['failed_in_flight']} of those in flight)\n"
             f"  TTFT p50: retried {ms(f['ttft_p50_s']['retried'])} vs undisturbed {ms(f['ttft_p50_s']['undisturbed'])}; "

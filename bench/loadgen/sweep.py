@@ -118,14 +118,15 @@ async def run_sweep_async(cfg: BenchConfig, progress: bool = True) -> Result:
             try:
                 runner = StepRunner(stub, workload, cfg, metadata, first_index=index, on_progress=bar)
                 if fault_spec is not None and k == 0:
-                    injector = asyncio.create_task(inject(channel, metadata, *fault_spec, runner.now, holders))
+                    injector = asyncio.create_task(inject(channel, metadata, *fault_spec, runner.now, holders,
+                                                          target=cfg.target, api_key=cfg.api_key))
                 records = await runner.run(step, cfg.warmup_s, duration, step_num=k)
             finally:
                 bar.close()
                 if injector is not None and not injector.done():
                     injector.cancel()
                     await asyncio.gather(injector, return_exceptions=True)
-                held = [await h.close() for h in holders]  # kv-slowloris lasts until the step ends
+                held = [await h.close() for h in holders]  # kv-slowloris, slow-readers: until the step ends
             if injector is not None:
                 fault = ({"kind": fault_spec[0], "planned_at_s": fault_spec[1], "note": "the step ended first"}
                          if injector.cancelled() else fault_stats(injector.result(), records.records))

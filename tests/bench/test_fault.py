@@ -1,14 +1,16 @@
 """``--fault``: flag parsing and the fault report's arithmetic on synthetic records with known answers;
-``kv-slowloris`` against a real KV receiver."""
+``kv-slowloris`` against a real KV receiver; ``slow-readers`` against a real router."""
 import asyncio
 import os
+import sys
 import time
 
 import pytest
 
 from bench.loadgen.config import BenchConfig
-from bench.loadgen.fault import KVSlowloris, fault_stats, format_fault
+from bench.loadgen.fault import SLOW_READER_STREAMS, KVSlowloris, fault_stats, format_fault
 from bench.loadgen.runner import OK, RequestRecord
+from bench.loadgen.sweep import run_sweep_async
 from engine.kvcache.layout import KVComponent, KVLayout
 from engine.kvcache.pool import KVPool
 from kvtransfer import KVReceiver, KVReceiverConfig, LoopThread
@@ -109,3 +111,31 @@ def test_kv_slowloris_report():
     text = format_fault(f)
     assert "held 80 slow unauthenticated connections open to the KV port of decode-0" in text
     assert "completed 2" in text and "failed 0" in text and "slow connections opened 160" in text
+
+
+def test_slow_readers_fault_parses():
+    assert BenchConfig(rps=(1,), fault="slow-readers@5s").fault_spec() == ("slow-readers", 5.0)
+
+
+def test_slow_readers_fault_against_a_real_router(tmp_path):
+    """``--fault slow-readers@1`` against a real RouterServer (fake workers): its 256 never-read streams take
+    every router slot, so requests are refused for a while; the router gives the slots back after its
+    stream_write_timeout_s and the bench's requests are served again; nothing is left in flight."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "router"))
+    from router_fakes import VOCAB, FakeCluster
+
+    async def go():
+        async with FakeCluster(1, 2, stream_write_timeout_s=2.0, decode_pages=8192) as fc:
+            cfg = BenchConfig(target=fc.router.address, workload="random", input_len=16, output_len=4,
+                              rps=(20.0,), warmup_s=0.0, duration_s=6.0, drain_timeout_s=20.0, vocab_size=VOCAB,
+                              out=str(tmp_path / "out"), quiet=True, fault="slow-readers@1").with_defaults()
+            result = await run_sweep_async(cfg, progress=False)
+            f = result["fault"]
+            assert f["streams"] == SLOW_READER_STREAMS and f["worker"] == "router", f
+            assert f["failed"] > 0  # the attack took every slot for a while...
+            assert f["first_ok_sent_after_s"] is not None and f["first_ok_sent_after_s"] < 2.0 + 2.0, f
+            assert "never-read streams" in format_fault(f)
+            await fc.wait_for(lambda: fc.router.core.inflight == 0 and
+                              not any(w.inflight for w in fc.registry.workers.values()) and
+                              all(d.pages_free == d.pages_total for d in fc.decodes), what="everything back")
+    asyncio.run(asyncio.wait_for(go(), 120))
