@@ -7,10 +7,11 @@ into a bounded buffer and written to the client by the RPC handler. The two are 
   decode worker: its stream is read at the worker's pace, the worker finishes the request and frees its
   pages and batch slot, and the router stops counting the request at that worker when the stream ends.
   A blocked writer is not decode work.
-- The buffer is bounded (``RESPONSE_BUFFER`` responses; the decode worker coalesces tokens into one
-  chunk when its reader falls behind, so it is rarely reached). When it is full the producer waits and
-  HTTP/2 flow control pushes back on the decode stream: the worker's own per-request queue then holds
-  at most the request's remaining ``max_tokens`` tokens.
+- The buffer is bounded (``RESPONSE_BUFFER`` responses). When the client falls behind, the writer
+  sends what queued up as one response (tokens, text and logprobs concatenated), as the decode worker
+  does for its own reader. When the buffer is full the producer waits and HTTP/2 flow control pushes
+  back on the decode stream: the worker's own per-request queue then holds at most the request's
+  remaining ``max_tokens`` tokens.
 - One write may block at most ``RouterConfig.stream_write_timeout_s``: a client that takes no response
   for that long has its request cancelled (DEADLINE_EXCEEDED, saying why), the producer is cancelled,
   every worker that saw the request is told to abort, and the router's in-flight slot is released.
@@ -51,8 +52,16 @@ async def relay(run: GenerateRun, responses: AsyncIterator[generation_pb2.Genera
 
     producer = asyncio.get_running_loop().create_task(produce(), name=f"produce {run.client_id}")
     try:
+        pending = None
         while True:
-            item = await buf.get()
+            item = pending if pending is not None else await buf.get()
+            pending = None
+            while isinstance(item, generation_pb2.GenerateResponse) and not item.finish_reason and not buf.empty():
+                nxt = buf.get_nowait()  # the client fell behind: one message carries what queued up
+                if not isinstance(nxt, generation_pb2.GenerateResponse):
+                    pending = nxt
+                    break
+                item = merged(item, nxt)
             if item is _END:
                 return
             if isinstance(item, Exception):
@@ -61,6 +70,16 @@ async def relay(run: GenerateRun, responses: AsyncIterator[generation_pb2.Genera
     finally:
         producer.cancel()  # a no-op once it finished; else it aborts the request on every worker
         await asyncio.gather(producer, return_exceptions=True)
+
+
+def merged(a: generation_pb2.GenerateResponse, b: generation_pb2.GenerateResponse) -> generation_pb2.GenerateResponse:
+    """``a`` then ``b`` as one response: tokens, text and logprobs concatenated, ``b``'s finish, usage,
+    metrics and message (``a`` is never a finishing response)."""
+    out = generation_pb2.GenerateResponse()
+    out.CopyFrom(a)
+    out.MergeFrom(b)  # repeated fields concatenate; b's set scalars and messages win
+    out.text = a.text + b.text
+    return out
 
 
 async def _write_one(run: GenerateRun, write, resp, write_timeout_s: float) -> None:
