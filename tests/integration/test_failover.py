@@ -65,10 +65,13 @@ def run_streams_and(sp, prompts, fault) -> tuple[list[Completion], str, float]:
     async def run():
         async with AsyncGenerationClient(sp.address, timeout_s=120) as c:
             tasks = [asyncio.create_task(one(c, i)) for i in range(len(prompts))]
-            while min(progress) < 4:  # every stream is decoding
+            # every stream is decoding: the last one just got its first token. (The client's own progress
+            # lags the decode workers': the router reads their streams at their pace, and the requests are
+            # spread over the decode workers, so the first ones may be nearly done by now.)
+            while min(progress) < 1:
                 if any(t.done() for t in tasks):
                     break
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(0.002)
             st = await c.cluster_status()
             busy = max((w for w in st.workers if w.role == "decode"), key=lambda w: w.running)
             assert busy.running > 0 and min(progress) < NUM_TOKENS, "streams ended before the fault"
@@ -177,10 +180,14 @@ def test_decode_worker_killed_mid_stream_every_stream_completes(served, expected
 
 def test_bench_fault_kill_decode_reports_the_failover(served, tmp_path):
     """``pdserve bench --fault kill-decode@3s`` (a subprocess, the real CLI) against the same cluster:
-    the busiest surviving decode worker dies, nothing fails, the report counts the failovers."""
+    the busiest surviving decode worker dies, nothing fails, the report counts the failovers (and the
+    prefill retries of requests whose KV was on its way to it)."""
     fault, out = run_bench(served, tmp_path, "kill-decode@3s", duration_s=8)
     assert "error" not in fault, fault
     assert not pid_alive(served.children[fault["worker"]])
-    assert fault["in_flight_at_fault"] >= 1 and fault["failed_over"] >= 1 and fault["failed"] == 0, fault
-    assert fault["itl_s"]["failover_gap_max"] > fault["itl_s"]["undisturbed_p50"]
+    # its requests fail over, or, those still receiving their KV when it died, retry their prefill elsewhere
+    assert fault["in_flight_at_fault"] >= 1 and fault["failed"] == 0, fault
+    assert fault["failed_over"] + fault["retried_prefill"] >= 1, fault
+    if fault["failed_over"]:
+        assert fault["itl_s"]["failover_gap_max"] > fault["itl_s"]["undisturbed_p50"]
     assert "fault kill-decode at" in out and "failed over" in out
