@@ -1,5 +1,5 @@
 """Mid-stream failover with real processes: ``pdserve serve`` with 1 prefill + 3 decode workers serving the
-shipped default model (trained GLM-5 architecture) in fp32; a decode worker is killed with SIGKILL while 8
+shipped default model (trained GLM-5 architecture) in fp32; a decode worker is killed with SIGKILL while 24
 streams are running. Every stream must finish with exactly the greedy tokens transformers' ``generate``
 gives (no token duplicated or missing across the failover), and the survivors must hold no pages.
 
@@ -49,7 +49,7 @@ def hf_greedy(prompts, n):
 
 
 def run_streams_and(sp, prompts, fault) -> tuple[list[Completion], str, float]:
-    """8 concurrent slow-reading streams; once all are decoding, ``fault(pid)`` hits the busiest decode
+    """Concurrent slow-reading streams; once all are decoding, ``fault(pid)`` hits the busiest decode
     worker. Returns the completions, the victim and the seconds from the fault to the last finish."""
     import time
     progress = [0] * len(prompts)
@@ -65,9 +65,9 @@ def run_streams_and(sp, prompts, fault) -> tuple[list[Completion], str, float]:
     async def run():
         async with AsyncGenerationClient(sp.address, timeout_s=120) as c:
             tasks = [asyncio.create_task(one(c, i)) for i in range(len(prompts))]
-            # every stream is decoding: the last one just got its first token. (The client's own progress
-            # lags the decode workers': the router reads their streams at their pace, and the requests are
-            # spread over the decode workers, so the first ones may be nearly done by now.)
+            # The fault lands once every stream has its first token (prefilled, KV on the decode worker: a
+            # fault during a transfer would be a prefill retry, not a failover) on the busiest decode
+            # worker. With 24 streams spread over 3 decode workers its batch is still ~8 then.
             while min(progress) < 1:
                 if any(t.done() for t in tasks):
                     break
@@ -94,6 +94,9 @@ def check_outputs(prompts, outs, expected, victim):
 
 
 PROMPTS = [[(11 * i + 3 * j) % 1500 + 2 for j in range(20 + 7 * i)] for i in range(8)]
+STREAMS = PROMPTS * 3
+"""The streams of the stall / kill tests: 24, so that spread over the 3 decode workers each one still
+decodes a batch of about 8 (the victim's streams must still be running when the fault lands)."""
 
 
 @pytest.fixture(scope="module")
@@ -136,14 +139,15 @@ def test_bench_fault_drop_kv_reports_the_retries(served, tmp_path):
         wait_until(lambda: pages_all_free(c), timeout_s=20, what="pages back on every worker after the bench")
 
 
-def run_bench(served, tmp_path, fault: str, duration_s: float):
+def run_bench(served, tmp_path, fault: str, duration_s: float, concurrency: int = 4):
     """One ``pdserve bench --fault`` run as a subprocess; returns bench.json's fault report and stdout."""
     import json
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--target", served.address, "--workload",
-                          "random", "--input-len", "64", "--output-len", "64", "--concurrency", "4", "--duration",
-                          str(duration_s), "--warmup", "0", "--fault", fault, "--out", str(tmp_path), "--quiet"],
+                          "random", "--input-len", "64", "--output-len", "64", "--concurrency", str(concurrency),
+                          "--duration", str(duration_s), "--warmup", "0", "--fault", fault, "--out", str(tmp_path),
+                          "--quiet"],
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     return json.load(open(tmp_path / "bench.json"))["fault"], out.stdout
@@ -158,20 +162,20 @@ def test_stalled_decode_worker_fails_over_within_the_stall_timeout(served, expec
         os.kill(pid, signal.SIGSTOP)
         stopped.append(pid)
     try:
-        outs, victim, took = run_streams_and(served, PROMPTS, stall)
+        outs, victim, took = run_streams_and(served, STREAMS, stall)
     finally:
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
-    check_outputs(PROMPTS, outs, expected, victim)
+    check_outputs(STREAMS, outs, expected * 3, victim)
     assert took < STALL_S + 20, took
     with GenerationClient(served.address, timeout_s=60) as c:
         wait_until(lambda: pages_all_free(c), timeout_s=30, what="pages back on every worker, the stalled one too")
 
 
 def test_decode_worker_killed_mid_stream_every_stream_completes(served, expected):
-    outs, victim, _ = run_streams_and(served, PROMPTS, lambda pid: os.kill(pid, signal.SIGKILL))
+    outs, victim, _ = run_streams_and(served, STREAMS, lambda pid: os.kill(pid, signal.SIGKILL))
     assert not pid_alive(served.children[victim])
-    check_outputs(PROMPTS, outs, expected, victim)
+    check_outputs(STREAMS, outs, expected * 3, victim)
     with GenerationClient(served.address, timeout_s=60) as c:
         wait_until(lambda: pages_all_free(c, skip=victim), timeout_s=20, what="pages back on the surviving workers")
         again = c.generate(token_ids=PROMPTS[0], max_tokens=8, ignore_eos=True)  # survivors keep serving
@@ -182,7 +186,8 @@ def test_bench_fault_kill_decode_reports_the_failover(served, tmp_path):
     """``pdserve bench --fault kill-decode@3s`` (a subprocess, the real CLI) against the same cluster:
     the busiest surviving decode worker dies, nothing fails, the report counts the failovers (and the
     prefill retries of requests whose KV was on its way to it)."""
-    fault, out = run_bench(served, tmp_path, "kill-decode@3s", duration_s=8)
+    # 8 at once: spread over the 3 decode workers, the victim still holds a few mid-stream when it dies
+    fault, out = run_bench(served, tmp_path, "kill-decode@3s", duration_s=8, concurrency=8)
     assert "error" not in fault, fault
     assert not pid_alive(served.children[fault["worker"]])
     # its requests fail over, or, those still receiving their KV when it died, retry their prefill elsewhere
