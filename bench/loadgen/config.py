@@ -15,6 +15,7 @@ from typing import Any
 from cluster.flags import field_docs
 
 WORKLOADS = ("prefill-bound", "single-stream", "random", "trace")
+BACKENDS = ("pdserve", "openai")
 FAULT_KINDS = ("kill-decode", "kill-prefill", "drop-kv", "kv-slowloris", "slow-readers")
 
 WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -74,6 +75,16 @@ def parse_seconds(text: str) -> float:
 class BenchConfig:
     target: str = "127.0.0.1:50051"
     """Router address HOST:PORT (the public Generation/Admin gRPC API)."""
+    backend: str = "pdserve"
+    """pdserve: the router's gRPC API at --target; openai: any OpenAI-compatible server at --base-url
+    (pdserve's HTTP port, vLLM, SGLang, llama.cpp's server) through streaming /v1/completions."""
+    base_url: str | None = None
+    """openai backend: the API's base URL, e.g. http://127.0.0.1:8000/v1."""
+    model: str | None = None
+    """openai backend: the model name to send (default: the first one /v1/models lists)."""
+    save_detailed: bool = False
+    """Add every measured request (input/output lengths, TTFT, ITLs, E2E, status) to each step in bench.json,
+    as vLLM's bench serve --save-detailed does."""
     workload: str = "prefill-bound"
     """prefill-bound, single-stream, random or trace."""
     input_len: int | None = None
@@ -142,6 +153,12 @@ class BenchConfig:
         host, _, port = self.target.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"target must be HOST:PORT, got {self.target!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "openai" and not (self.base_url or "").startswith(("http://", "https://")):
+            raise ValueError(f"--backend openai needs --base-url http(s)://HOST:PORT/v1, got {self.base_url!r}")
+        if self.backend == "openai" and self.fault is not None:
+            raise ValueError("--fault needs the pdserve backend (it talks to the router's Admin gRPC API)")
         if self.rps and self.concurrency:
             raise ValueError("give --rps or --concurrency, not both")
         if any(not r > 0 for r in self.rps) or any(c < 1 for c in self.concurrency):
@@ -262,7 +279,7 @@ def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
         if str(f.type) == "bool":
             p.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_)
         else:
-            choices = WORKLOADS if f.name == "workload" else None
+            choices = {"workload": WORKLOADS, "backend": BACKENDS}.get(f.name)
             metavar = "SECONDS" if f.name.endswith("_s") else "LIST" if str(f.type).startswith("tuple") else None
             p.add_argument(flag, dest=f.name, type=_parser_for(str(f.type)), default=None, choices=choices,
                            metavar=metavar, help=help_)

@@ -11,6 +11,7 @@ repeat), so every prompt of the sweep is unique while the prefix groups stay the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -18,13 +19,16 @@ import sys
 import time
 from typing import Any
 
+import aiohttp
 import grpc
 
 from bench.loadgen.config import BenchConfig, Slo
 from bench.loadgen.fault import fault_stats, format_fault, inject
+from bench.loadgen.openai_backend import OpenAIGeneration, server_info
 from bench.loadgen.report import Result, format_compare, format_table, load_json, plot_png, write_json
 from bench.loadgen.runner import LoadStep, StepRunner
 from bench.loadgen.stats import find_knee, step_stats
+from bench.loadgen.vllm_keys import vllm_keys
 from bench.loadgen.workload import TraceWorkload, make_workload
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -47,6 +51,18 @@ async def fetch_cluster(channel: grpc.aio.Channel, metadata, timeout_s: float = 
         vals = [int(w["info"][key]) for w in workers if w["info"].get(key, "").isdigit()]
         out[key] = vals[0] if vals else None
     return out
+
+
+@contextlib.asynccontextmanager
+async def _connect(cfg: BenchConfig, metadata):
+    """(gRPC channel or None, the Generate stub, what the server says it serves) for ``cfg.backend``."""
+    if cfg.backend == "openai":
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            server = await server_info(session, cfg.base_url, cfg.api_key, cfg.model)
+            yield None, OpenAIGeneration(session, cfg.base_url, server.get("model") or "", cfg.api_key), server
+        return
+    async with grpc.aio.insecure_channel(cfg.target, options=rpc.CHANNEL_OPTIONS) as channel:
+        yield channel, generation_pb2_grpc.GenerationStub(channel), await fetch_cluster(channel, metadata)
 
 
 def _steps(cfg: BenchConfig) -> list[LoadStep]:
@@ -96,8 +112,7 @@ async def run_sweep_async(cfg: BenchConfig, progress: bool = True) -> Result:
     """Run every step of ``cfg`` (resolved with ``with_defaults()``) and return the JSON-form result."""
     started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
     metadata = rpc.auth_metadata(cfg.api_key)
-    async with grpc.aio.insecure_channel(cfg.target, options=rpc.CHANNEL_OPTIONS) as channel:
-        server = await fetch_cluster(channel, metadata)
+    async with _connect(cfg, metadata) as (channel, stub, server):
         vocab = cfg.vocab_size or server.get("vocab_size")
         if not cfg.text_prompts and not vocab:
             raise ValueError(f"no vocab_size: the server's status gave none ({server.get('error', 'no worker info')})"
@@ -110,8 +125,7 @@ async def run_sweep_async(cfg: BenchConfig, progress: bool = True) -> Result:
             if duration <= 0:
                 raise ValueError(f"the trace spans {workload.span_s:.1f}s, not more than the {cfg.warmup_s:g}s "
                                  "warm-up: lower --warmup")
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        stats, index, fault_spec, fault = [], 0, cfg.fault_spec(), None
+        stats, extra, index, fault_spec, fault = [], [], 0, cfg.fault_spec(), None
         for k, step in enumerate(_steps(cfg)):
             bar = _Progress(step.label, cfg.warmup_s + duration, progress and not cfg.quiet)
             injector, holders, held = None, [], []
@@ -135,7 +149,8 @@ async def run_sweep_async(cfg: BenchConfig, progress: bool = True) -> Result:
                     fault.update(h)
             index = runner.next_index
             stats.append(step_stats(records, cfg))
-    steps = [_asdict(s) for s in stats]
+            extra.append(vllm_keys(records, cfg.save_detailed))
+    steps = [{**_asdict(s), **e} for s, e in zip(stats, extra)]
     knee = find_knee([s["rate"] for s in steps], [s["within_slo"] for s in steps])
     warnings = [f"cluster status unavailable ({server['error']})"] if "error" in server else []
     return {

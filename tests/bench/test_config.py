@@ -88,3 +88,13 @@ def test_bench_is_a_pure_grpc_client():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_openai_backend_needs_a_base_url_and_no_admin_fault():
+    with pytest.raises(ValueError, match="--base-url"):
+        BenchConfig(backend="openai")
+    with pytest.raises(ValueError, match="--fault needs the pdserve backend"):
+        BenchConfig(backend="openai", base_url="http://127.0.0.1:8000/v1", fault="drop-kv@1")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        BenchConfig(backend="vllm")
+    assert BenchConfig(backend="openai", base_url="http://h:1/v1", model="m").to_json()["backend"] == "openai"

@@ -278,3 +278,23 @@ def test_every_worker_serves_metrics_on_the_port_its_status_reports(served, oai,
     st = {w.role: w for w in grpc_client.cluster_status().workers}["decode"]
     assert dec2["pdserve:kv_pages_free" + d] == st.pages_free == st.pages_total == dec2["pdserve:kv_pages_total" + d]
     assert dec2["pdserve:num_requests_running" + d] == 0 and dec2["pdserve:kv_cache_usage_perc" + d] == 0
+
+
+def test_bench_openai_backend_reports_vllm_keys(served, model_name, tmp_path):
+    from bench.loadgen.config import BenchConfig
+    from bench.loadgen.sweep import run_sweep
+    cfg = BenchConfig(backend="openai", base_url=served[0].http_url, model=model_name, api_key=API_KEY,
+                      workload="random", input_len=24, output_len=6, input_range=(20, 28), output_range=(6, 6),
+                      concurrency=(2,), warmup_s=0.0, duration_s=3.0, vocab_size=128, out=str(tmp_path),
+                      save_detailed=True, quiet=True).with_defaults()
+    result = run_sweep(cfg, progress=False)
+    assert result["server"]["model"] == model_name and result["server"]["max_context"] == 4096
+    step = result["steps"][0]
+    assert step["completed"] == step["num_ok"] > 0 and step["failed"] == 0 and step["length_mismatches"] == 0
+    assert step["total_output_tokens"] == 6 * step["completed"]
+    assert 20 * step["completed"] <= step["total_input_tokens"] <= 28 * step["completed"]
+    for key in ("request_throughput", "output_throughput", "total_token_throughput", "mean_ttft_ms",
+                "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_e2el_ms"):
+        assert step[key] > 0, key
+    assert step["output_throughput"] == pytest.approx(step["total_output_tokens"] / step["duration"])
+    assert len(step["detailed"]) == step["num_measured"] and all(d["output_len"] == 6 for d in step["detailed"])
