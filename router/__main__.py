@@ -17,7 +17,7 @@ import signal
 import sys
 
 from cluster import flags
-from protos import rpc, worker_main
+from protos import logs, rpc, worker_main
 from router.config import DEFAULT_HTTP_PORT, RouterConfig, add_config_args, config_from_args
 from router.server import RouterServer
 
@@ -26,7 +26,10 @@ logger = logging.getLogger("router")
 
 async def amain(cfg: RouterConfig) -> None:
     srv = RouterServer(cfg)
-    await srv.start()
+    try:
+        await srv.start()
+    except OSError as e:
+        raise SystemExit(f"router: error: {e}") from None
     missing = await srv.core.registry.wait_first_poll(cfg.startup_timeout_s)
     if missing:
         logger.warning("workers not healthy yet (serving anyway, they join when healthy): %s", ", ".join(missing))
@@ -47,13 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p)
     p.set_defaults(http_port=DEFAULT_HTTP_PORT)
     flags.add_api_key_file_arg(p)
-    p.add_argument("--log-level", default="INFO")
+    logs.add_log_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup_logging(args.log_level, args.log_format)
     try:
         cfg = config_from_args(args, api_key=rpc.api_key_from_args(args))
     except (ValueError, OSError) as e:

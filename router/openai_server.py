@@ -74,7 +74,12 @@ class OpenAIServer:
     async def start(self) -> None:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self._bind_port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            await self._runner.cleanup()
+            raise OSError(e.errno, f"cannot bind the HTTP port {self.host}:{self._bind_port} ({e.strerror}): "
+                          "--http-port 0 turns it off, -1 picks a free port") from None
         self.port = self._runner.addresses[0][1]
         logger.info("OpenAI-compatible HTTP on http://%s/v1", self.address)
 

@@ -268,6 +268,7 @@ class RouterServer:
             try:
                 await self.http.start()
             except OSError:
+                self.http = None  # it cleaned itself up
                 await self.stop()
                 raise
         logger.info("router listening on %s (%d prefill, %d decode workers, routing %s)", self.address,

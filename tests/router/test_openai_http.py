@@ -3,6 +3,7 @@ its pure parts: the answer text as vLLM shapes it (stop strings, stop tokens) an
 transformers renders them. The whole path with real workers: tests/integration/test_openai_serve.py."""
 import asyncio
 import json
+import socket
 
 import aiohttp
 import grpc
@@ -156,4 +157,18 @@ def test_error_after_the_stream_started_is_an_event_then_done(tmp_path):
             err = json.loads(events[-2][len("data: "):])["error"]
             assert err["code"] == 504 and "deadline" in err["message"]
             assert json.loads(events[0][len("data: "):])["choices"][0]["text"]  # tokens came first
+    run(go())
+
+
+def test_a_busy_http_port_is_a_clear_error_and_leaves_nothing_bound(tmp_path):
+    async def go():
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            fc = FakeCluster(1, 1, http_port=busy.getsockname()[1])
+            with pytest.raises(OSError, match="--http-port 0 turns it off, -1 picks a free port"):
+                await fc.__aenter__()
+            assert fc.router.server is not None and fc.router.http is None
+            for w in fc.decodes + fc.prefills:
+                await w.stop(0)
     run(go())
