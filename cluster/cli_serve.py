@@ -26,6 +26,9 @@ def register(sub) -> None:
                         "0: off, -1: any free port)")
     s.add_argument("--served-model-name", default="",
                    help="the model name HTTP clients send (default: the model directory's last component)")
+    s.add_argument("--log-level", default="INFO", help="log level of the router and the workers")
+    s.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="router and worker logs as text lines or one JSON object per line")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp8_e4m3"])
     s.add_argument("--page-size", type=int, default=16)
@@ -99,7 +102,8 @@ def serve_config(args: argparse.Namespace):
     api_key = rpc.api_key_from_args(args)
     return LocalClusterConfig(
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
-        http_port=args.http_port, served_model_name=args.served_model_name,
+        http_port=args.http_port, served_model_name=args.served_model_name, log_level=args.log_level,
+        log_format=args.log_format,
         dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size, num_pages=args.num_pages,
         speculative=None if args.no_speculative else args.speculative, spec_fallback=not args.no_spec_fallback,
         decode_weights=args.decode_weights,

@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from protos import rpc
+from protos import logs, rpc
 
 READY_PREFIX = "PDSERVE_READY"
 SHM_DIR = "/dev/shm"
@@ -84,6 +84,10 @@ class LocalClusterConfig:
     """Router's OpenAI-compatible HTTP port (0: off, -1: any free port; ``pdserve serve`` defaults to 8000)."""
     served_model_name: str = ""
     """The model name HTTP clients send ("": the model directory's last component)."""
+    log_level: str = "INFO"
+    """Log level of the router and every worker."""
+    log_format: str = "text"
+    """text or json (one object per line) for the router and every worker."""
     dtype: str = "float32"
     """Weights dtype of the workers."""
     kv_dtype: str | None = None
@@ -133,6 +137,8 @@ class LocalClusterConfig:
     """Appended to every worker's command line."""
 
     def __post_init__(self) -> None:
+        if self.log_format not in logs.LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {logs.LOG_FORMATS}, got {self.log_format!r}")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError(f"need at least one prefill and one decode worker, got {self.num_prefill} + "
                              f"{self.num_decode}")
@@ -249,6 +255,7 @@ class LocalCluster:
         threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // (c.num_prefill + c.num_decode))
         cmd += ["--threads", str(threads), "--stall-after", str(c.stall_after_s)]
         cmd += ["--metrics-port", "-1"]  # Prometheus /metrics on a free port, listed in GetClusterStatus
+        cmd += logs.log_args(c.log_level, c.log_format)
         if role == "prefill" and c.fault_injection:
             cmd += ["--fault-injection"]
         if role == "decode":
@@ -287,6 +294,7 @@ class LocalCluster:
                "--decode-stall-timeout-s", str(c.decode_stall_timeout_s),
                "--startup-timeout-s", str(c.startup_timeout_s)]
         cmd += ["--served-model-name", c.served_model_name] if c.served_model_name else []
+        cmd += logs.log_args(c.log_level, c.log_format)
         return cmd + (["--fault-injection"] if c.fault_injection else [])
 
     @staticmethod

@@ -67,6 +67,10 @@ class RayLaunchConfig:
     """Router port (0: any free port)."""
     http_port: int = DEFAULT_HTTP_PORT
     """Router's OpenAI-compatible HTTP port, on the launching node (0: off, -1: any free port)."""
+    log_level: str = "INFO"
+    """Log level of the router and every worker."""
+    log_format: str = "text"
+    """text or json (one object per line) for the router and every worker."""
     api_key: str | None = None
     """Require this bearer token on the router's public port."""
     routing: str = "cache_aware"
@@ -111,6 +115,8 @@ class RayLaunchConfig:
     """Expected model hash (default: computed here from the model with engine.loader.model_hash)."""
 
     def __post_init__(self) -> None:
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"need at least one prefill and one decode worker, got {self.prefill} + {self.decode}")
         if self.prefill_tp < 1 or self.decode_tp < 1:
@@ -248,7 +254,9 @@ def _worker_args(spec: dict, role: str, name: str) -> list[str]:
     threads = spec["threads"] or max(1, int(json.loads(spec["resources_per_worker"]).get("CPU", 1)))
     args = ["--model", spec["model"], "--port", "0", "--worker-id", name, "--dtype", spec["dtype"],
             "--page-size", str(spec["page_size"]), "--threads", str(threads),
-            "--expect-model-hash", spec["model_hash"], "--stall-after", str(spec["stall_after_s"])]
+            "--expect-model-hash", spec["model_hash"], "--stall-after", str(spec["stall_after_s"]),
+            "--metrics-port", "-1",  # Prometheus /metrics on a free port, listed in GetClusterStatus
+            "--log-level", spec.get("log_level", "INFO"), "--log-format", spec.get("log_format", "text")]
     if spec["kv_dtype"]:
         args += ["--kv-dtype", spec["kv_dtype"]]
     if spec["num_pages"]:
@@ -267,7 +275,8 @@ def _router_args(spec: dict) -> list[str]:
             "--routing", spec["routing"],
             "--model", spec["model"], "--startup-timeout-s", str(spec["startup_timeout_s"]),
             "--max-failovers", str(spec["max_failovers"]),
-            "--decode-stall-timeout-s", str(spec["decode_stall_timeout_s"])]
+            "--decode-stall-timeout-s", str(spec["decode_stall_timeout_s"]),
+            "--log-level", spec.get("log_level", "INFO"), "--log-format", spec.get("log_format", "text")]
     return args  # the API key reaches the router through its environment (RouterActor), never argv
 
 

@@ -24,7 +24,7 @@ from engine.loader import model_hash
 from engine.runtime import load_model
 from engine.tokenizer import Tokenizer
 from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, ShmKVPool, TransferError
-from protos import rpc, worker_main
+from protos import logs, rpc, worker_main
 from protos.worker_metrics import serve_metrics
 from protos.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantized-model", default=None, help="serve these (e.g. MXFP4) weights instead")
     p.add_argument("--shm", action="store_true", help="put the KV pool in shared memory (same-host transfers)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup_logging(args.log_level, args.log_format)
     worker_main.run(amain(args))
 
 

@@ -23,7 +23,7 @@ from kvtransfer import KVSender, KVSenderConfig, TransferTicket
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
 from prefill.sink import LocalSink, TransferFailed
 from prefill.transfer import TransferSink
-from protos import rpc, worker_main
+from protos import logs, rpc, worker_main
 from protos.worker_metrics import serve_metrics
 from protos.convert import sampling_from_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fault-injection", action="store_true",
                    help="accept InjectFault calls (resilience benchmarks: pdserve bench --fault drop-kv@S)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup_logging(args.log_level, args.log_format)
     worker_main.run(amain(args))
 
 

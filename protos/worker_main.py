@@ -11,6 +11,8 @@ import signal
 import threading
 import time
 
+from protos import logs
+
 logger = logging.getLogger(__name__)
 
 
@@ -89,7 +91,7 @@ def common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics of this worker on its own port (0: off, -1: any free port; reported "
                         "as info['metrics_port'] in its status)")
-    p.add_argument("--log-level", default="INFO")
+    logs.add_log_args(p)
 
 
 def apply_threads(n: int) -> None:

@@ -19,6 +19,7 @@ def test_worker_args_carry_the_model_hash_threads_and_no_secret():
     assert "--host" not in flags  # the actor adds its node's IP
     assert "s" not in args  # the secret goes through the environment only
     assert flags["--stall-after"] == "60.0" and args[-1] == "--shm"  # shared-memory pool for same-node prefill
+    assert flags["--metrics-port"] == "-1"  # /metrics on a free port, reported in the worker status
     pre = _worker_args(spec(threads=1, stall_after_s=9), "prefill", "prefill-0")
     assert "--kv-port" not in pre and "--shm" not in pre
     assert dict(zip(pre[::2], pre[1::2]))["--threads"] == "1" and dict(zip(pre[::2], pre[1::2]))["--stall-after"] == "9"
@@ -29,7 +30,8 @@ def test_router_args():
     args = _router_args(spec(port=0, http_port=-1, api_key="k", routing="round_robin", max_failovers=0))
     flags = dict(zip(args[::2], args[1::2]))
     assert flags == {"--host": "127.0.0.1", "--port": "0", "--http-port": "-1", "--routing": "round_robin", "--model": "/m",
-                     "--startup-timeout-s": "300.0", "--max-failovers": "0", "--decode-stall-timeout-s": "30.0"}
+                     "--startup-timeout-s": "300.0", "--max-failovers": "0", "--decode-stall-timeout-s": "30.0",
+                     "--log-level": "INFO", "--log-format": "text"}
     assert "k" not in args  # the API key goes through the router's environment only
 
 

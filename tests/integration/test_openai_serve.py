@@ -33,7 +33,8 @@ def served(tiny_dirs, tmp_path_factory):
                    "unk_token": "[UNK]"}, f)
     sp = ServeProcess(["--model", model, "--prefill", "1", "--decode", "1", "--port", "0", "--http-port", "-1",
                        "--dtype", "float32", "--decode-weights", "model", "--no-speculative", "--num-pages", "400",
-                       "--run-dir", str(d / "run")], str(d / "serve.out"), env={"PDSERVE_API_KEY": API_KEY})
+                       "--log-format", "json", "--run-dir", str(d / "run")], str(d / "serve.out"),
+                      env={"PDSERVE_API_KEY": API_KEY})
     try:
         sp.wait_listening()
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", sp.http_url), sp.http_url
@@ -76,6 +77,11 @@ def scrape(served) -> dict[str, float]:
             k, v = line.rsplit(" ", 1)
             out[k] = float(v)
     return out
+
+
+def json_log(path) -> list[dict]:
+    """The JSON records of a process log (``--log-format json``; other lines: the ready line, library noise)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
 
 
 def all_back(grpc_client):
@@ -219,8 +225,10 @@ def test_client_that_disconnects_mid_stream_cancels_the_request(served, oai, grp
     after = scrape(served)
     key = 'pdserve:requests_total{api="http",status="CANCELLED"}'
     assert after.get(key, 0) - before.get(key, 0) == 1
-    log = (served[2] / "router.log").read_text()
-    assert re.search(r"request leaver-1 api=http status=CANCELLED", log), log[-2000:]
+    access = [r for r in json_log(served[2] / "router.log") if r["logger"] == "router.access"]
+    left = [r for r in access if r.get("request_id") == "leaver-1"]
+    assert len(left) == 1 and left[0]["status"] == "CANCELLED" and left[0]["api"] == "http", access[-3:]
+    assert left[0]["prefill_worker"] == "prefill-0" and left[0]["decode_worker"] == "decode-0"
 
 
 def test_metrics_count_every_request_and_token(served, oai, grpc_client, model_name):
@@ -245,10 +253,13 @@ def test_metrics_count_every_request_and_token(served, oai, grpc_client, model_n
     assert moved("pdserve:e2e_request_latency_seconds_count") == 4
     assert moved("pdserve:inter_token_latency_seconds_count") >= 1
     assert after["pdserve:num_requests_running"] == 0
-    log = (served[2] / "router.log").read_text()
-    lines = re.findall(r"request \S+ api=grpc status=OK finish=length prompt_tokens=2 cached_tokens=\d+ "
-                       r"completion_tokens=4 ttft_ms=[\d.]+ e2e_ms=[\d.]+ prefill=prefill-0 decode=decode-0", log)
-    assert lines, log[-2000:]
+    lines = [r["msg"] for r in json_log(served[2] / "router.log") if r["logger"] == "router.access"]
+    assert any(re.fullmatch(r"request \S+ api=grpc status=OK finish=length prompt_tokens=2 cached_tokens=\d+ "
+                            r"completion_tokens=4 ttft_ms=[\d.]+ e2e_ms=[\d.]+ prefill=prefill-0 decode=decode-0 "
+                            r"retries=0 failovers=0", m) for m in lines), lines[-3:]
+    # one logging set-up everywhere: the workers log JSON too
+    assert any(r["logger"] == "prefill.server" for r in json_log(served[2] / "prefill-0.log"))
+    assert any(r["logger"] == "decode.server" for r in json_log(served[2] / "decode-0.log"))
 
 
 def test_every_worker_serves_metrics_on_the_port_its_status_reports(served, oai, grpc_client, model_name):
