@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cluster import flags
-from protos import rpc
+from protos import logs, rpc
 from router.config import RouterConfig, add_config_args, config_from_args
 
 logger = logging.getLogger("router.discovery")
@@ -194,11 +194,15 @@ async def amain(cfg: RouterConfig, dcfg: DiscoveryConfig) -> None:
 
     from router.server import RouterServer
     srv = RouterServer(cfg)
-    await srv.start()
+    try:
+        await srv.start()
+    except OSError as e:
+        raise SystemExit(f"router: error: {e}") from None
     disc = FileDiscovery(dcfg, srv.core.registry)
     disc.check()
     task = asyncio.get_running_loop().create_task(disc.run(), name="discovery")
-    print(f"PDSERVE_READY router {srv.address}", flush=True)
+    http = f" http {srv.http.address}" if srv.http is not None else ""
+    print(f"PDSERVE_READY router {srv.address}{http}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -214,13 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, skip=("prefill", "decode"))
     add_config_args(p, cls=DiscoveryConfig)
     flags.add_api_key_file_arg(p)
-    p.add_argument("--log-level", default="INFO")
+    logs.add_log_args(p)
+    p.set_defaults(http_port=flags.DEFAULT_HTTP_PORT)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup_logging(args.log_level, args.log_format)
     try:
         cfg = config_from_args(args, api_key=rpc.api_key_from_args(args))
         dcfg = config_from_args(args, cls=DiscoveryConfig)

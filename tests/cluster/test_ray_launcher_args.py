@@ -52,3 +52,10 @@ def test_no_spec_fallback_from_the_launch_command_line_reaches_decode_workers_on
     assert "--no-spec-fallback" in _worker_args(s, "decode", "decode-0")
     assert "--no-spec-fallback" not in _worker_args(s, "prefill", "prefill-0")
     assert "--no-spec-fallback" not in _worker_args(spec(), "decode", "decode-0")
+
+
+def test_router_args_parse_with_the_router_the_actor_runs():
+    """The router actor runs ``python -m router.discovery`` with ``_router_args``: every flag must exist there."""
+    from router.discovery import build_parser
+    args = build_parser().parse_args(_router_args(spec(port=0, http_port=-1, log_format="json")))
+    assert (args.http_port, args.log_format, args.log_level) == (-1, "json", "INFO")
