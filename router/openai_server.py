@@ -6,8 +6,9 @@
     GET  /health   /version   /metrics  open (no API key), like vLLM's
 
 A request goes through exactly the path a gRPC ``Generate`` takes: ``RouterCore.open_run`` (admission,
-validation, deadline), then ``RouterCore.serve`` (routing, retries, failover, metrics, access log); only the
-JSON in and out differs (``router.openai_protocol``). The client's deadline is the ``x-request-timeout-s``
+validation, deadline), then ``RouterCore.observe`` (routing, retries, failover, metrics, access log), streamed
+through ``router.relay`` (a slow reader does not hold the decode worker; ``stream_write_timeout_s``); only
+the JSON in and out differs (``router.openai_protocol``). The client's deadline is the ``x-request-timeout-s``
 header (seconds; the router's ``request_timeout_s`` caps it). A client that disconnects cancels its request:
 the handler task is cancelled (aiohttp's ``handler_cancellation``) and the run aborts on every worker. Errors
 are OpenAI's error JSON with the gRPC status mapped to HTTP (``openai_protocol.HTTP_STATUS``); an error after
@@ -30,6 +31,7 @@ from aiohttp import web
 from router.chat import ChatTemplate, ChatTemplateError
 from router.metrics import CONTENT_TYPE
 from router.openai_protocol import ApiError, Answer, OpenAIRequest, chat_messages, parse_chat, parse_completion
+from router.relay import relay
 from router.validate import RequestError
 
 logger = logging.getLogger(__name__)
@@ -209,24 +211,24 @@ class OpenAIServer:
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
-        async def send(obj, timeout_s: float | None = None) -> None:
-            data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
-            # a client that stops reading must not hold the request past its deadline
-            async with asyncio.timeout(run.remaining() if timeout_s is None else timeout_s):
-                await resp.write(data)
+        async def send(obj, timeout_s: float) -> None:
+            async with asyncio.timeout(timeout_s):
+                await resp.write(_event(obj))
 
-        error = None
+        async def write(r) -> None:  # relay bounds every write (stream_write_timeout_s, the deadline)
+            chunk = answer.chunk(r)
+            if chunk is not None:
+                await resp.write(_event(chunk))
+
+        core, error = self.core, None
         try:
-            first = answer.first_chunk()
-            if first is not None:
-                await send(first)
-            async with contextlib.aclosing(self.core.serve(run, "http")) as responses:
-                async for r in responses:
-                    chunk = answer.chunk(r)
-                    if chunk is not None:
-                        await send(chunk)
+            with core.admitted():  # until the client took every response or was cut off (router/relay.py)
+                first = answer.first_chunk()
+                if first is not None:
+                    await send(first, min(core.cfg.stream_write_timeout_s, run.remaining()))
+                await relay(run, core.observe(run, "http"), write, core.cfg.stream_write_timeout_s)
             if answer.oreq.include_usage:
-                await send(answer.usage_chunk())
+                await send(answer.usage_chunk(), STREAM_TAIL_TIMEOUT_S)
         except RequestError as e:
             error = ApiError.from_grpc(e.code, e.message).body()
         except (TimeoutError, ConnectionResetError) as e:
@@ -240,6 +242,11 @@ class OpenAIServer:
             await send(b"[DONE]", STREAM_TAIL_TIMEOUT_S)
             await resp.write_eof()
         return resp
+
+
+def _event(obj) -> bytes:
+    """One server-sent event: ``data: <JSON>`` (or ``data: [DONE]``) and a blank line."""
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
 
 
 def _timeout(request: web.Request) -> float | None:
