@@ -9,10 +9,12 @@ def register(sub) -> None:
     from bench.loadgen.config import add_config_args
     from cluster.flags import add_api_key_file_arg
     p = sub.add_parser("bench", help="benchmark a running router: sweep request rates, report TTFT/ITL/tok/s",
-                       description="Sweep Poisson request rates (--rps) or concurrencies against a running "
-                                   "router and report throughput, latency percentiles, cache hits, goodput "
-                                   "and the knee. Writes OUT/bench.json and OUT/bench.png. "
-                                   "See docs/benchmarks.md.")
+                       description="Sweep Poisson request rates (--rps LIST) or concurrencies against a running "
+                                   "router, or search the knee (--rps auto: ramp until the SLO breaks, bisect to "
+                                   "--resolution, one step past it), and report throughput, latency "
+                                   "percentiles, cache hits, goodput, the knee and saturation. Writes "
+                                   "OUT/bench.json and OUT/bench.png (into a new OUT/<time> folder when OUT "
+                                   "already holds a run). See docs/benchmarks.md.")
     add_config_args(p)
     add_api_key_file_arg(p)
     p.add_argument("--from-json", default=None, metavar="BENCH_JSON",
@@ -22,10 +24,10 @@ def register(sub) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from bench.loadgen.config import config_from_args
-    from bench.loadgen.report import load_json
+    from bench.loadgen.report import load_json, run_label
     from bench.loadgen.sweep import report, run_bench
     if args.from_json:
-        print(report(load_json(args.from_json), args.compare))
+        print(report(load_json(args.from_json), args.compare, run_label(args.from_json)))
         return 0
     from protos import rpc
     try:

@@ -6,8 +6,9 @@ server is reachable.
     arrivals.py  Poisson arrival schedules
     runner.py    one sweep step: send, stream, record every request (failures by status code)
     stats.py     percentiles, throughput, goodput, the knee
-    report.py    terminal table, bench.json, bench.png, side-by-side comparison
-    sweep.py     the whole run; ``run_demo_sweep`` for ``make demo``
+    search.py    the knee search of --rps auto / --concurrency auto (ramp, bisect, one step past)
+    report.py    terminal table, verdict and saturation, bench.json, bench.png, side-by-side comparison
+    sweep.py     the whole run (list or auto, inside --max-duration); ``run_demo_sweep`` for ``make demo``
 
 See docs/benchmarks.md for the definitions of every figure.
 """

@@ -14,13 +14,22 @@ from typing import Any
 
 from cluster.flags import field_docs
 
-WORKLOADS = ("prefill-bound", "single-stream", "random", "trace")
+WORKLOADS = ("prefill-bound", "reference", "single-stream", "random", "trace")
 BACKENDS = ("pdserve", "openai")
 FAULT_KINDS = ("kill-decode", "kill-prefill", "drop-kv", "kv-slowloris", "slow-readers")
+AUTO_KINDS = ("rps", "concurrency")
+REFERENCE_SHAPE = (20_000, 1_000)
+"""The reference workload's (input_len, output_len) at ``--scale 1``."""
+REFERENCE_SCALES = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01)
+"""``--workload reference`` without ``--scale`` takes the largest of these whose requests fit the server."""
+AUTO_MAX_DURATION_S = 1200.0
+"""Default total time bound of an auto sweep."""
 
 WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     # The reference workload: long prompts that mostly hit the prefix cache, modest outputs.
     "prefill-bound": dict(input_len=20_000, output_len=1_000, cache_hit=0.6),
+    # The same shape scaled by --scale, swept with --rps auto to saturation (lengths set in with_defaults).
+    "reference": dict(input_len=None, output_len=None, cache_hit=0.6),
     # One request at a time; what public leaderboards call "output speed".
     "single-stream": dict(input_len=10_000, output_len=1_500, cache_hit=0.0, concurrency=(1,)),
     "random": dict(input_len=1_024, output_len=128, cache_hit=0.0),
@@ -86,7 +95,8 @@ class BenchConfig:
     """Add every measured request (input/output lengths, TTFT, ITLs, E2E, status) to each step in bench.json,
     as vLLM's bench serve --save-detailed does."""
     workload: str = "prefill-bound"
-    """prefill-bound, single-stream, random or trace."""
+    """prefill-bound, reference (prefill-bound's shape scaled by --scale, --rps auto), single-stream, random
+    or trace."""
     input_len: int | None = None
     """Prompt tokens per request (default per workload: 20000 prefill-bound, 10000 single-stream, 1024 random)."""
     output_len: int | None = None
@@ -104,9 +114,26 @@ class BenchConfig:
     trace_speed: float = 1.0
     """trace: replay this many times faster than recorded."""
     rps: tuple[float, ...] = ()
-    """Poisson arrival rates to sweep, requests/s, comma separated (e.g. 0.5,1,1.5,2)."""
+    """Poisson arrival rates to sweep, requests/s, comma separated (e.g. 0.5,1,1.5,2), or 'auto': ramp the rate
+    until the SLO breaks, then bisect to --resolution (see --start-rate, --max-rate, --max-duration)."""
     concurrency: tuple[int, ...] = ()
-    """Fixed numbers of requests in flight to sweep instead of --rps, comma separated."""
+    """Fixed numbers of requests in flight to sweep instead of --rps, comma separated, or 'auto' (as --rps auto)."""
+    auto: str | None = None
+    """'rps' or 'concurrency': search for the knee instead of sweeping a list (what --rps auto sets)."""
+    resolution: str = "10%"
+    """auto: stop bisecting when first-bad minus last-good rate is at most this: a share of the last good
+    rate (10%) or an absolute rate (0.25)."""
+    start_rate: float | None = None
+    """auto: the first rate of the ramp, which doubles from there (default 0.5 rps / concurrency 1)."""
+    max_rate: float | None = None
+    """auto: the ramp's highest rate; reaching it within the SLO ends the run with "no knee up to" it
+    (default 64 rps / concurrency 256)."""
+    max_duration_s: float | None = None
+    """Total time bound of the run, seconds: no step starts that cannot end its window in time, and the
+    drain of the last one is cut short (default 1200 for auto sweeps, unbounded for lists)."""
+    scale: float | None = None
+    """reference: multiply the reference 20000 in / 1000 out by this (default: the largest of 1, 0.5, 0.2,
+    0.1, 0.05, 0.02, 0.01 whose requests fit the server's max_context)."""
     duration_s: float | None = None
     """Measured window of every step, seconds, after the warm-up (default 60; trace: to the end of the trace)."""
     warmup_s: float = 10.0
@@ -161,6 +188,7 @@ class BenchConfig:
             raise ValueError("--fault needs the pdserve backend (it talks to the router's Admin gRPC API)")
         if self.rps and self.concurrency:
             raise ValueError("give --rps or --concurrency, not both")
+        self._check_auto()
         if any(not r > 0 for r in self.rps) or any(c < 1 for c in self.concurrency):
             raise ValueError(f"rates must be > 0 and concurrencies >= 1, got rps={self.rps} "
                              f"concurrency={self.concurrency}")
@@ -194,6 +222,32 @@ class BenchConfig:
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v}")
 
+    def _check_auto(self) -> None:
+        if self.auto is not None:
+            if self.auto not in AUTO_KINDS:
+                raise ValueError(f"auto must be one of {AUTO_KINDS}, got {self.auto!r}")
+            if self.rps or self.concurrency:
+                raise ValueError(f"--{self.auto} auto searches the rates itself: drop the rate list "
+                                 f"(rps={self.rps} concurrency={self.concurrency})")
+        self.resolution_for(1.0)
+        for name in ("start_rate", "max_rate", "max_duration_s", "scale"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v}")
+        if self.start_rate and self.max_rate and self.start_rate > self.max_rate:
+            raise ValueError(f"start_rate {self.start_rate} is above max_rate {self.max_rate}")
+
+    def resolution_for(self, rate: float) -> float:
+        """The bracket width at which bisection stops, around a last good ``rate``."""
+        text = self.resolution.strip()
+        try:
+            value = float(text[:-1]) / 100 * rate if text.endswith("%") else float(text)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(f"resolution must be a share like 10% or a rate like 0.25, got {self.resolution!r}")
+        return value
+
     def fault_spec(self) -> tuple[str, float] | None:
         """``(kind, seconds)`` of ``--fault``, or None."""
         if self.fault is None:
@@ -211,6 +265,14 @@ class BenchConfig:
         """The workload's defaults filled in; raises ValueError when the load shape is missing or contradictory."""
         d = WORKLOAD_DEFAULTS[self.workload]
         kw: dict[str, Any] = {k: d[k] for k in ("input_len", "output_len", "cache_hit") if getattr(self, k) is None}
+        if self.workload == "reference":
+            scale = self.scale or (self.input_len / REFERENCE_SHAPE[0] if self.input_len else None)
+            if scale is not None:  # else the sweep picks the scale that fits the server (with_scale)
+                kw["scale"] = scale
+                kw.update({k: max(1, round(n * scale)) for k, n in zip(("input_len", "output_len"), REFERENCE_SHAPE)
+                           if getattr(self, k) is None})
+            if not (self.rps or self.concurrency or self.auto):
+                kw["auto"] = "rps"  # the reference sweeps the rate to saturation
         if self.workload == "single-stream":
             if self.rps or self.concurrency not in ((), (1,)):
                 raise ValueError("single-stream sends one request at a time: drop --rps/--concurrency")
@@ -218,8 +280,12 @@ class BenchConfig:
         elif self.workload == "trace":
             if self.rps or self.concurrency:
                 raise ValueError("trace replays the file's timestamps: drop --rps/--concurrency")
-        elif not (self.rps or self.concurrency):
-            raise ValueError(f"{self.workload} needs --rps LIST or --concurrency LIST")
+        elif not (self.rps or self.concurrency or self.auto or kw.get("auto")):
+            raise ValueError(f"{self.workload} needs --rps LIST|auto or --concurrency LIST|auto")
+        if self.workload in ("single-stream", "trace") and self.auto:
+            raise ValueError(f"{self.workload} has no rate to search: drop --rps/--concurrency auto")
+        if self.auto or kw.get("auto"):
+            kw.setdefault("max_duration_s", self.max_duration_s or AUTO_MAX_DURATION_S)
         if self.duration_s is None and self.workload != "trace":
             kw["duration_s"] = 60.0
         cfg = dataclasses.replace(self, **kw)
@@ -232,6 +298,16 @@ class BenchConfig:
                 kw2["output_range"] = (lo_out, max(lo_out, cfg.output_len * 3 // 2))
             cfg = dataclasses.replace(cfg, **kw2)
         return cfg
+
+    def with_scale(self, max_context: int | None) -> "BenchConfig":
+        """reference without --scale: the largest REFERENCE_SCALES entry whose requests fit ``max_context``
+        (1 when the server did not say), resolved; any other config is returned as it is."""
+        if self.workload != "reference" or self.scale is not None:
+            return self
+        total = sum(REFERENCE_SHAPE)
+        scale = next((s for s in REFERENCE_SCALES if not max_context or total * s <= max_context),
+                     REFERENCE_SCALES[-1])
+        return dataclasses.replace(self, scale=scale).with_defaults()
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -255,6 +331,12 @@ def float_list(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
 
+def _or_auto(parse):
+    def parse_or_auto(text: str):
+        return "auto" if text.strip() == "auto" else parse(text)
+    return parse_or_auto
+
+
 def _parser_for(type_name: str):
     if type_name.startswith("tuple[int"):
         return int_list
@@ -273,7 +355,7 @@ def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
     ``config_from_args`` can tell an explicit flag from the dataclass default."""
     docs = field_docs(BenchConfig)
     for f in dataclasses.fields(BenchConfig):
-        if f.name in skip:
+        if f.name in skip or f.name == "auto":  # --rps auto / --concurrency auto set it
             continue
         flag, help_ = flag_name(f.name), docs.get(f.name)
         if str(f.type) == "bool":
@@ -281,11 +363,16 @@ def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
         else:
             choices = {"workload": WORKLOADS, "backend": BACKENDS}.get(f.name)
             metavar = "SECONDS" if f.name.endswith("_s") else "LIST" if str(f.type).startswith("tuple") else None
-            p.add_argument(flag, dest=f.name, type=_parser_for(str(f.type)), default=None, choices=choices,
+            parse = _parser_for(str(f.type))
+            p.add_argument(flag, dest=f.name, type=_or_auto(parse) if f.name in AUTO_KINDS else parse,
+                           default=None, choices=choices,
                            metavar=metavar, help=help_)
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> BenchConfig:
     names = {f.name for f in dataclasses.fields(BenchConfig)}
     kw = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    for kind in AUTO_KINDS:
+        if kw.get(kind) == "auto":
+            kw[kind], kw["auto"] = (), kind
     return BenchConfig(**{**kw, **overrides})

@@ -9,37 +9,63 @@ import json
 import os
 from typing import Any, Callable
 
+from bench.loadgen.stats import find_knee
+
 Result = dict[str, Any]
 """A sweep result in its JSON form: config, server, steps (StepStats as dicts), knee, warnings."""
+
+
+MIN_SAMPLES = {"p50": 2, "p95": 20, "p99": 100}
+"""A pXX from fewer samples than 1 / (1 - XX) is no better than the sample's maximum: flagged '*'."""
+FEW = "*"
+CARRIED = "^"
 
 
 def _f(v: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if v is None else format(v * scale, spec)
 
 
-def _pair(d: dict, spec: str, scale: float = 1.0) -> str:
-    return f"{_f(d.get('p50'), spec, scale)} / {_f(d.get('p95'), spec, scale)}"
+def _ms(v: float | None) -> str:
+    """Seconds as milliseconds: one decimal under 100 ms, none above."""
+    return "-" if v is None else f"{v * 1e3:.1f}" if v < 0.1 else f"{v * 1e3:.0f}"
+
+
+def _q(d: dict, q: str) -> str:
+    """One percentile of a Dist in ms, flagged when it comes from too few samples."""
+    v = d.get(q)
+    return _ms(v) + (FEW if v is not None and d.get("count", 0) < MIN_SAMPLES[q] else "")
+
+
+def _pair(d: dict) -> str:
+    return f"{_q(d, 'p50')} / {_q(d, 'p95')}"
 
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:.1f}%"
 
 
-# (header, cell) in display order: the reference columns first, then the rest.
+def _sustained(s: dict) -> str:
+    above = s["sustained_rps"] > s["offered_rps"] and s.get("num_carried_in", 0) > 0
+    return f"{s['sustained_rps']:.3f}" + (CARRIED if above else "")
+
+
+# (header, cell) in display order: the reference table's columns first, then ours. Every latency is in ms.
 _COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
-    ("Sustained RPS", lambda s: _f(s["sustained_rps"], ".3f")),
+    ("Sustained RPS", _sustained),
     ("Aggregate tok/s/node", lambda s: _f(s["total_tok_s"], ".1f")),
-    ("TTFT p50 / p95 s", lambda s: _pair(s["ttft"], ".2f")),
+    ("TTFT p50 / p95 ms", lambda s: _pair(s["ttft"])),
     ("Success rate", lambda s: _pct(s["success_rate"])),
+    ("Requests", lambda s: str(s["num_measured"])),
+    ("Offered RPS", lambda s: f"{s['offered_rps']:.3f}"),
     ("Output tok/s/node", lambda s: _f(s["output_tok_s"], ".1f")),
-    ("TTFT p99 s", lambda s: _f(s["ttft"].get("p99"), ".2f")),
-    ("ITL p50 / p95 ms", lambda s: _pair(s["itl"], ".1f", 1e3)),
-    ("TPOT p50 / p95 ms", lambda s: _pair(s["tpot"], ".1f", 1e3)),
-    ("E2E p50 / p95 s", lambda s: _pair(s["e2e"], ".2f")),
+    ("TTFT p99 ms", lambda s: _q(s["ttft"], "p99")),
+    ("ITL p50 / p95 ms", lambda s: _pair(s["itl"])),
+    ("TPOT p50 / p95 ms", lambda s: _pair(s["tpot"])),
+    ("E2E p50 / p95 ms", lambda s: _pair(s["e2e"])),
     ("Stream tok/s", lambda s: _f(s["stream_tok_s"].get("p50"), ".1f")),
     ("Cache hit", lambda s: f"{_pct(s['cache_hit'])} ({s['target_cache_hit'] * 100:.0f}%)"),
     ("KV MB/req", lambda s: _f(s["kv_bytes_per_req"], ".2f", 1e-6)),
-    ("KV ms/req", lambda s: _f(s["kv_s_per_req"], ".1f", 1e3)),
+    ("KV transfer ms", lambda s: _ms(s["kv_s_per_req"])),
     ("Accept len", lambda s: _f(s["accept_len"], ".2f")),
     ("Goodput rps", lambda s: f"{s['goodput_rps']:.3f} ({_pct(s['goodput_frac'])})"),
 ]
@@ -55,29 +81,84 @@ def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
     return [line(header), "-+-".join("-" * w for w in widths), *(line(r) for r in rows)]
 
 
+def _unit(steps: list[dict]) -> str:
+    return "concurrency" if steps and steps[0]["kind"] == "concurrency" else "rps"
+
+
+def _cond(slo: dict) -> str:
+    return f"TTFT p95 <= {slo['ttft_s'] * 1e3:g} ms and success >= {slo['min_success'] * 100:g}%"
+
+
+def _next(cfg: dict, kind: str, start: float, top: float) -> str:
+    """The flags of the next sweep to try, over [start, top]."""
+    if cfg.get("auto"):
+        return f"--{kind} auto --start-rate {start:.3g} --max-rate {top:.3g}"
+    rates = [start * 2 ** k for k in range(4)]
+    return f"--{kind} " + ",".join(f"{r:.3g}" for r in rates if r <= top * 1.001)
+
+
+def knee_fields(result: Result) -> dict[str, Any]:
+    """``knee`` (only where the sweep crossed the SLO), ``saturation`` and ``verdict`` of a result, from its
+    steps: one rule for list and auto sweeps, and for results saved by older versions."""
+    cfg, steps, search = result["config"], result["steps"], result.get("search") or {}
+    if not steps:
+        return {"knee": None, "saturation": None, "verdict": {"status": "no-steps", "text": "knee: none - no step ran"}}
+    knee = find_knee([s["rate"] for s in steps], [s["within_slo"] for s in steps])
+    kind, cond = _unit(steps), _cond(cfg["slo"])
+    by_rate = sorted(steps, key=lambda s: s["rate"])
+    timed_out = search.get("stopped") == "time"
+    bound = f" (stopped by --max-duration {cfg.get('max_duration_s'):g}s)" if timed_out else ""
+    if knee.found:
+        good, bad = steps[knee.last_good], steps[knee.first_bad]
+        res = f", resolution {cfg['resolution']}" if cfg.get("auto") else ""
+        text = (f"knee: {good['label']} - the highest rate with {cond}; {bad['label']} breaks it: capacity under "
+                f"this SLO is in [{good['rate']:g}, {bad['rate']:g}) {kind}{res}{bound}")
+        sat = max(steps, key=lambda s: s["sustained_rps"])
+        saturation = {"label": sat["label"], "rate": sat["rate"], "sustained_rps": sat["sustained_rps"],
+                      "offered_rps": sat["offered_rps"], "success_rate": sat["success_rate"]}
+        return {"knee": {"index": knee.last_good, "label": good["label"], "rate": good["rate"],
+                         "first_bad_index": knee.first_bad, "first_bad_label": bad["label"],
+                         "first_bad_rate": bad["rate"]},
+                "saturation": saturation, "verdict": {"status": "found", "text": text}}
+    if knee.last_good is None:
+        low = by_rate[0]["rate"]
+        text = (f"knee: none - the lowest rate ({by_rate[0]['label']}) already misses {cond}{bound}; "
+                f"next: {_next(cfg, kind, low / 8, low)}")
+        return {"knee": None, "saturation": None, "verdict": {"status": "below-range", "text": text}}
+    top = steps[knee.last_good]
+    text = (f"no knee up to {top['label']}: every step met {cond}{bound}; "
+            f"next: {_next(cfg, kind, top['rate'], top['rate'] * 8)}")
+    return {"knee": None, "saturation": None, "verdict": {"status": "not-reached", "text": text}}
+
+
 def format_table(result: Result) -> str:
-    """The terminal table, knee marked with '*', then failures and warnings (never hidden)."""
-    cfg, steps, knee = result["config"], result["steps"], result.get("knee")
+    """The terminal table in rate order (knee marked), the verdict, saturation, legends, then failures and
+    warnings (never hidden)."""
+    cfg, steps = result["config"], result["steps"]
+    fields = knee_fields(result)
+    knee, saturation = fields["knee"], fields["saturation"]
+    phases = (result.get("search") or {}).get("phases") or []
     cols = list(_COLUMNS)
     if cfg.get("cost_per_hour"):
         cols += _COST_COLUMNS
     if cfg.get("power_watts"):
         cols += _POWER_COLUMNS
     rows = []
-    for i, s in enumerate(steps):
-        mark = " *" if knee is not None and knee["index"] == i else ""
-        rows.append([s["label"] + mark] + [cell(s) for _, cell in cols])
-    slo = cfg["slo"]
+    for i in sorted(range(len(steps)), key=lambda i: steps[i]["rate"]):
+        s = steps[i]
+        mark = " (knee)" if knee is not None and knee["index"] == i else ""
+        phase = [phases[i] if i < len(phases) else ""] if phases else []
+        rows.append([s["label"] + mark] + phase + [cell(s) for _, cell in cols])
     prefixes = f" ({cfg['num_prefixes']} prefixes)" if cfg["cache_hit"] else ""
     title = (f"pdserve bench: {cfg['workload']} -> {cfg['target']}  input {cfg['input_len']} / output "
              f"{cfg['output_len']} tokens, cache hit {cfg['cache_hit']:g}{prefixes}, {cfg['nodes']} node(s), "
              f"window {_window(cfg, steps)}, warm-up {cfg['warmup_s']:g}s, SLO {_slo(cfg['slo'])}")
-    lines = [title, *_grid(["Step"] + [h for h, _ in cols], rows)]
-    cond = f"TTFT p95 <= {slo['ttft_s']:g}s and success >= {slo['min_success'] * 100:g}%"
-    if knee is not None:
-        lines.append(f"* knee: {knee['label']}, the highest swept rate with {cond}")
-    elif steps:
-        lines.append(f"knee: none - the lowest swept rate already misses {cond}")
+    header = ["Step"] + (["Phase"] if phases else []) + [h for h, _ in cols]
+    lines = [title, *_grid(header, rows), fields["verdict"]["text"]]
+    if saturation is not None:
+        lines.append(f"saturation: at most {saturation['sustained_rps']:.3f} req/s sustained ({saturation['label']}, "
+                     f"offered {saturation['offered_rps']:.3f}, success {_pct(saturation['success_rate'])})")
+    lines += _legends(rows, steps)
     for s in steps:
         if s["failures"]:
             n = sum(s["failures"].values())
@@ -90,17 +171,38 @@ def format_table(result: Result) -> str:
     return "\n".join(lines)
 
 
+def _legends(rows: list[list[str]], steps: list[dict]) -> list[str]:
+    out = []
+    if any(c.endswith(FEW) for r in rows for c in r[1:]):
+        need = ", ".join(f"{q}: {n}" for q, n in MIN_SAMPLES.items())
+        out.append(f"{FEW} percentile from fewer samples than it needs to differ from the maximum ({need}): noise, "
+                   "lengthen --duration")
+    carried = [s for s in steps if s["sustained_rps"] > s["offered_rps"] and s.get("num_carried_in", 0) > 0]
+    if carried:
+        which = ", ".join(f"{s['num_carried_in']} in {s['label']}" for s in carried)
+        out.append(f"{CARRIED} sustained above offered: requests scheduled before the window (the warm-up's backlog) "
+                   f"finished inside it ({which})")
+    return out
+
+
 def _slo(slo: dict) -> str:
-    parts = [f"ttft<={slo['ttft_s']:g}s"]
+    parts = [f"ttft p95<={slo['ttft_s'] * 1e3:g}ms"]
     if slo.get("tpot_s") is not None:
         parts.append(f"tpot<={slo['tpot_s'] * 1e3:g}ms")
     if slo.get("e2e_s") is not None:
-        parts.append(f"e2e<={slo['e2e_s']:g}s")
-    return ",".join(parts)
+        parts.append(f"e2e<={slo['e2e_s'] * 1e3:g}ms")
+    return ",".join(parts) + f",success>={slo.get('min_success', 0.99) * 100:g}%"
 
 
 def _window(cfg: dict, steps: list[dict]) -> str:
-    return f"{steps[0]['window_s']:.0f}s" if steps else f"{cfg.get('duration_s')}s"
+    return f"{steps[0]['window_s']:.3g}s" if steps else f"{cfg.get('duration_s')}s"
+
+
+def run_label(path: str) -> str:
+    """A run's name in comparisons: its folder (``runs/baseline/bench.json`` -> ``baseline``)."""
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path) if os.path.splitext(path)[1] == ".json" else path
+    return os.path.basename(folder) or folder
 
 
 def write_json(result: Result, path: str) -> str:
@@ -120,38 +222,84 @@ def load_json(path: str) -> Result:
 
 
 def plot_png(result: Result, path: str) -> str:
-    """TTFT p50/p95 (top) and tok/s per node (bottom) against the swept rate (concurrency sweeps: against
-    the sustained RPS), the SLO line and the knee marked."""
-    import matplotlib
+    """Three panels against the swept rate: TTFT p50/p95 in ms with the SLO (hollow: p95 from too few
+    requests), sustained vs offered RPS with the saturation level, success rate with the failures per step;
+    the knee and the first rate that breaks the SLO marked on each."""
+    import matplotlib  # heavy optional dependency: only the PNG needs it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, knee, cfg = result["steps"], result.get("knee"), result["config"]
-    by_conc = bool(steps) and steps[0]["kind"] == "concurrency"
-    xs = [s["sustained_rps"] if by_conc else s["rate"] for s in steps]
-    nan = float("nan")
-    val = lambda v: nan if v is None else v
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
-    top.plot(xs, [val(s["ttft"]["p50"]) for s in steps], "o-", label="TTFT p50")
-    top.plot(xs, [val(s["ttft"]["p95"]) for s in steps], "s-", label="TTFT p95")
-    top.axhline(cfg["slo"]["ttft_s"], color="grey", ls=":", label=f"SLO {cfg['slo']['ttft_s']:g} s")
-    top.set_ylabel("TTFT (s)")
-    bottom.plot(xs, [s["total_tok_s"] for s in steps], "o-", label="input + output")
-    bottom.plot(xs, [s["output_tok_s"] for s in steps], "s-", label="output")
-    bottom.set_ylabel("tok/s per node")
-    bottom.set_xlabel("sustained RPS (concurrency sweep)" if by_conc else "offered RPS (Poisson)")
-    for ax in (top, bottom):
-        if knee is not None:
-            ax.axvline(xs[knee["index"]], color="red", ls="--", label=f"knee ({knee['label']})")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    top.set_title(f"pdserve bench: {cfg['workload']}, {cfg['input_len']} in / {cfg['output_len']} out, "
-                  f"cache hit {cfg['cache_hit']:g}", fontsize=10)
-    fig.tight_layout()
+    fig = figure(result, plt)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=PNG_DPI)
     plt.close(fig)
     return path
+
+
+PNG_DPI = 80
+"""Keeps a plot under ~100 KB (docs/img holds some)."""
+
+
+def _headline(fields: dict) -> str:
+    knee, sat, status = fields["knee"], fields["saturation"], fields["verdict"]["status"]
+    if status == "found":
+        return (f"knee {knee['label']} (breaks at {knee['first_bad_label']}), "
+                f"saturation {sat['sustained_rps']:.2f} req/s sustained")
+    return fields["verdict"]["text"].split(";")[0]
+
+
+def figure(result: Result, plt):
+    """The figure of ``plot_png`` (``plt``: matplotlib.pyplot, Agg backend)."""
+    cfg, fields = result["config"], knee_fields(result)
+    steps = sorted(result["steps"], key=lambda s: s["rate"])
+    knee, sat = fields["knee"], fields["saturation"]
+    xs = [s["rate"] for s in steps]
+    nan = float("nan")
+    ms = lambda v: nan if v is None else v * 1e3
+    fig, (lat, rps, ok) = plt.subplots(3, 1, figsize=(7, 8.5), sharex=True)
+    lat.plot(xs, [ms(s["ttft"]["p50"]) for s in steps], "o-", label="TTFT p50")
+    lat.plot(xs, [ms(s["ttft"]["p95"]) for s in steps], "s-", label="TTFT p95")
+    few = [s for s in steps if s["ttft"]["p95"] is not None and s["ttft"]["count"] < MIN_SAMPLES["p95"]]
+    if few:
+        lat.plot([s["rate"] for s in few], [ms(s["ttft"]["p95"]) for s in few], "s", mfc="white", color="C1",
+                 label=f"p95 from < {MIN_SAMPLES['p95']} requests")
+    lat.axhline(cfg["slo"]["ttft_s"] * 1e3, color="grey", ls=":", label=f"SLO {cfg['slo']['ttft_s'] * 1e3:g} ms")
+    lat.set_yscale("log")
+    lat.set_ylabel("TTFT (ms)")
+    rps.plot(xs, [s["sustained_rps"] for s in steps], "o-", label="sustained")
+    rps.plot(xs, [s["offered_rps"] for s in steps], "x--", color="grey", label="offered (in the window)")
+    if sat is not None:
+        rps.axhline(sat["sustained_rps"], color="purple", ls="-.", label=f"saturation {sat['sustained_rps']:.2f} rps")
+    rps.set_ylabel("requests/s")
+    ok.plot(xs, [nan if s["success_rate"] is None else s["success_rate"] * 100 for s in steps], "o-", color="green",
+            label="success rate")
+    ok.axhline(cfg["slo"]["min_success"] * 100, color="grey", ls=":", label="SLO success")
+    ok.set_ylabel("success (%)")
+    ok.set_ylim(-5, 105)
+    fails = ok.twinx()
+    width = 0.02 * ((max(xs) - min(xs)) or max(xs) or 1.0)
+    fails.bar(xs, [sum(s["failures"].values()) for s in steps], width=width, color="red", alpha=0.5,
+              label="failed requests")
+    fails.set_ylabel("failed requests")
+    fails.set_ylim(bottom=0)
+    ok.set_xlabel("concurrency" if _unit(steps) == "concurrency" else "offered rate, requests/s (Poisson)")
+    for ax in (lat, rps, ok):
+        if knee is not None:
+            ax.axvline(knee["rate"], color="red", ls="--", label=f"knee ({knee['label']})")
+            ax.axvspan(knee["rate"], knee["first_bad_rate"], color="red", alpha=0.08)
+        ax.grid(alpha=0.3)
+    for ax in (lat, rps):
+        ax.legend(fontsize=7)
+    handles = [h for a in (ok, fails) for h in a.get_legend_handles_labels()[0]]
+    ok.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="lower left")
+    lat.set_title(f"pdserve bench: {cfg['workload']}, {cfg['input_len']} in / {cfg['output_len']} out, "
+                  f"cache hit {cfg['cache_hit']:g}\n{_headline(fields)}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _in_ms(v: float | None) -> float | None:
+    return None if v is None else v * 1e3
 
 
 _COMPARED: list[tuple[str, Callable[[dict], float | None], bool]] = [
@@ -159,10 +307,10 @@ _COMPARED: list[tuple[str, Callable[[dict], float | None], bool]] = [
     ("Sustained RPS", lambda s: s["sustained_rps"], True),
     ("Aggregate tok/s/node", lambda s: s["total_tok_s"], True),
     ("Output tok/s/node", lambda s: s["output_tok_s"], True),
-    ("TTFT p50 s", lambda s: s["ttft"]["p50"], False),
-    ("TTFT p95 s", lambda s: s["ttft"]["p95"], False),
-    ("TPOT p50 ms", lambda s: None if s["tpot"]["p50"] is None else s["tpot"]["p50"] * 1e3, False),
-    ("E2E p50 s", lambda s: s["e2e"]["p50"], False),
+    ("TTFT p50 ms", lambda s: _in_ms(s["ttft"]["p50"]), False),
+    ("TTFT p95 ms", lambda s: _in_ms(s["ttft"]["p95"]), False),
+    ("TPOT p50 ms", lambda s: _in_ms(s["tpot"]["p50"]), False),
+    ("E2E p50 ms", lambda s: _in_ms(s["e2e"]["p50"]), False),
     ("Success rate", lambda s: s["success_rate"], True),
     ("Cache hit", lambda s: s["cache_hit"], True),
     ("Goodput rps", lambda s: s["goodput_rps"], True),
@@ -171,13 +319,15 @@ _COMPARED: list[tuple[str, Callable[[dict], float | None], bool]] = [
 
 def format_compare(this: Result, other: Result, this_name: str = "this", other_name: str = "other") -> str:
     """Both runs side by side, step by step (matched by label), with this/other ratios."""
-    lines = [f"compare: {this_name} ({this['config']['workload']}) vs {other_name} ({other['config']['workload']})"]
+    lines = [f"compare: {this_name} vs {other_name} (workloads {this['config']['workload']} / "
+             f"{other['config']['workload']})"]
     others = {s["label"]: s for s in other["steps"]}
     pairs = [(s, others[s["label"]]) for s in this["steps"] if s["label"] in others]
-    if not pairs:  # different sweeps: pair the steps in order
-        pairs = list(zip(this["steps"], other["steps"]))
+    if not pairs:  # different sweeps (auto searches land on different rates): pair the steps in rate order
+        by_rate = lambda r: sorted(r["steps"], key=lambda s: s["rate"])
+        pairs = list(zip(by_rate(this), by_rate(other)))
         if pairs:
-            lines.append("no step label in common: steps paired in sweep order")
+            lines.append("no step label in common: steps paired in rate order")
     rows = []
     for s, o in pairs:
         label = s["label"] if s["label"] == o["label"] else f"{s['label']} ~ {o['label']}"
@@ -191,7 +341,7 @@ def format_compare(this: Result, other: Result, this_name: str = "this", other_n
         lines.append("no steps to compare")
     else:
         lines += _grid(["Step", "Metric", this_name, other_name, f"{this_name}/{other_name}"], rows)
-    knees = [r.get("knee") for r in (this, other)]
+    knees = [knee_fields(r)["knee"] for r in (this, other)]
     lines.append(f"knee: {this_name} {knees[0]['label'] if knees[0] else 'none'}, "
                  f"{other_name} {knees[1]['label'] if knees[1] else 'none'}")
     return "\n".join(lines)

@@ -1,8 +1,10 @@
 """From one step's request records to its figures, and the knee of a sweep.
 
 Definitions (``window`` is the step's measured window, ``measured`` the requests sent inside it):
+- offered RPS: requests scheduled inside the window / window length (the Poisson draw's rate).
 - sustained RPS: successful requests that *finished* inside the window / window length; under overload it
-  falls below the offered rate.
+  falls below the offered rate. It can exceed it only by requests carried in from before the window
+  (``num_carried_in``: the warm-up's backlog finishing inside the window), which the report states.
 - tok/s (per node): prompt tokens of successful requests whose first token arrived in the window, plus
   their output tokens that arrived in the window, / window length / nodes.
 - latencies (measured, successful requests; percentiles interpolate linearly, as numpy's default):
@@ -19,7 +21,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -71,7 +73,11 @@ class StepStats:
     failure_examples: dict[str, str]
     """One server message per failure status."""
     offered_rps: float
+    """Requests scheduled inside the window / window (the Poisson draw's actual rate, not the nominal one)."""
     sustained_rps: float
+    num_carried_in: int
+    """Successful requests that finished inside the window but were scheduled before it (warm-up backlog):
+    why the sustained rate can exceed the offered one."""
     input_tok_s: float
     """Per node."""
     output_tok_s: float
@@ -113,18 +119,21 @@ def _meets(r: RequestRecord, slo: Slo) -> bool:
             and (slo.e2e_s is None or (e2e is not None and e2e <= slo.e2e_s)))
 
 
-def _throughput(sr: StepRecords) -> tuple[float, float, int]:
-    """(input tokens, output tokens, completed requests) inside the window, successful requests only."""
+def _throughput(sr: StepRecords) -> tuple[float, float, int, int]:
+    """(input tokens, output tokens, completed requests, of those scheduled before the window) inside the
+    window, successful requests only."""
     ws, we = sr.window_start_s, sr.window_end_s
-    inp = out = done = 0
+    inp = out = done = carried = 0
     for r in sr.records:
         if not r.ok:
             continue
         if r.t_first is not None and ws <= r.t_first < we:
             inp += r.prompt_tokens or r.input_len
         out += sum(n for t, n in zip(r.chunk_times, r.chunk_tokens) if ws <= t < we)
-        done += r.t_end is not None and ws <= r.t_end < we
-    return inp, out, done
+        ended = r.t_end is not None and ws <= r.t_end < we
+        done += ended
+        carried += ended and r.t_sched < ws
+    return inp, out, done, carried
 
 
 def _drift(ok: list[RequestRecord]) -> float | None:
@@ -142,7 +151,7 @@ def step_stats(sr: StepRecords, cfg: BenchConfig) -> StepStats:
     ok = [r for r in measured if r.ok]
     bad = [r for r in measured if not r.ok]
     window, nodes, slo = sr.window_s, cfg.nodes, cfg.slo
-    inp, out, done = _throughput(sr)
+    inp, out, done, carried = _throughput(sr)
     ttft = Dist.of(r.ttft_s for r in ok)
     success = len(ok) / len(measured) if measured else None
     prompt = sum(r.prompt_tokens for r in ok)
@@ -166,7 +175,7 @@ def step_stats(sr: StepRecords, cfg: BenchConfig) -> StepStats:
         num_measured=len(measured), num_ok=len(ok), success_rate=success,
         failures=dict(sorted(Counter(r.status for r in bad).items())),
         failure_examples={r.status: r.detail for r in reversed(bad)},
-        offered_rps=len(measured) / window, sustained_rps=done / window,
+        offered_rps=len(measured) / window, sustained_rps=done / window, num_carried_in=carried,
         input_tok_s=inp / window / nodes, output_tok_s=output_tok_s, total_tok_s=total_tok_s,
         ttft=ttft, itl=Dist.of(g for r in ok for g in np.diff(r.chunk_times).tolist()),
         tpot=Dist.of(r.tpot_s for r in ok), e2e=Dist.of(r.e2e_s for r in ok),
@@ -187,17 +196,32 @@ def step_stats(sr: StepRecords, cfg: BenchConfig) -> StepStats:
         warnings=warnings)
 
 
-def find_knee(rates: Sequence[float], within: Sequence[bool]) -> int | None:
-    """Index of the knee: the highest rate such that it and every lower swept rate are within the SLO.
+class Knee(NamedTuple):
+    """Where a sweep crossed its SLO, as indices into its steps."""
+    last_good: int | None
+    """The highest rate that, with every lower swept rate, is within the SLO."""
+    first_bad: int | None
+    """The lowest swept rate that is not within the SLO."""
+
+    @property
+    def found(self) -> bool:
+        """A knee exists only where the sweep crossed the SLO: a good rate below a bad one."""
+        return self.last_good is not None and self.first_bad is not None
+
+
+def find_knee(rates: Sequence[float], within: Sequence[bool]) -> Knee:
+    """The knee: the last good rate below the first bad one.
 
     A rate above a violating one is not the knee even if it passes: latency recovering under more load is
-    noise, not capacity.  None when the lowest rate already violates the SLO.
+    noise, not capacity. ``last_good`` is None when the lowest rate already violates the SLO, ``first_bad``
+    None when no rate does (then there is no knee, only "none up to the highest rate").
     """
     if len(rates) != len(within):
         raise ValueError(f"rates and within must have one length, got {len(rates)} and {len(within)}")
-    knee = None
+    last_good = first_bad = None
     for i in sorted(range(len(rates)), key=lambda i: rates[i]):
         if not within[i]:
+            first_bad = i
             break
-        knee = i
-    return knee
+        last_good = i
+    return Knee(last_good, first_bad)

@@ -25,16 +25,24 @@ import grpc
 from bench.loadgen.config import BenchConfig, Slo
 from bench.loadgen.fault import fault_stats, format_fault, inject
 from bench.loadgen.openai_backend import OpenAIGeneration, server_info
-from bench.loadgen.report import Result, format_compare, format_table, load_json, plot_png, write_json
+from bench.loadgen.report import (Result, format_compare, format_table, knee_fields, load_json, plot_png,
+                                  run_label, write_json)
 from bench.loadgen.runner import LoadStep, StepRunner
-from bench.loadgen.stats import find_knee, step_stats
+from bench.loadgen.search import KneeSearch, SearchConfig, StopReason
+from bench.loadgen.stats import step_stats
 from bench.loadgen.vllm_keys import vllm_keys
 from bench.loadgen.workload import TraceWorkload, make_workload
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
-SCHEMA = 1
-"""Version of the bench.json layout."""
+SCHEMA = 2
+"""Version of the bench.json layout (2: search, saturation, verdict, knee only where the SLO was crossed)."""
+AUTO_START_RPS = 0.5
+AUTO_MAX_RPS = 64.0
+AUTO_MAX_CONCURRENCY = 256.0
+DEMO_MAX_DURATION_S = 100.0
+MIN_DRAIN_S = 1.0
+"""A step starts under --max-duration only if at least this much drain time is left after its window."""
 
 
 async def fetch_cluster(channel: grpc.aio.Channel, metadata, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -108,11 +116,102 @@ class _Progress:
         self.bar.close()
 
 
+class _Steps:
+    """Runs sweep steps one after the other on one channel: the request stream continues across steps, the
+    fault (if any) goes into the first step, and no step starts that cannot end its window by ``deadline``."""
+
+    def __init__(self, channel, stub, cfg: BenchConfig, metadata, workload, duration_s: float, progress: bool,
+                 deadline: float | None) -> None:
+        self.channel, self.stub, self.cfg, self.metadata, self.workload = channel, stub, cfg, metadata, workload
+        self.duration_s, self.progress, self.deadline = duration_s, progress, deadline
+        self.fault_spec, self.fault = cfg.fault_spec(), None
+        self.stats: list = []
+        self.extra: list[dict[str, Any]] = []
+        """Per step: vLLM bench serve's keys (vllm_keys.py), merged into the step's JSON."""
+        self.index = 0
+
+    def drain_budget_s(self) -> float | None:
+        """How long the next step may drain, or None when it does not fit before the deadline at all."""
+        if self.deadline is None:
+            return self.cfg.drain_timeout_s
+        left = self.deadline - time.perf_counter() - self.cfg.warmup_s - self.duration_s
+        return None if left < MIN_DRAIN_S else min(self.cfg.drain_timeout_s, left)
+
+    async def run(self, step: LoadStep, drain_s: float):
+        """One step; returns its StepStats (also appended to ``stats``)."""
+        cfg, k = self.cfg, len(self.stats)
+        if drain_s < cfg.drain_timeout_s:
+            cfg = dataclasses.replace(cfg, drain_timeout_s=drain_s)
+        bar = _Progress(step.label, cfg.warmup_s + self.duration_s, self.progress and not cfg.quiet)
+        injector, holders, held = None, [], []
+        try:
+            runner = StepRunner(self.stub, self.workload, cfg, self.metadata, first_index=self.index,
+                                on_progress=bar)
+            if self.fault_spec is not None and k == 0:
+                injector = asyncio.create_task(inject(self.channel, self.metadata, *self.fault_spec, runner.now,
+                                                      holders, target=cfg.target, api_key=cfg.api_key))
+            records = await runner.run(step, cfg.warmup_s, self.duration_s, step_num=k)
+        finally:
+            bar.close()
+            if injector is not None and not injector.done():
+                injector.cancel()
+                await asyncio.gather(injector, return_exceptions=True)
+            held = [await h.close() for h in holders]  # kv-slowloris, slow-readers: until the step ends
+        if injector is not None:
+            fault_spec = self.fault_spec
+            self.fault = ({"kind": fault_spec[0], "planned_at_s": fault_spec[1], "note": "the step ended first"}
+                          if injector.cancelled() else fault_stats(injector.result(), records.records))
+            self.fault["step"] = step.label
+            for h in held:
+                self.fault.update(h)
+        self.index = runner.next_index
+        stats = step_stats(records, cfg)
+        self.extra.append(vllm_keys(records, cfg.save_detailed))
+        if drain_s < self.cfg.drain_timeout_s:
+            stats.warnings.append(f"{step.label}: drain cut to {drain_s:.1f}s by --max-duration")
+        self.stats.append(stats)
+        return stats
+
+
+async def _run_list(steps: _Steps, cfg: BenchConfig) -> list[str]:
+    """The listed steps in order; returns warnings for those the time bound skipped."""
+    skipped = []
+    for step in _steps(cfg):
+        drain_s = steps.drain_budget_s()
+        if drain_s is None:
+            skipped.append(step.label)
+            continue
+        await steps.run(step, drain_s)
+    return [f"--max-duration {cfg.max_duration_s:g}s skipped {', '.join(skipped)}"] if skipped else []
+
+
+async def _run_auto(steps: _Steps, cfg: BenchConfig) -> dict[str, Any]:
+    """The knee search (search.py); returns its record for bench.json."""
+    conc = cfg.auto == "concurrency"
+    start = cfg.start_rate or (1.0 if conc else AUTO_START_RPS)
+    max_rate = cfg.max_rate or (AUTO_MAX_CONCURRENCY if conc else AUTO_MAX_RPS)
+    search = KneeSearch(SearchConfig(cfg.auto, start, max(start, max_rate), cfg.resolution), cfg.resolution_for)
+    phases: list[str] = []  # per step: ramp, bisect or saturate
+    while (rate := search.next_rate()) is not None:
+        drain_s = steps.drain_budget_s()
+        if drain_s is None:
+            search.stop(StopReason.TIME)
+            break
+        phases.append(search.phase.value)
+        stats = await steps.run(LoadStep(cfg.auto, rate), drain_s)
+        search.record(rate, stats.within_slo)
+    return {"kind": cfg.auto, "start": start, "max_rate": max(start, max_rate), "resolution": cfg.resolution,
+            "stopped": search.stop_reason.name.lower(), "stopped_because": search.stop_reason.value,
+            "phases": phases}
+
+
 async def run_sweep_async(cfg: BenchConfig, progress: bool = True) -> Result:
     """Run every step of ``cfg`` (resolved with ``with_defaults()``) and return the JSON-form result."""
     started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
+    deadline = None if cfg.max_duration_s is None else t0 + cfg.max_duration_s
     metadata = rpc.auth_metadata(cfg.api_key)
     async with _connect(cfg, metadata) as (channel, stub, server):
+        cfg = cfg.with_scale(server.get("max_context"))
         vocab = cfg.vocab_size or server.get("vocab_size")
         if not cfg.text_prompts and not vocab:
             raise ValueError(f"no vocab_size: the server's status gave none ({server.get('error', 'no worker info')})"
@@ -125,42 +224,23 @@ async def run_sweep_async(cfg: BenchConfig, progress: bool = True) -> Result:
             if duration <= 0:
                 raise ValueError(f"the trace spans {workload.span_s:.1f}s, not more than the {cfg.warmup_s:g}s "
                                  "warm-up: lower --warmup")
-        stats, extra, index, fault_spec, fault = [], [], 0, cfg.fault_spec(), None
-        for k, step in enumerate(_steps(cfg)):
-            bar = _Progress(step.label, cfg.warmup_s + duration, progress and not cfg.quiet)
-            injector, holders, held = None, [], []
-            try:
-                runner = StepRunner(stub, workload, cfg, metadata, first_index=index, on_progress=bar)
-                if fault_spec is not None and k == 0:
-                    injector = asyncio.create_task(inject(channel, metadata, *fault_spec, runner.now, holders,
-                                                          target=cfg.target, api_key=cfg.api_key))
-                records = await runner.run(step, cfg.warmup_s, duration, step_num=k)
-            finally:
-                bar.close()
-                if injector is not None and not injector.done():
-                    injector.cancel()
-                    await asyncio.gather(injector, return_exceptions=True)
-                held = [await h.close() for h in holders]  # kv-slowloris, slow-readers: until the step ends
-            if injector is not None:
-                fault = ({"kind": fault_spec[0], "planned_at_s": fault_spec[1], "note": "the step ended first"}
-                         if injector.cancelled() else fault_stats(injector.result(), records.records))
-                fault["step"] = step.label
-                for h in held:
-                    fault.update(h)
-            index = runner.next_index
-            stats.append(step_stats(records, cfg))
-            extra.append(vllm_keys(records, cfg.save_detailed))
-    steps = [{**_asdict(s), **e} for s, e in zip(stats, extra)]
-    knee = find_knee([s["rate"] for s in steps], [s["within_slo"] for s in steps])
-    warnings = [f"cluster status unavailable ({server['error']})"] if "error" in server else []
-    return {
+        steps = _Steps(channel, stub, cfg, metadata, workload, duration, progress, deadline)
+        warnings = [f"cluster status unavailable ({server['error']})"] if "error" in server else []
+        search = None
+        if cfg.auto:
+            search = await _run_auto(steps, cfg)
+        else:
+            warnings += await _run_list(steps, cfg)
+    result = {
         "schema": SCHEMA, "tool": "pdserve bench", "started_at": started.isoformat(timespec="seconds"),
         "elapsed_s": round(time.perf_counter() - t0, 3), "config": cfg.to_json(),
         "resolved": {"vocab_size": vocab, "duration_s": duration, "text_prompts": cfg.text_prompts},
-        "server": server, "steps": steps,
-        "knee": None if knee is None else {"index": knee, "label": steps[knee]["label"], "rate": steps[knee]["rate"]},
-        "warnings": warnings, "fault": fault,
+        "server": server, "steps": [{**_asdict(s), **e} for s, e in zip(steps.stats, steps.extra)],
+        "search": search,
+        "warnings": warnings, "fault": steps.fault,
     }
+    result.update(knee_fields(result))
+    return result
 
 
 def _asdict(obj) -> Any:
@@ -184,34 +264,62 @@ def write_outputs(result: Result, out_dir: str) -> tuple[str, str]:
             plot_png(result, os.path.join(out_dir, "bench.png")))
 
 
-def report(result: Result, compare: str | None = None) -> str:
-    """The table, plus the side-by-side comparison with a saved run when asked."""
+def new_run_dir(out: str) -> tuple[str, str | None]:
+    """Where a run writes: ``out`` itself unless it already holds a run, else a new ``out/<UTC time>``
+    subfolder (never an existing one); returns (folder, a note saying so or None). Nothing is overwritten."""
+    if not any(os.path.exists(os.path.join(out, f)) for f in ("bench.json", "bench.png")):
+        return out, None
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path, n = os.path.join(out, stamp), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(out, f"{stamp}-{n}")
+    os.makedirs(path)
+    return path, f"{out} already holds a run: this one goes to {path}"
+
+
+def report(result: Result, compare: str | None = None, this_label: str = "this") -> str:
+    """The table, plus the side-by-side comparison with a saved run when asked (runs labelled by folder)."""
     text = format_table(result)
     if result.get("fault"):
         text += "\n" + format_fault(result["fault"])
     if compare:
-        text += "\n\n" + format_compare(result, load_json(compare), "this", os.path.basename(compare))
+        other_label = run_label(compare)
+        if other_label == this_label:
+            this_label, other_label = f"{this_label} (this)", f"{other_label} (other)"
+        text += "\n\n" + format_compare(result, load_json(compare), this_label, other_label)
     return text
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> tuple[Result, str]:
-    """What ``pdserve bench`` does: run, write bench.json / bench.png under cfg.out, return (result, report)."""
+    """What ``pdserve bench`` does: run, write bench.json / bench.png under cfg.out (or a timestamped
+    subfolder of it when it already holds a run), return (result, report)."""
     cfg = cfg.with_defaults()
     result = run_sweep(cfg, progress)
-    json_path, png_path = write_outputs(result, cfg.out)
-    text = report(result, cfg.compare) + f"\nwrote {json_path} and {png_path}"
+    out_dir, note = new_run_dir(cfg.out)
+    json_path, png_path = write_outputs(result, out_dir)
+    text = report(result, cfg.compare, run_label(out_dir)) + f"\nwrote {json_path} and {png_path}"
+    if note:
+        text += f"\n{note}"
     return result, text
 
 
+DEMO_SLO = Slo(ttft_s=2.0, min_success=0.99)
+"""The demo's SLO: tight enough that the knee sits where a queue starts to build on two cores."""
+
+
 def run_demo_sweep(target: str, out_dir: str, vocab_size: int, **overrides) -> str:
-    """A short prefill-bound sweep sized for a 2-core machine (about 1 minute; at most ~2 when the
-    server is overloaded and stragglers run into the 30 s drain): 1024-token prompts with a
-    60% shared prefix (2 prefixes), 32 output tokens, 0.25 and 0.5 requests/s, 5 s warm-up + 20 s windows.
-    Prints and returns the table; bench.json and bench.png go to ``out_dir``. ``overrides`` replace
-    BenchConfig fields (tests shorten the windows)."""
+    """``make demo``'s sweep, sized for a 2-core machine: an auto sweep (``--rps auto``, 25% resolution,
+    at most DEMO_MAX_DURATION_S) of 1024-token prompts with a 60% shared prefix (2 prefixes) and 32 output
+    tokens, 2 s warm-up + 8 s windows, TTFT p95 SLO 2 s: it ramps 1, 2, 4, ... req/s until the SLO breaks,
+    bisects and ends past saturation. Prints and returns the table; bench.json and bench.png go to
+    ``out_dir``. ``overrides`` replace BenchConfig fields (an ``rps`` list turns the search off)."""
     kw = dict(target=target, workload="prefill-bound", input_len=1024, output_len=32, cache_hit=0.6,
-              num_prefixes=2, rps=(0.25, 0.5), warmup_s=5.0, duration_s=20.0, drain_timeout_s=30.0,
-              request_timeout_s=120.0, out=out_dir, vocab_size=vocab_size, slo=Slo(ttft_s=5.0))
+              num_prefixes=2, auto="rps", start_rate=1.0, max_rate=32.0, resolution="25%",
+              max_duration_s=DEMO_MAX_DURATION_S, warmup_s=2.0, duration_s=8.0, drain_timeout_s=15.0,
+              request_timeout_s=120.0, out=out_dir, vocab_size=vocab_size, slo=DEMO_SLO)
+    if overrides.get("rps") or overrides.get("concurrency"):
+        kw["auto"] = None
     _, text = run_bench(BenchConfig(**{**kw, **overrides}), progress=sys.stderr.isatty())
     print(text, flush=True)
     return text

@@ -3,7 +3,8 @@
 It streams ``max_tokens`` tokens with controlled delays, keeps a page-granular prefix cache so
 ``usage.cached_tokens`` behaves like a real prefill worker's, and fails chosen requests: every
 ``fail_every``-th one (by the bench's request index) with RESOURCE_EXHAUSTED before any token, every
-``error_every``-th one with a stream that ends in finish_reason "error".
+``error_every``-th one with a stream that ends in finish_reason "error". With ``slots`` it serves that many
+requests at a time and queues the rest (a server with a capacity: past it, TTFT grows with the queue).
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ class FakeBehaviour:
     """Request index i with i % fail_every == fail_every - 1 is refused with RESOURCE_EXHAUSTED (0: never)."""
     error_every: int = 0
     """Request index i with i % error_every == error_every - 1 ends with finish_reason 'error' (0: never)."""
+    slots: int = 0
+    """Requests served at once, each holding its slot from before its TTFT to its last token; the rest
+    wait in FIFO order (0: no limit). Capacity: slots / (ttft_s + (max_tokens - 1) * itl_s) requests/s."""
     vocab_size: int = 512
     page_size: int = 16
     kv_bytes_per_token: int = 1000
@@ -68,8 +72,18 @@ def _index(req_id: str) -> int:
 class FakeGeneration(generation_pb2_grpc.GenerationServicer):
     def __init__(self, b: FakeBehaviour, log: FakeLog) -> None:
         self.b, self.log, self.cache = b, log, PageCache(b.page_size)
+        self.slots = asyncio.Semaphore(b.slots) if b.slots else None
 
     async def Generate(self, request, context):
+        if self.slots is None:
+            async for resp in self._generate(request, context):
+                yield resp
+            return
+        async with self.slots:
+            async for resp in self._generate(request, context):
+                yield resp
+
+    async def _generate(self, request, context):
         b, rid = self.b, request.request_id
         if b.api_key and dict(context.invocation_metadata()).get("authorization") != f"Bearer {b.api_key}":
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "fake: wrong API key")

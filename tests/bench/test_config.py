@@ -54,11 +54,47 @@ def test_invalid_configs_name_the_value(kw, match):
 
 
 def test_with_defaults_requires_a_load_shape():
-    with pytest.raises(ValueError, match="--rps LIST or --concurrency"):
+    with pytest.raises(ValueError, match=r"--rps LIST\|auto or --concurrency LIST\|auto"):
         BenchConfig().with_defaults()
     with pytest.raises(ValueError, match="one request at a time"):
         BenchConfig(workload="single-stream", rps=(1.0,)).with_defaults()
     assert BenchConfig(rps=(1.0,)).with_defaults().duration_s == 60.0
+
+
+def test_rps_auto_flags():
+    cfg = parse(["--rps", "auto", "--resolution", "0.25", "--start-rate", "1", "--max-rate", "8",
+                 "--max-duration", "90"])
+    assert (cfg.auto, cfg.rps, cfg.start_rate, cfg.max_rate, cfg.max_duration_s) == ("rps", (), 1.0, 8.0, 90.0)
+    assert cfg.resolution_for(4.0) == 0.25 and BenchConfig().resolution_for(4.0) == pytest.approx(0.4)
+    conc = parse(["--concurrency", "auto"]).with_defaults()
+    assert conc.auto == "concurrency" and conc.max_duration_s == 1200.0  # auto sweeps are always bounded
+    assert BenchConfig(rps=(1.0,)).with_defaults().max_duration_s is None
+    with pytest.raises(SystemExit):  # 'auto' only where a rate list goes
+        parse(["--input-range", "auto"])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(auto="rps", rps=(1.0,)), "drop the rate list"),
+    (dict(auto="tokens"), "auto must be one of"),
+    (dict(resolution="ten"), "resolution must be"),
+    (dict(resolution="-5%"), "resolution must be"),
+    (dict(start_rate=4.0, max_rate=2.0), "above max_rate"),
+    (dict(max_duration_s=0.0), "max_duration_s must be > 0"),
+])
+def test_invalid_auto_configs(kw, match):
+    with pytest.raises(ValueError, match=match):
+        BenchConfig(**kw)
+
+
+def test_reference_workload_scales_the_reference_shape():
+    cfg = BenchConfig(workload="reference", scale=0.1).with_defaults()
+    assert (cfg.input_len, cfg.output_len, cfg.cache_hit, cfg.auto) == (2000, 100, 0.6, "rps")
+    # Without --scale the server's context decides: the largest listed scale whose 21000 x scale fits.
+    unresolved = BenchConfig(workload="reference").with_defaults()
+    assert unresolved.input_len is None
+    assert unresolved.with_scale(4096) == cfg
+    assert unresolved.with_scale(None).input_len == 20_000 and unresolved.with_scale(32768).scale == 1.0
+    assert BenchConfig(workload="reference", rps=(0.5, 1.0), input_len=4000).with_defaults().output_len == 200
 
 
 def test_api_key_not_written_to_json():

@@ -66,11 +66,14 @@ def test_sweep_writes_table_json_png_and_counts_failures(tmp_path):
         cfg = make_cfg(srv.address, tmp_path, slo=Slo(ttft_s=2.0, min_success=0.5), cost_per_hour=2.0)
         result, text = run_bench(cfg, progress=False)
     header = text.splitlines()[1]
-    ref = ["Sustained RPS", "Aggregate tok/s/node", "TTFT p50 / p95 s", "Success rate"]
+    ref = ["Sustained RPS", "Aggregate tok/s/node", "TTFT p50 / p95 ms", "Success rate"]
     cols = [c.strip() for c in header.split("|")]
     assert cols[0] == "Step" and cols[1:5] == ref
     assert "ITL p50 / p95 ms" in cols and "$/Mtok (out)" in cols and "tok/J" not in cols
-    assert "* knee: rps 8" in text and "rps 8 *" in text
+    assert "Requests" in cols and "Offered RPS" in cols
+    # both rates meet the SLO: no knee is claimed, the next range is suggested
+    assert "no knee up to rps 8: every step met TTFT p95 <= 2000 ms" in text and "next: --rps 8,16,32,64" in text
+    assert "(knee)" not in text and result["knee"] is None and result["verdict"]["status"] == "not-reached"
     assert "RESOURCE_EXHAUSTED x" in text  # failures printed, not hidden
     saved = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert saved == json.loads(json.dumps(result))
@@ -104,7 +107,7 @@ def test_cli_bench_then_compare_saved_runs(tmp_path, capsys):
     assert all(s["accept_len"] == 2.0 and s["success_rate"] == 1.0 for s in saved["steps"])
     rc = cli_main(["bench", "--from-json", str(out / "bench.json"), "--compare", str(out / "bench.json")])
     text = capsys.readouterr().out
-    assert rc == 0 and "compare: this (random) vs bench.json" in text and "1.00x" in text
+    assert rc == 0 and "compare: cli (this) vs cli (other) (workloads random / random)" in text and "1.00x" in text
 
 
 def test_api_key_sent_and_rejections_counted(tmp_path, capsys):

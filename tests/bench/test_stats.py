@@ -3,7 +3,7 @@ import pytest
 
 from bench.loadgen.config import BenchConfig, Slo
 from bench.loadgen.runner import OK, LoadStep, RequestRecord, StepRecords
-from bench.loadgen.stats import Dist, find_knee, percentile, step_stats
+from bench.loadgen.stats import Dist, Knee, find_knee, percentile, step_stats
 
 
 def test_percentile_known_answers():
@@ -116,16 +116,16 @@ def test_empty_window_warns():
     assert any("lengthen --duration" in w for w in s.warnings)
 
 
-@pytest.mark.parametrize("rates,within,knee", [
-    ([0.5, 1.0, 1.5, 2.0], [True, True, True, False], 2),
-    ([0.5, 1.0, 1.5, 2.0], [True, True, True, True], 3),
-    ([0.5, 1.0, 1.5, 2.0], [False, True, True, True], None),
-    ([0.5, 1.0, 1.5, 2.0], [True, False, True, False], 0),  # recovery above a violation is noise
-    ([2.0, 0.5, 1.0], [False, True, True], 2),  # unsorted input: index into the input
-    ([], [], None),
+@pytest.mark.parametrize("rates,within,knee,found", [
+    ([0.5, 1.0, 1.5, 2.0], [True, True, True, False], Knee(2, 3), True),
+    ([0.5, 1.0, 1.5, 2.0], [True, True, True, True], Knee(3, None), False),  # never crossed: no knee
+    ([0.5, 1.0, 1.5, 2.0], [False, True, True, True], Knee(None, 0), False),
+    ([0.5, 1.0, 1.5, 2.0], [True, False, True, False], Knee(0, 1), True),  # recovery above a violation is noise
+    ([2.0, 0.5, 1.0], [False, True, True], Knee(2, 0), True),  # unsorted input: index into the input
+    ([], [], Knee(None, None), False),
 ])
-def test_knee(rates, within, knee):
-    assert find_knee(rates, within) == knee
+def test_knee(rates, within, knee, found):
+    assert find_knee(rates, within) == knee and knee.found == found
 
 
 def test_knee_from_synthetic_timings():
@@ -135,4 +135,4 @@ def test_knee_from_synthetic_timings():
     for rate, ttft in [(0.5, 1.0), (1.0, 2.0), (1.5, 4.9), (2.0, 8.0)]:
         recs = [make_rec(i, 10.0 + i * 0.1, ttft, 0.01, 3) for i in range(20)]
         stats.append(step_stats(StepRecords(LoadStep("rps", rate), 10.0, 20.0, recs), cfg))
-    assert find_knee([s.rate for s in stats], [s.within_slo for s in stats]) == 2
+    assert find_knee([s.rate for s in stats], [s.within_slo for s in stats]) == Knee(2, 3)
