@@ -9,7 +9,7 @@ import json
 import os
 from typing import Any, Callable
 
-from bench.loadgen.stats import find_knee
+from bench.loadgen.stats import Knee, find_knee
 
 Result = dict[str, Any]
 """A sweep result in its JSON form: config, server, steps (StepStats as dicts), knee, warnings."""
@@ -101,13 +101,17 @@ def knee_fields(result: Result) -> dict[str, Any]:
     """``knee`` (only where the sweep crossed the SLO), ``saturation`` and ``verdict`` of a result, from its
     steps: one rule for list and auto sweeps, and for results saved by older versions."""
     cfg, steps, search = result["config"], result["steps"], result.get("search") or {}
-    if not steps:
-        return {"knee": None, "saturation": None, "verdict": {"status": "no-steps", "text": "knee: none - no step ran"}}
-    knee = find_knee([s["rate"] for s in steps], [s["within_slo"] for s in steps])
+    judged = [i for i, s in enumerate(steps) if s["num_measured"]]  # an empty window says nothing about the SLO
+    if not judged:
+        return {"knee": None, "saturation": None,
+                "verdict": {"status": "no-steps", "text": "knee: none - no step measured a request"}}
+    k = find_knee([steps[i]["rate"] for i in judged], [steps[i]["within_slo"] for i in judged])
+    knee = Knee(*(None if j is None else judged[j] for j in k))
     kind, cond = _unit(steps), _cond(cfg["slo"])
-    by_rate = sorted(steps, key=lambda s: s["rate"])
-    timed_out = search.get("stopped") == "time"
-    bound = f" (stopped by --max-duration {cfg.get('max_duration_s'):g}s)" if timed_out else ""
+    by_rate = sorted((steps[i] for i in judged), key=lambda s: s["rate"])
+    stopped = search.get("stopped")
+    bound = (f" (stopped by --max-duration {cfg['max_duration_s']:g}s)" if stopped == "time" else
+             " (stopped: a step measured no request, lengthen --duration)" if stopped == "empty" else "")
     if knee.found:
         good, bad = steps[knee.last_good], steps[knee.first_bad]
         res = f", resolution {cfg['resolution']}" if cfg.get("auto") else ""

@@ -35,6 +35,7 @@ class StopReason(enum.Enum):
     MAX_RATE = "max rate reached within the SLO"
     LOWEST_BREAKS = "the first rate already breaks the SLO"
     TIME = "the time bound (--max-duration) left no room for another step"
+    EMPTY = "a step had no request in its window (lengthen --duration): it says nothing about the SLO"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +98,12 @@ class KneeSearch:
             return target
         return None
 
-    def record(self, rate: float, within: bool) -> None:
+    def record(self, rate: float, within: bool, empty: bool = False) -> None:
+        """What the step at ``rate`` said; ``empty``: it measured no request (the search cannot go on)."""
         self.tested[rate] = within
+        if empty:
+            self.stop(StopReason.EMPTY)
+            return
         if self.phase is Phase.SATURATE:
             self.stop(StopReason.RESOLUTION)
             return

@@ -29,7 +29,7 @@ from bench.loadgen.report import (Result, format_compare, format_table, knee_fie
                                   run_label, write_json)
 from bench.loadgen.runner import LoadStep, StepRunner
 from bench.loadgen.search import KneeSearch, SearchConfig, StopReason
-from bench.loadgen.stats import step_stats
+from bench.loadgen.stats import StepStats, step_stats
 from bench.loadgen.vllm_keys import vllm_keys
 from bench.loadgen.workload import TraceWorkload, make_workload
 from protos import rpc
@@ -125,7 +125,7 @@ class _Steps:
         self.channel, self.stub, self.cfg, self.metadata, self.workload = channel, stub, cfg, metadata, workload
         self.duration_s, self.progress, self.deadline = duration_s, progress, deadline
         self.fault_spec, self.fault = cfg.fault_spec(), None
-        self.stats: list = []
+        self.stats: list[StepStats] = []
         self.extra: list[dict[str, Any]] = []
         """Per step: vLLM bench serve's keys (vllm_keys.py), merged into the step's JSON."""
         self.index = 0
@@ -137,7 +137,7 @@ class _Steps:
         left = self.deadline - time.perf_counter() - self.cfg.warmup_s - self.duration_s
         return None if left < MIN_DRAIN_S else min(self.cfg.drain_timeout_s, left)
 
-    async def run(self, step: LoadStep, drain_s: float):
+    async def run(self, step: LoadStep, drain_s: float) -> StepStats:
         """One step; returns its StepStats (also appended to ``stats``)."""
         cfg, k = self.cfg, len(self.stats)
         if drain_s < cfg.drain_timeout_s:
@@ -199,7 +199,7 @@ async def _run_auto(steps: _Steps, cfg: BenchConfig) -> dict[str, Any]:
             break
         phases.append(search.phase.value)
         stats = await steps.run(LoadStep(cfg.auto, rate), drain_s)
-        search.record(rate, stats.within_slo)
+        search.record(rate, stats.within_slo, empty=stats.num_measured == 0)
     return {"kind": cfg.auto, "start": start, "max_rate": max(start, max_rate), "resolution": cfg.resolution,
             "stopped": search.stop_reason.name.lower(), "stopped_because": search.stop_reason.value,
             "phases": phases}

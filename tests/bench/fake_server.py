@@ -35,6 +35,7 @@ class FakeBehaviour:
     """Requests served at once, each holding its slot from before its TTFT to its last token; the rest
     wait in FIFO order (0: no limit). Capacity: slots / (ttft_s + (max_tokens - 1) * itl_s) requests/s."""
     vocab_size: int = 512
+    max_context: int = 65536
     page_size: int = 16
     kv_bytes_per_token: int = 1000
     api_key: str | None = None
@@ -126,7 +127,7 @@ class FakeAdmin(generation_pb2_grpc.AdminServicer):
         self.b = b
 
     async def GetClusterStatus(self, request, context):
-        info = {"vocab_size": str(self.b.vocab_size), "max_context": "65536", "page_size": str(self.b.page_size)}
+        info = {"vocab_size": str(self.b.vocab_size), "max_context": str(self.b.max_context), "page_size": str(self.b.page_size)}
         return generation_pb2.ClusterStatus(model="fake", workers=[
             generation_pb2.WorkerStatus(worker_id="fake-prefill", role="prefill", healthy=True, info=info),
             generation_pb2.WorkerStatus(worker_id="fake-decode", role="decode", healthy=True, info=info)])

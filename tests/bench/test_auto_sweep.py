@@ -119,3 +119,20 @@ def test_out_folder_is_never_overwritten_and_compare_labels_by_folder(tmp_path, 
     out = capsys.readouterr().out
     assert rc == 0 and f"compare: {runs[0].name} vs out " in out
     assert json.loads(first)["steps"][0]["label"] == "rps 5"
+
+
+def test_reference_workload_scales_to_the_servers_context(tmp_path):
+    """--workload reference on a server with a 2048-token context: scale 0.05 (1000 in / 50 out, 60% shared
+    prefix), swept with --rps auto; the table leads with the reference table's columns."""
+    with FakeServer(FakeBehaviour(max_context=2048, itl_s=0.001)) as srv:
+        cfg = BenchConfig(target=srv.address, workload="reference", start_rate=8.0, max_rate=16.0, warmup_s=0.2,
+                          duration_s=1.0, out=str(tmp_path / "ref"), quiet=True)
+        result, text = run_bench(cfg, progress=False)
+        lengths = {len(p) for p in srv.log.prompts.values()}
+    c = result["config"]
+    assert (c["scale"], c["input_len"], c["output_len"], c["cache_hit"], c["auto"]) == (0.05, 1000, 50, 0.6, "rps")
+    assert lengths == {1000} and [s["label"] for s in result["steps"]] == ["rps 8", "rps 16"], text
+    header = [h.strip() for h in text.splitlines()[1].split("|")]
+    assert header[:6] == ["Step", "Phase", "Sustained RPS", "Aggregate tok/s/node", "TTFT p50 / p95 ms",
+                          "Success rate"]
+    assert result["steps"][1]["cache_hit"] > 0.3  # 8 prefixes of 600 tokens: resident after the first step

@@ -78,6 +78,9 @@ def test_knee_only_where_the_slo_was_crossed():
     none = result_of(good)
     assert none["knee"] is None and "no knee up to rps 2" in format_table(none)
     assert "next: --rps 2,4,8,16" in format_table(none)
+    empty = make_step(8.0, 20, 0.2)
+    empty = dataclasses.replace(empty, num_measured=0, num_ok=0, within_slo=False)
+    assert result_of(good + [empty])["knee"] is None  # an empty window is no SLO break
     low = result_of([make_step(1.0, 20, 3.0)])
     assert low["verdict"]["status"] == "below-range" and "next: --rps 0.125,0.25,0.5,1" in format_table(low)
 

@@ -54,3 +54,10 @@ def test_saturation_step_skipped_when_the_ramp_already_ran_that_high():
     assert rates == [1.0, 2.0, 4.0, 3.0, 4.5] and phases[-1] is Phase.SATURATE
     _, rates, _ = run(threshold=2.5, start=1.0, resolution="40%")
     assert rates == [1.0, 2.0, 4.0, 3.0, 2.5]  # 1.5 x 2.5 = 3.75 <= 4 ran already
+
+
+def test_a_step_without_requests_ends_the_search():
+    search = KneeSearch(SearchConfig("rps", 1.0, 64.0, "10%"), BenchConfig().resolution_for)
+    search.record(search.next_rate(), True)
+    search.record(search.next_rate(), False, empty=True)
+    assert search.next_rate() is None and search.stop_reason is StopReason.EMPTY
