@@ -91,6 +91,10 @@ def _cond(slo: dict) -> str:
 
 def _next(cfg: dict, kind: str, start: float, top: float) -> str:
     """The flags of the next sweep to try, over [start, top]."""
+    if kind == "concurrency":
+        start, top = max(1, round(start)), max(1, round(top))
+        if top == 1:
+            return "none lower: the SLO is missed one request at a time"
     if cfg.get("auto"):
         return f"--{kind} auto --start-rate {start:.3g} --max-rate {top:.3g}"
     rates = [start * 2 ** k for k in range(4)]
@@ -106,9 +110,12 @@ def knee_fields(result: Result) -> dict[str, Any]:
         return {"knee": None, "saturation": None,
                 "verdict": {"status": "no-steps", "text": "knee: none - no step measured a request"}}
     k = find_knee([steps[i]["rate"] for i in judged], [steps[i]["within_slo"] for i in judged])
-    knee = Knee(*(None if j is None else judged[j] for j in k))
+    at = lambda j: None if j is None else judged[j]
+    knee = Knee(at(k.last_good), at(k.first_bad), tuple(judged[j] for j in k.noise))
     kind, cond = _unit(steps), _cond(cfg["slo"])
     by_rate = sorted((steps[i] for i in judged), key=lambda s: s["rate"])
+    noise = "".join(f"; {steps[i]['label']} broke it below a rate that passed: noise (a busy machine, a cold prefix "
+                    "cache), not the capacity" for i in knee.noise)
     stopped = search.get("stopped")
     bound = (f" (stopped by --max-duration {cfg['max_duration_s']:g}s)" if stopped == "time" else
              " (stopped: a step measured no request, lengthen --duration)" if stopped == "empty" else "")
@@ -116,13 +123,13 @@ def knee_fields(result: Result) -> dict[str, Any]:
         good, bad = steps[knee.last_good], steps[knee.first_bad]
         res = f", resolution {cfg['resolution']}" if cfg.get("auto") else ""
         text = (f"knee: {good['label']} - the highest rate with {cond}; {bad['label']} breaks it: capacity under "
-                f"this SLO is in [{good['rate']:g}, {bad['rate']:g}) {kind}{res}{bound}")
+                f"this SLO is in [{good['rate']:g}, {bad['rate']:g}) {kind}{res}{bound}{noise}")
         sat = max(steps, key=lambda s: s["sustained_rps"])
         saturation = {"label": sat["label"], "rate": sat["rate"], "sustained_rps": sat["sustained_rps"],
                       "offered_rps": sat["offered_rps"], "success_rate": sat["success_rate"]}
         return {"knee": {"index": knee.last_good, "label": good["label"], "rate": good["rate"],
                          "first_bad_index": knee.first_bad, "first_bad_label": bad["label"],
-                         "first_bad_rate": bad["rate"]},
+                         "first_bad_rate": bad["rate"], "noise": [steps[i]["label"] for i in knee.noise]},
                 "saturation": saturation, "verdict": {"status": "found", "text": text}}
     if knee.last_good is None:
         low = by_rate[0]["rate"]
@@ -130,8 +137,8 @@ def knee_fields(result: Result) -> dict[str, Any]:
                 f"next: {_next(cfg, kind, low / 8, low)}")
         return {"knee": None, "saturation": None, "verdict": {"status": "below-range", "text": text}}
     top = steps[knee.last_good]
-    text = (f"no knee up to {top['label']}: every step met {cond}{bound}; "
-            f"next: {_next(cfg, kind, top['rate'], top['rate'] * 8)}")
+    text = (f"no knee up to {top['label']}: {'the highest' if noise else 'every'} step met {cond}{bound}; "
+            f"next: {_next(cfg, kind, top['rate'], top['rate'] * 8)}{noise}")
     return {"knee": None, "saturation": None, "verdict": {"status": "not-reached", "text": text}}
 
 

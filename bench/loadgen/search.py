@@ -5,7 +5,9 @@ steps so far said.
     BISECT    between the last good and the first bad rate, halving the bracket until first_bad - last_good
               <= resolution (a share of last_good, or an absolute rate; concurrency stops one apart)
     SATURATE  one step at SATURATION_FACTOR x the knee, so the report shows the throughput flattening while the
-              offered load keeps growing (skipped when an earlier step already ran that high)
+              offered load keeps growing (skipped when an earlier step already ran that high). It also confirms
+              the break: if it passes the SLO, the bracket was noise (a busy machine, a cold prefix cache) and
+              the search goes back to RAMP from this rate.
     DONE      with a StopReason
 
 A step is good when it is within the SLO (``StepStats.within_slo``: TTFT p95 and success rate). The search
@@ -64,6 +66,8 @@ class KneeSearch:
         self.last_good: float | None = None
         self.first_bad: float | None = None
         self.tested: dict[float, bool] = {}
+        self.noise: list[float] = []
+        """First-bad rates that a higher passing rate showed to be noise."""
 
     def _integer(self, rate: float, up: bool) -> float:
         if self.cfg.kind != "concurrency":
@@ -105,7 +109,11 @@ class KneeSearch:
             self.stop(StopReason.EMPTY)
             return
         if self.phase is Phase.SATURATE:
-            self.stop(StopReason.RESOLUTION)
+            if not within:
+                self.stop(StopReason.RESOLUTION)
+                return
+            self.noise.append(self.first_bad)  # the server served more than the "break": ramp on from here
+            self.last_good, self.first_bad, self.phase = rate, None, Phase.RAMP
             return
         if within:
             if self.first_bad is None or rate < self.first_bad:

@@ -199,29 +199,29 @@ def step_stats(sr: StepRecords, cfg: BenchConfig) -> StepStats:
 class Knee(NamedTuple):
     """Where a sweep crossed its SLO, as indices into its steps."""
     last_good: int | None
-    """The highest rate that, with every lower swept rate, is within the SLO."""
+    """The highest rate within the SLO (None: every rate broke it)."""
     first_bad: int | None
-    """The lowest swept rate that is not within the SLO."""
+    """The lowest rate above ``last_good``: it and every rate above it broke the SLO (None: none did)."""
+    noise: tuple[int, ...] = ()
+    """Rates that broke the SLO below ``last_good``: a higher rate passed, so they are not the capacity."""
 
     @property
     def found(self) -> bool:
-        """A knee exists only where the sweep crossed the SLO: a good rate below a bad one."""
+        """A knee exists only where the sweep crossed the SLO: a good rate below the bad ones."""
         return self.last_good is not None and self.first_bad is not None
 
 
 def find_knee(rates: Sequence[float], within: Sequence[bool]) -> Knee:
-    """The knee: the last good rate below the first bad one.
+    """The knee: the highest rate within the SLO, if the rates above it all broke it.
 
-    A rate above a violating one is not the knee even if it passes: latency recovering under more load is
-    noise, not capacity. ``last_good`` is None when the lowest rate already violates the SLO, ``first_bad``
-    None when no rate does (then there is no knee, only "none up to the highest rate").
+    The break is confirmed from above: a rate that broke the SLO below one that passed is reported as noise
+    (a busy machine, a cold prefix cache), not as the capacity, since the server demonstrably served more.
+    ``last_good`` is None when every rate violates the SLO, ``first_bad`` None when the highest rate passed
+    (then there is no knee, only "none up to the highest rate").
     """
     if len(rates) != len(within):
         raise ValueError(f"rates and within must have one length, got {len(rates)} and {len(within)}")
-    last_good = first_bad = None
-    for i in sorted(range(len(rates)), key=lambda i: rates[i]):
-        if not within[i]:
-            first_bad = i
-            break
-        last_good = i
-    return Knee(last_good, first_bad)
+    order = sorted(range(len(rates)), key=lambda i: rates[i])
+    cut = max((pos + 1 for pos, i in enumerate(order) if within[i]), default=0)  # past the highest good rate
+    return Knee(order[cut - 1] if cut else None, order[cut] if cut < len(order) else None,
+                tuple(i for i in order[:cut] if not within[i]))

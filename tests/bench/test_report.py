@@ -81,6 +81,9 @@ def test_knee_only_where_the_slo_was_crossed():
     empty = make_step(8.0, 20, 0.2)
     empty = dataclasses.replace(empty, num_measured=0, num_ok=0, within_slo=False)
     assert result_of(good + [empty])["knee"] is None  # an empty window is no SLO break
+    noisy = result_of([make_step(1.0, 10, 3.0)] + good[1:] + [make_step(4.0, 24, 2.0, fail_every=4)])
+    assert noisy["knee"]["label"] == "rps 2" and noisy["knee"]["noise"] == ["rps 1"]
+    assert "rps 1 broke it below a rate that passed: noise" in noisy["verdict"]["text"]
     low = result_of([make_step(1.0, 20, 3.0)])
     assert low["verdict"]["status"] == "below-range" and "next: --rps 0.125,0.25,0.5,1" in format_table(low)
 

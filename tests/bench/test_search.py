@@ -5,15 +5,16 @@ from bench.loadgen.config import BenchConfig
 from bench.loadgen.search import KneeSearch, Phase, SearchConfig, StopReason
 
 
-def run(threshold: float, kind="rps", start=0.5, max_rate=64.0, resolution="10%", limit=50):
-    """Drive a search against a server that is within the SLO exactly up to ``threshold``."""
+def run(threshold: float, kind="rps", start=0.5, max_rate=64.0, resolution="10%", limit=50, noisy=()):
+    """Drive a search against a server that is within the SLO exactly up to ``threshold``, except that the
+    first step at a rate in ``noisy`` breaks it anyway."""
     search = KneeSearch(SearchConfig(kind, start, max_rate, resolution), BenchConfig(resolution=resolution)
                         .resolution_for)
     rates, phases = [], []
     while (rate := search.next_rate()) is not None and len(rates) < limit:
         rates.append(rate)
         phases.append(search.phase)
-        search.record(rate, rate <= threshold)
+        search.record(rate, rate <= threshold and not (rate in noisy and rates.count(rate) == 1))
     return search, rates, phases
 
 
@@ -61,3 +62,12 @@ def test_a_step_without_requests_ends_the_search():
     search.record(search.next_rate(), True)
     search.record(search.next_rate(), False, empty=True)
     assert search.next_rate() is None and search.stop_reason is StopReason.EMPTY
+
+
+def test_a_noisy_break_is_overruled_by_the_saturation_step():
+    """The first break (rps 1) was noise: the step at 1.5x the bracketed knee passes, the search ramps on from
+    there and brackets the real threshold."""
+    search, rates, _ = run(threshold=3.0, start=0.5, resolution="10%", noisy=(1.0,))
+    assert rates[:2] == [0.5, 1.0] and search.noise == [1.0]
+    assert search.last_good <= 3.0 < search.first_bad and search.stop_reason is StopReason.RESOLUTION
+    assert search.first_bad - search.last_good <= 0.1 * search.last_good + 1e-12

@@ -119,9 +119,12 @@ def test_empty_window_warns():
 @pytest.mark.parametrize("rates,within,knee,found", [
     ([0.5, 1.0, 1.5, 2.0], [True, True, True, False], Knee(2, 3), True),
     ([0.5, 1.0, 1.5, 2.0], [True, True, True, True], Knee(3, None), False),  # never crossed: no knee
-    ([0.5, 1.0, 1.5, 2.0], [False, True, True, True], Knee(None, 0), False),
-    ([0.5, 1.0, 1.5, 2.0], [True, False, True, False], Knee(0, 1), True),  # recovery above a violation is noise
+    ([0.5, 1.0, 1.5, 2.0], [False, True, True, True], Knee(3, None, (0,)), False),
+    # a break below a passing rate is noise: the server served more; the knee is under the confirmed break
+    ([0.5, 1.0, 1.5, 2.0], [True, False, True, False], Knee(2, 3, (1,)), True),
+    ([0.5, 1.0, 1.5, 2.0], [False, True, False, True], Knee(3, None, (0, 2)), False),
     ([2.0, 0.5, 1.0], [False, True, True], Knee(2, 0), True),  # unsorted input: index into the input
+    ([2.0, 0.5, 1.0], [False, False, False], Knee(None, 1), False),
     ([], [], Knee(None, None), False),
 ])
 def test_knee(rates, within, knee, found):
