@@ -1,6 +1,7 @@
 """``make demo``: the main job. Starts a local cluster (router + 1 prefill + 1 decode worker) on the default
-model, answers one real request through the public gRPC API, runs a short prefill-bound sweep sized for
-this machine and prints the benchmark table (JSON and PNG go to the output directory it prints).
+model, answers one real request through the public gRPC API, runs a short prefill-bound auto sweep sized for
+this machine (``--rps auto``: ramp until the TTFT SLO breaks, bisect, one step past: the knee and saturation)
+and prints the benchmark table (JSON and PNG go to the output directory it prints).
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def main(args: argparse.Namespace) -> int:
                 print(f"\ntoken ids [0, 5, 17, 42, 7] -> {res.token_ids} (TTFT {res.ttft_s * 1000:.0f} ms)\n",
                       flush=True)
             vocab = int(info.get("vocab_size", "512"))
-        print("prefill-bound sweep (1024-token prompts, 60% shared prefix, 32 output tokens):", flush=True)
+        print("prefill-bound auto sweep (1024-token prompts, 60% shared prefix, 32 output tokens; ramps the rate "
+              "until TTFT p95 passes 2 s, then bisects; at most 100 s):", flush=True)
         run_demo_sweep(target, out_dir, vocab)
     print(f"\nresults: {out_dir}/bench.json, plot: {out_dir}/bench.png")
     return 0
