@@ -357,7 +357,7 @@ def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
     for f in dataclasses.fields(BenchConfig):
         if f.name in skip or f.name == "auto":  # --rps auto / --concurrency auto set it
             continue
-        flag, help_ = flag_name(f.name), docs.get(f.name)
+        flag, help_ = flag_name(f.name), docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
         if str(f.type) == "bool":
             p.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_)
         else:

@@ -61,6 +61,14 @@ def test_with_defaults_requires_a_load_shape():
     assert BenchConfig(rps=(1.0,)).with_defaults().duration_s == 60.0
 
 
+def test_help_lists_every_flag(capsys):
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    p.print_help()  # field docs with '%' ("10%") must not break argparse's %-formatting
+    text = capsys.readouterr().out
+    assert "--rps LIST" in text and "--resolution" in text and "(10%)" in text and "--max-duration" in text
+
+
 def test_rps_auto_flags():
     cfg = parse(["--rps", "auto", "--resolution", "0.25", "--start-rate", "1", "--max-rate", "8",
                  "--max-duration", "90"])
