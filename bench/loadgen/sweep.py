@@ -319,7 +319,7 @@ def run_demo_sweep(target: str, out_dir: str, vocab_size: int, **overrides) -> s
               max_duration_s=DEMO_MAX_DURATION_S, warmup_s=2.0, duration_s=8.0, drain_timeout_s=15.0,
               request_timeout_s=120.0, out=out_dir, vocab_size=vocab_size, slo=DEMO_SLO)
     if overrides.get("rps") or overrides.get("concurrency"):
-        kw["auto"] = None
+        kw["auto"] = kw["max_duration_s"] = None  # a list runs every step, as before the search existed
     _, text = run_bench(BenchConfig(**{**kw, **overrides}), progress=sys.stderr.isatty())
     print(text, flush=True)
     return text
