@@ -289,10 +289,10 @@ def figure(result: Result, plt):
     ok.set_ylim(-5, 105)
     fails = ok.twinx()
     width = 0.02 * ((max(xs) - min(xs)) or max(xs) or 1.0)
-    fails.bar(xs, [sum(s["failures"].values()) for s in steps], width=width, color="red", alpha=0.5,
-              label="failed requests")
+    failed = [sum(s["failures"].values()) for s in steps]
+    fails.bar(xs, failed, width=width, color="red", alpha=0.5, label="failed requests")
     fails.set_ylabel("failed requests")
-    fails.set_ylim(bottom=0)
+    fails.set_ylim(0, max(1, *failed) * 1.1)  # a run without failures still shows an axis of whole requests
     ok.set_xlabel("concurrency" if _unit(steps) == "concurrency" else "offered rate, requests/s (Poisson)")
     for ax in (lat, rps, ok):
         if knee is not None:
