@@ -171,7 +171,7 @@ class BenchConfig:
     ``--fault-injection``). kv-slowloris: connections that never authenticate held open to every decode
     worker's KV port (loopback only) for the rest of the step. slow-readers: 256 ``Generate`` streams to
     the router that are never read (one HTTP/2 connection with a zero flow-control window, held to the end
-    of the step). The report adds requests completed / failed over / retried / failed, the TTFT and ITL
+    of the step; a stream the router ends is replaced). The report adds requests completed / failed over / retried / failed, the TTFT and ITL
     penalty, and how long after the fault the first request sent succeeded."""
 
     def __post_init__(self) -> None:

@@ -33,6 +33,9 @@ SLOWLORIS_REOPEN_S = 1.0
 """kv-slowloris: pause before re-opening a connection the receiver closed (bounds the attempt rate)."""
 SLOW_READER_STREAMS = 256
 """slow-readers: never-read streams (the router's default ``max_inflight``)."""
+SLOW_READER_REOPEN_S = 0.02
+"""slow-readers: pause before replacing a stream the router ended (refused or finished): the attack keeps
+``SLOW_READER_STREAMS`` open (a 256-stream burst alone mostly meets a full prefill queue)."""
 
 
 def _is_loopback(host: str) -> bool:
@@ -106,7 +109,7 @@ class SlowReadersHolder:
     async def close(self) -> dict[str, Any]:
         ended = self.slow.num_ended()  # HTTP/2 streams the router ended (it cannot send behind a full window)
         await asyncio.to_thread(self.slow.close)
-        return {"slow_streams_ended_by_router": ended}
+        return {"slow_streams_opened": self.slow.num_opened, "slow_streams_ended_by_router": ended}
 
 
 async def inject(channel: grpc.aio.Channel, metadata, kind: str, at_s: float, clock,
@@ -121,7 +124,7 @@ async def inject(channel: grpc.aio.Channel, metadata, kind: str, at_s: float, cl
     if kind == "slow-readers":
         request = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(max_tokens=64))
         request.token_ids.ids.extend([2] * 16)
-        slow = SlowReaders(target, SLOW_READER_STREAMS, request, api_key=api_key)
+        slow = SlowReaders(target, SLOW_READER_STREAMS, request, api_key=api_key, reopen_s=SLOW_READER_REOPEN_S)
         try:
             await asyncio.to_thread(slow.start)
         except OSError as e:

@@ -52,10 +52,15 @@ class SlowReaders:
     the connection. The request is the same for every stream (``request``)."""
 
     def __init__(self, address: str, num_streams: int, request: generation_pb2.GenerateRequest,
-                 api_key: str | None = None, timeout_s: float | None = None) -> None:
+                 api_key: str | None = None, timeout_s: float | None = None, reopen_s: float | None = None) -> None:
         self.address, self.num_streams, self.request = address, num_streams, request
         self.api_key, self.timeout_s = api_key, timeout_s
+        self.reopen_s = reopen_s
+        """When set, a stream the server ends (refused, finished) is replaced by a new one after this pause,
+        so ``num_streams`` stay open however many the server turns away (the attack is sustained)."""
         self.stream_ids = [1 + 2 * i for i in range(num_streams)]
+        self._next_id = 1 + 2 * num_streams
+        self.num_opened = num_streams
         self.ended: dict[int, str] = {}
         """stream id -> "trailers", "rst" or "goaway" (how the server ended it)."""
         self.goaway = False
@@ -69,15 +74,25 @@ class SlowReaders:
         self._sock.settimeout(None)
         settings = struct.pack(">HI", SETTINGS_ENABLE_PUSH, 0) + struct.pack(">HI", SETTINGS_INITIAL_WINDOW_SIZE, 0)
         body = self.request.SerializeToString()
-        message = b"\x00" + struct.pack(">I", len(body)) + body  # gRPC length-prefixed message, uncompressed
-        out = [PREFACE, frame(SETTINGS, 0, 0, settings)]
-        for sid in self.stream_ids:
-            out.append(frame(HEADERS, END_HEADERS, sid, self._headers(host)))
-            out.append(frame(DATA, END_STREAM, sid, message))
-        self._send(b"".join(out))
+        self._message = b"\x00" + struct.pack(">I", len(body)) + body  # gRPC length-prefixed, uncompressed
+        self._header_block = self._headers(host)
+        self._send(PREFACE + frame(SETTINGS, 0, 0, settings) + b"".join(self._open(sid) for sid in self.stream_ids))
         self._reader = threading.Thread(target=self._read_loop, name="slow-readers", daemon=True)
         self._reader.start()
         return self
+
+    def _open(self, sid: int) -> bytes:
+        return frame(HEADERS, END_HEADERS, sid, self._header_block) + frame(DATA, END_STREAM, sid, self._message)
+
+    def _ended(self, sid: int, how: str) -> None:
+        if sid in self.ended:
+            return
+        self.ended[sid] = how
+        if self.reopen_s is not None:
+            time.sleep(self.reopen_s)  # on the reader thread: bounds the rate of new streams
+            sid, self._next_id = self._next_id, self._next_id + 2
+            self.num_opened += 1
+            self._send(self._open(sid))
 
     def _headers(self, host: str) -> bytes:
         fields = [(":method", "POST"), (":scheme", "http"), (":path", "/pdserve.v1.Generation/Generate"),
@@ -116,9 +131,9 @@ class SlowReaders:
                 elif kind == PING and not flags & ACK:
                     self._send(frame(PING, ACK, 0, payload))
                 elif kind == HEADERS and flags & END_STREAM:
-                    self.ended.setdefault(sid, "trailers")
+                    self._ended(sid, "trailers")
                 elif kind == RST_STREAM:
-                    self.ended.setdefault(sid, "rst")
+                    self._ended(sid, "rst")
                 elif kind == GOAWAY:
                     self.goaway = True
         except (OSError, ConnectionError):
@@ -130,7 +145,7 @@ class SlowReaders:
         return len(self.ended)
 
     def wait_ended(self, timeout_s: float) -> bool:
-        """Wait until the server ended every stream; False on timeout."""
+        """Wait until the server ended every stream (without ``reopen_s``); False on timeout."""
         deadline = time.monotonic() + timeout_s
         while len(self.ended) < self.num_streams:
             if time.monotonic() > deadline:
