@@ -93,7 +93,9 @@ class GQAAttention(nn.Module):
 
 def dsa_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices ``[..., k]`` of each row's ``k`` best keys in a TOTAL order: by score, equal scores by
-    position (the earlier key first); returned in that order.
+    position (the earlier key first); returned in position order (ascending), so the attention over them sums
+    in an order that does not depend on last-bit differences between scores either (a GEMM over 1 row and
+    over 6 rounds differently; compiled bf16 verify steps of several requests reordered their keys).
 
     ``scores.topk`` alone leaves ties to the selection algorithm, which picks differently for rows of
     different lengths or with different masked (-inf) tails: a decode step's row [S] and a verify step's
@@ -107,7 +109,8 @@ def dsa_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     mag = bits & 0x7FFFFFFF  # integer ops only: no compiler pass may fold them the way it may fold float ones
     ordered = torch.where(bits < 0, -mag, mag).to(torch.int64)  # monotone in the float value; -0.0 == +0.0
     pos = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
-    return (ordered * (1 << 32) + ((1 << 32) - 1 - pos)).topk(k, dim=-1).indices
+    top = (ordered * (1 << 32) + ((1 << 32) - 1 - pos)).topk(k, dim=-1, sorted=False).indices
+    return top.sort(dim=-1).values
 
 
 class DSAIndexer(nn.Module):

@@ -105,13 +105,16 @@ def paged_mla_attention(t: MLATokens, lat_buf: torch.Tensor, rope_buf: torch.Ten
         valid = mask
     k = idx.shape[-1]
     slots = kv_slots.gather(1, idx.reshape(B, tq * k)).view(-1)
-    sel = torch.cat([lat_buf.index_select(0, slots), rope_buf.index_select(0, slots)], dim=-1).view(B, tq, k, D)
-    scores = torch.matmul(q, sel.transpose(-1, -2)) * c.scale  # [B, Tq, H, k]
+    sel = torch.cat([lat_buf.index_select(0, slots), rope_buf.index_select(0, slots)], dim=-1).view(T, k, D)
+    # one bmm over the T = B * Tq queries (not a 4-D matmul over [B, Tq]): the same kernel whatever B is, so a
+    # query's row rounds alike verified alone or beside other requests (a 4-D matmul with B and Tq both
+    # dynamic took another path in bf16 and broke speculative == plain greedy for batches)
+    scores = torch.bmm(t.q_lat, sel.transpose(1, 2)) * c.scale  # [T, H, k]
     if valid is not None:
-        scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
-    p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    o = torch.matmul(p, sel[..., :c.L])  # [B, Tq, H, L]
-    return o.reshape(T, H, c.L), (idx if c.score else None), valid
+        scores = scores.masked_fill(~valid.reshape(T, 1, k), float("-inf"))
+    p = torch.softmax(scores.float(), dim=-1).to(t.q_lat.dtype)
+    o = torch.bmm(p, sel[..., :c.L])  # [T, H, L]
+    return o, (idx if c.score else None), valid
 
 
 def mla_decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bufs: tuple, out_slots: torch.Tensor,
@@ -273,10 +276,18 @@ class DecodeGraphs:
         ``experts`` eagerly, with their own strategy choice). Inside means the gather path, which eager
         experts run for <= ``GATHER_MAX_PAIRS`` token-expert pairs too: dense-weight experts, or MX experts
         whose dequantized layer is cached (``MXRoutedExperts.gather_weights``)."""
-        if not self.compiled or num_pairs > GATHER_MAX_PAIRS:
+        if not self.compiled or num_pairs > GATHER_MAX_PAIRS or dtype in REDUCED_PRECISION:
             return None
         fn = getattr(experts, "gather_weights", None)
         return None if fn is None else fn(dtype)
 
+
+REDUCED_PRECISION = (torch.bfloat16, torch.float16)
+"""Models in these dtypes run their routed experts eagerly between graphs, at every batch size. Inside a graph
+inductor fuses the experts' math and rounds to bf16 once per fused kernel where eager rounds after every op;
+with the experts inside for small steps only (<= ``GATHER_MAX_PAIRS`` pairs), a decode step of 4 requests
+(inside) and their verify step (outside) rounded a token differently, and speculative greedy decoding of a
+batch diverged from plain decoding within 10-54 tokens (docs/performance.md). Eager experts round alike at
+any batch size. fp32 rounding differences are far below any greedy margin seen: fp32 keeps them inside."""
 
 EAGER = DecodeGraphs(compiled=False)

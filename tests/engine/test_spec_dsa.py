@@ -130,7 +130,8 @@ def test_dsa_topk_is_a_total_order_independent_of_the_row_shape():
     scores[1] = torch.where(torch.rand(7, S, generator=g) < 0.5, -0.0, scores[1])  # -0.0 ties +0.0
     scores[2, :, :100] = 0.25  # ties above the k-th score
     got = dsa_topk(scores, k)
-    assert torch.equal(got, stable_topk(scores + 0.0, k))  # + 0.0: -0.0 sorts as +0.0 (stable sort compares)
+    # the same keys as a stable sort picks (+ 0.0: -0.0 sorts as +0.0), in position order
+    assert torch.equal(got, stable_topk(scores + 0.0, k).sort(dim=-1).values)
     # a query's keys do not depend on the row's length, a masked tail or the batch it is padded into
     padded = torch.cat([scores, torch.full((4, 7, 37), float("-inf"))], dim=-1)
     assert torch.equal(dsa_topk(padded, k), got)
@@ -140,7 +141,7 @@ def test_dsa_topk_is_a_total_order_independent_of_the_row_shape():
     # fewer finite scores than k: every finite one, then masked ones by position (marked invalid by callers)
     short = torch.full((1, S), float("-inf"))
     short[0, [5, 9, 200]] = torch.tensor([0.0, 1.0, 0.0])
-    assert dsa_topk(short, 5).tolist() == [[9, 5, 200, 0, 1]]
+    assert dsa_topk(short, 5).tolist() == [[0, 1, 5, 9, 200]]
 
 
 def test_ties_at_the_kth_score_happen_in_these_models(dirs):
@@ -201,9 +202,12 @@ def test_spec_greedy_equals_plain_with_index_share(dirs, spec):
     check_spec_equals_plain(dirs, "shared", "float32", spec)
 
 
-@pytest.mark.parametrize("dtype", ["float32"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_spec_greedy_equals_compiled_plain_past_index_topk(dirs, dtype):
-    """``--compile``: verify and draft steps through the compiled graphs (their own copy of the top-k)."""
+    """``--compile``: verify and draft steps through the compiled graphs (their own copy of the top-k); in bf16
+    the routed experts run eagerly at every batch size (``decode_graph.REDUCED_PRECISION``)."""
+    if dtype == "bfloat16" and not bf16_gemm_rows_alike():
+        pytest.skip("this CPU's bf16 GEMMs round a row differently at different row counts")
     model, cfg = load_model(dirs["full"], dtype, "cpu")  # its own copy: the graphs stay with it
     model.compile_decode()
     eng = Engine(model, cfg, kv_dtype=dtype, page_size=8, num_pages=512)
