@@ -125,6 +125,7 @@ class RxConnection:
         if was_open or self in self.rx.connections:
             self.rx.connections.discard(self)
             self.rx.connection_lost(self, exc)
+        self._staging = torch.empty(0, dtype=torch.uint8)  # may be MBs: not held until the cyclic collector runs
 
     def on_bad_header(self, err: ProtocolError, payload_len: int) -> bool:
         if self.state is not ConnState.READY:
