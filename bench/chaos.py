@@ -9,6 +9,7 @@ random order, against the router's public API (loopback only):
     stop-ids        5,000 stop token ids (refused: the cap is 1,024)
     long-id         a 250-character request id (refused: the limit leaves room for retry suffixes)
     kv-slowloris    80 never-authenticating connections to every decode worker's KV port for 10 s
+    slow-readers    32 Generate streams on one HTTP/2 connection with a zero flow-control window, for 10 s
 
 Each action's outcome must be one its input allows (``EXPECTED``): a client cancel ends CANCELLED (or OK
 when the answer was faster), a deadline DEADLINE_EXCEEDED or OK, bad input INVALID_ARGUMENT (or
@@ -26,9 +27,10 @@ from typing import Any
 import grpc
 
 from bench.loadgen.fault import KVSlowloris
-from router.client import AsyncGenerationClient
+from bench.loadgen.slowreader import SlowReaders
+from router.client import AsyncGenerationClient, make_request
 
-ACTIONS = ("cancel", "deadline", "oversized-text", "stop-ids", "long-id", "kv-slowloris")
+ACTIONS = ("cancel", "deadline", "oversized-text", "stop-ids", "long-id", "kv-slowloris", "slow-readers")
 EXPECTED: dict[str, set[str]] = {
     "cancel": {"CANCELLED", "OK"},
     "deadline": {"DEADLINE_EXCEEDED", "OK"},
@@ -36,10 +38,12 @@ EXPECTED: dict[str, set[str]] = {
     "stop-ids": {"INVALID_ARGUMENT"},
     "long-id": {"INVALID_ARGUMENT"},
     "kv-slowloris": {"OK"},
+    "slow-readers": {"OK"},
 }
 ACTION_BOUND_S = 120.0
 """No action may take longer than this (a request that hangs is a failure, not a slow success)."""
 SLOWLORIS_S = 10.0
+SLOW_READERS_S = 10.0
 
 
 class Chaos:
@@ -48,6 +52,7 @@ class Chaos:
     def __init__(self, target: str, api_key: str | None, vocab_size: int, every_s: float = 3.0, seed: int = 0,
                  prompt_len: int = 256) -> None:
         self.client = AsyncGenerationClient(target, api_key, timeout_s=ACTION_BOUND_S)
+        self.api_key = api_key
         self.vocab_size, self.every_s, self.prompt_len = vocab_size, every_s, prompt_len
         self.rng = random.Random(seed)
         self.outcomes: dict[str, Counter] = {a: Counter() for a in ACTIONS}
@@ -132,6 +137,16 @@ class Chaos:
             await asyncio.sleep(SLOWLORIS_S)
         finally:
             self.slowloris.append(await holder.close())
+        return "OK"
+
+    async def _slow_readers(self) -> str:
+        req = make_request(token_ids=self._prompt(), max_tokens=64, ignore_eos=True)
+        readers = SlowReaders(self.client.target, 32, req, api_key=self.api_key)
+        await asyncio.to_thread(readers.start)
+        try:
+            await asyncio.sleep(SLOW_READERS_S)
+        finally:
+            await asyncio.to_thread(readers.close)
         return "OK"
 
     def summary(self) -> dict[str, Any]:
