@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import signal
-import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,43 +23,28 @@ sys.path.insert(0, REPO)
 
 import grpc  # noqa: E402
 
+from bench.serve_proc import serve  # noqa: E402
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 
 
 def run(flags: list[str], prompts: list[str], max_tokens: int) -> tuple[list[float], str]:
-    with tempfile.TemporaryDirectory() as d:
-        out_path = os.path.join(d, "serve.out")
-        with open(out_path, "wb") as log:
-            p = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", "0", "--http-port", "0",
-                                  "--run-dir", os.path.join(d, "run"), *flags],
-                                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 300
-            while not (m := re.search(r"listening on (\S+)", open(out_path).read())):
-                if p.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"pdserve serve did not start:\n{open(out_path).read()[-3000:]}")
-                time.sleep(0.3)
-            with grpc.insecure_channel(m.group(1)) as ch:
-                stub, rates = generation_pb2_grpc.GenerationStub(ch), []
-                for text in prompts:
-                    req = generation_pb2.GenerateRequest(text=text, sampling=generation_pb2.SamplingParams(
-                        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-                    t0, n = None, 0
-                    for r in stub.Generate(req, timeout=600):
-                        if t0 is None:
-                            t0 = time.perf_counter()
-                        else:
-                            n += len(r.token_ids)
-                    rates.append(n / (time.perf_counter() - t0))
-                st = generation_pb2_grpc.AdminStub(ch).GetClusterStatus(generation_pb2.GetClusterStatusRequest(),
-                                                                        timeout=30)
-            dec = [w for w in st.workers if w.role == "decode"]
-            fb = ", ".join(f"{w.info.get('spec_fallbacks', '-')} speculation fallbacks, {w.tokens_per_s:.0f} tok/s "
-                           f"while its scheduler was busy" for w in dec)
-            return rates, fb
-        finally:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(60)
+    with serve(flags) as address, grpc.insecure_channel(address) as ch:
+        stub, rates = generation_pb2_grpc.GenerationStub(ch), []
+        for text in prompts:
+            req = generation_pb2.GenerateRequest(text=text, sampling=generation_pb2.SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            t0, n = None, 0
+            for r in stub.Generate(req, timeout=600):
+                if t0 is None:
+                    t0 = time.perf_counter()
+                else:
+                    n += len(r.token_ids)
+            rates.append(n / (time.perf_counter() - t0))
+        st = generation_pb2_grpc.AdminStub(ch).GetClusterStatus(generation_pb2.GetClusterStatusRequest(), timeout=30)
+    dec = [w for w in st.workers if w.role == "decode"]
+    fb = ", ".join(f"{w.info.get('spec_fallbacks', '-')} speculation fallbacks, {w.tokens_per_s:.0f} tok/s "
+                   f"while its scheduler was busy" for w in dec)
+    return rates, fb
 
 
 def main() -> None:

@@ -28,18 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
-import subprocess
-import sys
 import sysconfig
-import tempfile
 import time
 
 import torch
 
 from bench.bench_spec import best_time
-from engine.defaults import PDSERVE_HOME, REPO_ROOT, SHIPPED_DEFAULT, tune_malloc
+from bench.serve_proc import serve
+from engine.defaults import PDSERVE_HOME, SHIPPED_DEFAULT, tune_malloc
 from engine.runtime import Engine, load_model
 from engine.sampling import SamplingParams
 from engine.spec import SpecConfig, SpecEngine
@@ -100,24 +96,10 @@ def _decode_spec(client: GenerationClient):
 
 def served(flags: list[str], ids: list[int], args) -> dict:
     """One ``pdserve serve`` with ``flags``: warm-up, then ``--repeats`` timed single-stream requests."""
-    with tempfile.TemporaryDirectory() as d:
-        out_path = os.path.join(d, "serve.out")
-        with open(out_path, "wb") as log:
-            p = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", "0", "--http-port", "0", "--prefill", "1",
-                                  "--decode", "1", "--decode-weights", "model", "--dtype", args.dtype,
-                                  "--threads-per-worker", str(args.threads), "--run-dir", os.path.join(d, "run"),
-                                  *flags], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 300
-            while not (m := re.search(r"listening on (\S+)", open(out_path).read())):
-                if p.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"pdserve serve did not start:\n{open(out_path).read()[-3000:]}")
-                time.sleep(0.3)
-            with GenerationClient(m.group(1), timeout_s=600) as client:
-                out = timed_requests(client, ids, args)
-        finally:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(60)
+    with serve(["--prefill", "1", "--decode", "1", "--decode-weights", "model", "--dtype", args.dtype,
+                "--threads-per-worker", str(args.threads), *flags]) as address, \
+            GenerationClient(address, timeout_s=600) as client:
+        out = timed_requests(client, ids, args)
     out["flags"] = " ".join(flags)
     return out
 
