@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from test_spec import check_emitted_distribution, make_predictable
+from test_spec import check_emitted_distribution, make_predictable, one_thread  # noqa: F401 (autouse fixture)
 from tiny import stable_topk, transformers_ties_by_position
 
 from engine.batch import BatchRequest, ForwardBatch
@@ -41,14 +41,6 @@ LENS = (TOPK, 2 * TOPK, 4 * TOPK, 8 * TOPK)
 NUM_TOKENS = 256
 CHAINS = ["1/1/2", "3/1/4", "5/1/6"]
 TREES = ["3/2/6", "4/2/8"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
