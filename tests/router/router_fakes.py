@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 import grpc
+import pytest
 
 from prefill.radix import prefix_block_hashes
 from protos import rpc
@@ -20,6 +21,17 @@ from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 VOCAB, MAX_CONTEXT, PAGE, EOS, EOS_TRIGGER = 400, 256, 4, 1, 99
 
+
+def run_bounded(coro, timeout_s: float):
+    """Run ``coro`` in a fresh event loop and fail it after ``timeout_s``: a router test never hangs."""
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+async def rpc_error(awaitable) -> grpc.aio.AioRpcError:
+    """The ``AioRpcError`` that ``awaitable`` must raise."""
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await awaitable
+    return e.value
 
 def info(**extra) -> dict[str, str]:
     return {"vocab_size": str(VOCAB), "max_context": str(MAX_CONTEXT), "page_size": str(PAGE),

@@ -2,15 +2,15 @@
 worker ends a request reaches the client, a decode worker without room is passed over for the next one,
 and a burst spreads over the decode workers (a reservation counts as load from the moment it is asked)."""
 import asyncio
+import functools
 import collections
 
 import grpc
 
-from router_fakes import FakeCluster, expected_tokens
+from router_fakes import FakeCluster, expected_tokens, run_bounded
 
 
-def run(coro, timeout_s: float = 60.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+run = functools.partial(run_bounded, timeout_s=60.0)
 
 
 async def all_back(fc: FakeCluster) -> None:

@@ -3,17 +3,17 @@ against fake workers: whatever point of the call path a deadline or a cancellati
 counter is back to 0 and every decode page is free afterwards (a leaked count skews routing for good and
 eventually refuses every request)."""
 import asyncio
+import functools
 
 import grpc
 import pytest
 
 from router.request import GenerateRun
 from router.validate import RequestError
-from router_fakes import FakeCluster
+from router_fakes import FakeCluster, run_bounded
 
 
-def run(coro, timeout_s: float = 120.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+run = functools.partial(run_bounded, timeout_s=120.0)
 
 
 def counters(fc: FakeCluster) -> dict[str, int]:

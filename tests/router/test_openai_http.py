@@ -1,7 +1,7 @@
 """The router's OpenAI-compatible HTTP front door against in-process fake workers (real HTTP, real gRPC), and
 its pure parts: the answer text as vLLM shapes it (stop strings, stop tokens) and chat templates rendered as
 transformers renders them. The whole path with real workers: tests/integration/test_openai_serve.py."""
-import asyncio
+import functools
 import json
 import socket
 
@@ -14,11 +14,10 @@ from protos.pdserve.v1 import generation_pb2
 from router.chat import ChatTemplate, ChatTemplateError
 from router.openai_protocol import HTTP_STATUS, OutputText
 from router.text import TextCodec
-from router_fakes import FakeCluster, expected_tokens, write_tokenizer
+from router_fakes import FakeCluster, expected_tokens, run_bounded, write_tokenizer
 
 
-def run(coro, timeout_s: float = 30.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+run = functools.partial(run_bounded, timeout_s=30.0)
 
 
 # -- the answer's text -------------------------------------------------------------------------------------

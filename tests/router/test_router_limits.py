@@ -4,6 +4,7 @@ A text prompt is bounded in bytes by the context before it is tokenized, the pub
 follows from the same bound, tokenization runs off the event loop, and stop conditions are capped.
 """
 import asyncio
+import functools
 import threading
 
 import grpc
@@ -13,17 +14,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import rpc
 from router.validate import (MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEXT_BYTES_PER_TOKEN,
                              REQUEST_OVERHEAD_BYTES)
-from router_fakes import MAX_CONTEXT, FakeCluster, write_tokenizer
+from router_fakes import MAX_CONTEXT, FakeCluster, rpc_error, run_bounded, write_tokenizer
 
 
-def run(coro, timeout_s: float = 60.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+run = functools.partial(run_bounded, timeout_s=60.0)
 
-
-async def rpc_error(awaitable) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await awaitable
-    return e.value
 
 
 class EncodeSpy:

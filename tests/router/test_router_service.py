@@ -4,23 +4,18 @@ The same paths run against real worker processes in tests/integration; these cov
 that are hard to provoke there (reservation refused, a prefill worker failing, health flapping).
 """
 import asyncio
+import functools
 import dataclasses
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router_fakes import EOS, EOS_TRIGGER, VOCAB, FakeCluster, expected_tokens, write_tokenizer
+from router_fakes import EOS, EOS_TRIGGER, VOCAB, FakeCluster, expected_tokens, rpc_error, run_bounded, write_tokenizer
 
 
-def run(coro, timeout_s: float = 30.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+run = functools.partial(run_bounded, timeout_s=30.0)
 
-
-async def rpc_error(awaitable) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await awaitable
-    return e.value
 
 
 def test_stream_order_usage_and_metrics():

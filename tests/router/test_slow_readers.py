@@ -3,6 +3,7 @@
 router's in-flight slots past ``stream_write_timeout_s``, they are not decode work meanwhile (the decode
 workers finish and free everything at once), and a normal client is served while they still hang."""
 import asyncio
+import functools
 
 import grpc
 import pytest
@@ -12,14 +13,13 @@ from protos.pdserve.v1 import generation_pb2
 from router.client import make_request
 from router.relay import relay
 from router.validate import RequestError
-from router_fakes import FakeCluster, expected_tokens
+from router_fakes import FakeCluster, expected_tokens, run_bounded
 
 WRITE_TIMEOUT_S = 3.0
 SLOTS = 6
 
 
-def run(coro, timeout_s: float = 60.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+run = functools.partial(run_bounded, timeout_s=60.0)
 
 
 def test_slow_readers_lose_their_slots_after_the_write_timeout_and_are_not_decode_work():
