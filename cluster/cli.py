@@ -84,8 +84,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
-    from engine.checkpoint import TINY_GLM5, init_random_model
-    init_random_model(TINY_GLM5, args.out, seed=args.seed)
+    from engine.checkpoint import PRESETS, TINY_GLM5, init_random_model, init_random_model_streaming
+    if args.preset == "tiny":
+        init_random_model(TINY_GLM5, args.out, seed=args.seed)
+    else:  # big presets: one layer in memory at a time, bf16
+        stats = init_random_model_streaming(PRESETS[args.preset], args.out, seed=args.seed)
+        print(json.dumps(stats))
     print(args.out)
     return 0
 
@@ -117,8 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(r)
     r.set_defaults(fn=cmd_run)
 
-    i = sub.add_parser("init-model", help="write a tiny random GLM-5-architecture checkpoint")
+    i = sub.add_parser("init-model", help="write a random-weight GLM-5-architecture checkpoint")
     i.add_argument("--out", required=True)
+    i.add_argument("--preset", default="tiny", choices=["tiny", "medium"],
+                   help="tiny: the test model (fp32, one file); medium: the ~3.8 GB bf16 benchmark model, "
+                        "written one layer at a time (docs/performance.md)")
     i.add_argument("--seed", type=int, default=0)
     i.set_defaults(fn=cmd_init_model)
 
