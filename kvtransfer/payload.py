@@ -15,8 +15,9 @@ Receive: when runs are long the socket writes straight into the page tensors (on
 ``recv_into`` target per run and component: zero copies); when pages are fragmented (or
 the wire is fp8 into a bf16 pool) the payload lands in one staging buffer and is scattered
 page by page (one copy, numpy record indexing). Send mirrors it: long runs go out of the
-page tensors directly, fragmented pages are gathered once. CPU pools only: a GPU pool
-needs pinned staging and device copies, which this module does not do yet.
+page tensors directly, fragmented pages are gathered once. Host memory only: a GPU pool's
+pages pass through pinned host stages that this module treats as small CPU pools
+(``staging.py``).
 """
 from __future__ import annotations
 

@@ -31,7 +31,8 @@ from kvtransfer.errors import FailReason, TransferError
 from kvtransfer.framing import tune_socket
 from kvtransfer.protocol import peer_info
 from kvtransfer.rx_conn import RxConnection
-from kvtransfer.shm import host_id, pid_alive
+from kvtransfer.shm import ShmKVPool, host_id, pid_alive
+from kvtransfer.staging import Stager, is_staged, release_all
 from kvtransfer.ticket import Reservation, ReservationManager, TransferResult, TransferState, TransferTicket
 
 log = logging.getLogger(__name__)
@@ -60,9 +61,11 @@ class ReceiverStats(NamedTuple):
 
 class KVReceiver:
     def __init__(self, pool: KVPool, config: KVReceiverConfig | None = None) -> None:
-        if pool.device.type != "cpu":
-            raise ValueError(f"KVReceiver supports CPU pools only (got {pool.device}); see kvtransfer/payload.py")
         self.pool = pool
+        self.stager = Stager(pool) if is_staged(pool) else None
+        """A device (or ``force_staged``) pool's pages arrive through pinned host stages (``staging.py``)."""
+        if self.stager is not None and isinstance(pool, ShmKVPool):
+            raise ValueError("a shm-backed pool is host memory already: it cannot be force_staged")
         self.config = config or KVReceiverConfig()
         self.receiver_id = secrets.token_hex(8)
         self.local_info = peer_info(pool.layout.to_dict(), receiver_id=self.receiver_id, host_id=host_id())
@@ -196,6 +199,8 @@ class KVReceiver:
         conn = res.conn
         if conn is not None and conn.current is res:
             conn.reader.discard_current()  # no further byte of the in-flight payload reaches its pages
+        release_all(res.stages)  # device copies into the pages end before the pages can be freed
+        res.stages.clear()
         if not self.manager.fail(res, err):
             return
         self.num_failed += 1

@@ -46,6 +46,7 @@ from kvtransfer.protocol import (MAX_HEADER_BYTES, PDSERVE_KV_PROTOCOL_VERSION, 
                                  TRAILER, FrameType, Header, check_compatible, checksum, encode_frame,
                                  new_digest, pages_digest)
 from kvtransfer.shm import ShmKVPool, pid_alive
+from kvtransfer.staging import release_all
 from kvtransfer.ticket import Reservation, TransferState
 
 if TYPE_CHECKING:
@@ -306,8 +307,7 @@ class RxConnection:
             return self._fail_res(res, err, payload_len)
         self._start(res)
         res.queued_upto[f["l"]] = f["te"]
-        views, finalize = self.codec.sink_views(self.rx.pool, f["l"], res.page_arr,  # type: ignore[union-attr]
-                                                f["ts"], f["te"], self._stage)
+        views, finalize = self._sink(res, f["l"], f["ts"], f["te"])
         self.current = res
         if not trailer:
             return PayloadSink(views, lambda: self._verify(res, f, views, finalize, payload_len, None))
@@ -316,6 +316,27 @@ class RxConnection:
         return PayloadSink(views, lambda: self._verify(res, f, views, finalize, payload_len - trailer,
                                                        TRAILER.unpack(tail)[0], crc=digest.intdigest()),
                            digest, tail)
+
+    def _sink(self, res: Reservation, layer: int, ts: int, te: int) -> tuple[list[memoryview], Callable[[], None] | None]:
+        """Where a LAYER payload goes and what runs once it is verified: the pool's pages (a CPU pool), or a
+        host stage that is then copied into the pages (a staged pool, ``staging.py``)."""
+        stager = self.rx.stager
+        if stager is None:
+            return self.codec.sink_views(self.rx.pool, layer, res.page_arr, ts, te, self._stage)  # type: ignore[union-attr]
+        stage = stager.stage_in(layer, res.page_arr, ts, te)
+        res.stages.append(stage)  # released by FINISH or by the reservation's failure, whichever comes
+        views, scatter = self.codec.sink_views(stage, layer, stage.page_map, ts, te, self._stage)  # type: ignore[union-attr]
+
+        def write_back() -> None:
+            if scatter is not None:
+                scatter()
+            stager.write_back(stage, res.page_arr, ts, te)
+            done = [s for s in res.stages if s.ready]  # give back the stages whose copies have finished
+            for s in done:
+                s.release()
+            res.stages[:] = [s for s in res.stages if s.buf is not None]
+
+        return views, write_back
 
     def _on_shm_open(self, f: dict[str, Any], payload_len: int) -> None:
         res = self._owned(f)
@@ -417,6 +438,8 @@ class RxConnection:
             res.draft = self._draft_state(res, f["dh"], f["dc"])
         except ProtocolError as err:
             return self._fail_res(res, err)
+        release_all(res.stages)  # a staged pool: every device copy into the pages has finished
+        res.stages.clear()
         self.rx.complete(res)
         self.send(FrameType.DONE, {"rid": res.req_id, "tid": res.ticket.ticket_id, "nb": res.num_bytes})
 

@@ -38,6 +38,7 @@ from kvtransfer.config import KVSenderConfig
 from kvtransfer.errors import FailReason, TransferError
 from kvtransfer.loop import LoopThread
 from kvtransfer.payload import page_array
+from kvtransfer.staging import Stager, is_staged
 from kvtransfer.ticket import TOMBSTONES, TransferTicket
 from kvtransfer.tx_peer import (AbortItem, FinishItem, LayerItem, OpenItem, OutgoingTransfer, SendResult, SendState,
                                 TxPeer, resolve_future)
@@ -81,9 +82,9 @@ class LayerHook:
 
 class KVSender:
     def __init__(self, pool: KVPool, config: KVSenderConfig | None = None) -> None:
-        if pool.device.type != "cpu":
-            raise ValueError(f"KVSender supports CPU pools only (got {pool.device}); see kvtransfer/payload.py")
         self.pool = pool
+        self.stager = Stager(pool) if is_staged(pool) else None
+        """A device (or ``force_staged``) pool's pages leave through pinned host stages (``staging.py``)."""
         self.config = config or KVSenderConfig()
         self._lt = LoopThread("kvtransfer-sender")
         self._lock = threading.Lock()
@@ -143,7 +144,14 @@ class KVSender:
                                 f"{self.config.enqueue_timeout_s}", ticket.req_id)
             self._lt.call(self._abort, ticket, err)
             raise err
-        self._lt.call(self._enqueue, LayerItem(st, layer, src_arr, token_start, token_end))
+        stage = None
+        if self.stager is not None:  # the D2H starts now, while earlier layers are still on the wire
+            try:
+                stage = self.stager.stage_out(layer, src_arr, token_start, token_end)
+            except BaseException:
+                self.release_slot()
+                raise
+        self._lt.call(self._enqueue, LayerItem(st, layer, src_arr, token_start, token_end, stage))
 
     def finish(self, ticket: TransferTicket, draft: bytes | None = None) -> concurrent.futures.Future:
         """All layers of all tokens were queued: ask the receiver to verify and complete. ``draft``: the
@@ -299,6 +307,7 @@ class KVSender:
         st = item.send
         if st.failed:
             if isinstance(item, LayerItem):
+                item.drop()
                 self.release_slot()
             return
         peer = st.peer if st.peer is not None and not st.peer.closed else self._route(st)

@@ -198,6 +198,7 @@ class ShmKVPool(KVPool):
     def __init__(self, layout: KVLayout, num_pages: int) -> None:
         self.layout = layout
         self.device = torch.device("cpu")
+        self.force_staged = False  # host memory already, shared with the sender
         self.allocator = PageAllocator(num_pages)
         self.num_pages = num_pages
         reap_stale_segments()

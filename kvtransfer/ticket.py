@@ -171,6 +171,8 @@ class Reservation:
     waiter: Any = None
     """asyncio.Future resolved when the reservation completes or fails (set by the receiver)."""
     pages_freed: bool = False
+    stages: list[Any] = field(default_factory=list)
+    """Host stages of a staged pool whose device copy into the pages may still run (``staging.py``)."""
 
     @property
     def req_id(self) -> str:

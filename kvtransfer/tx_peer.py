@@ -33,6 +33,7 @@ from kvtransfer.protocol import (MAX_HEADER_BYTES, MAX_PAGES_PER_FRAME, PDSERVE_
                                  FrameType, check_compatible, checksum, encode_frame, new_digest, pack_u32,
                                  pages_digest, peer_info)
 from kvtransfer.shm import ShmAttachment, host_id, process_start_time
+from kvtransfer.staging import HostStage
 from kvtransfer.ticket import TransferTicket
 
 if TYPE_CHECKING:
@@ -138,6 +139,13 @@ class LayerItem(NamedTuple):
     """Prefill page ids from token 0 (a private copy: the caller may grow its list meanwhile)."""
     token_start: int
     token_end: int
+    stage: HostStage | None = None
+    """A staged pool's pages of this layer, on their way to host memory (``staging.py``)."""
+
+    def drop(self) -> None:
+        """The item will not be written: give its stage back."""
+        if self.stage is not None:
+            self.stage.release()
 
 
 class OpenItem(NamedTuple):
@@ -311,6 +319,7 @@ class TxPeer:
         while not self.queue.empty():
             item = self.queue.get_nowait()
             if isinstance(item, LayerItem):
+                item.drop()
                 self.sender.release_slot()
             if item is not None:
                 self.sender.fail(item.send, err.for_request(item.send.ticket.req_id), notify=False)
@@ -441,6 +450,7 @@ class TxPeer:
                 return
             finally:
                 if isinstance(item, LayerItem):
+                    self._release_after_writes(item)
                     self.sender.release_slot()
 
     def _chunks(self, codec: LayerCodec, ts: int, te: int) -> list[tuple[int, int]]:
@@ -453,15 +463,34 @@ class TxPeer:
         return {"rid": st.ticket.req_id, "tid": st.ticket.ticket_id, "l": layer, "ts": a, "te": b,
                 "pg": st.page_bytes[4 * span.start:4 * span.stop], "gn": st.gen_bytes[4 * span.start:4 * span.stop]}
 
+    def _release_after_writes(self, item: LayerItem) -> None:
+        """Give a layer's stage back once the send thread is past every frame queued so far (one FIFO
+        thread: the last write done means all of them are), or now when none is queued."""
+        if item.stage is None:
+            return
+        if self._writes:
+            self._writes[-1].add_done_callback(lambda _: item.drop())
+        else:
+            item.drop()
+
+    async def _source(self, item: LayerItem) -> tuple[Any, np.ndarray]:
+        """The pool to read ``item`` from and its pages: the sender's pool, or the item's host stage once
+        its device copy has finished (waited for off the loop)."""
+        if item.stage is None:
+            return self.sender.pool, item.src_pages
+        if not item.stage.ready:
+            await self.loop.run_in_executor(None, item.stage.wait)
+        return item.stage, item.stage.page_map
+
     async def _write_layer(self, item: LayerItem) -> None:
         st = item.send
         if self.transport is TransportKind.SHM:
             return await self._copy_layer_shm(item)
-        pool = self.sender.pool
+        pool, src_pages = await self._source(item)
         for a, b in self._chunks(self.codec, item.token_start, item.token_end):
             if st.failed:
                 return
-            views = self.codec.source_views(pool, item.layer, item.src_pages, a, b)
+            views = self.codec.source_views(pool, item.layer, src_pages, a, b)
             nbytes, kind = self.codec.nbytes(b - a), self.cfg.checksum
             trailer = kind is not ChecksumKind.NONE
             header = encode_frame(FrameType.LAYER, {**self._span_fields(st, item.layer, a, b), "tr": trailer},
@@ -479,12 +508,13 @@ class TxPeer:
             await asyncio.shield(st.lease)  # type: ignore[arg-type]
         except (TransferError, asyncio.CancelledError):
             return  # refused, timed out or aborted: st already failed
+        pool, src_pages = await self._source(item)
         for a, b in self._chunks(self.shm_codec, item.token_start, item.token_end):
             if st.failed:  # checked before every copy: after an ABORT we never touch the pages again
                 return
             want = self.cfg.shm_checksum is not ChecksumKind.NONE
-            views = self.shm_codec.copy_layer(self.sender.pool, self.attachment, item.layer,  # type: ignore[arg-type]
-                                              item.src_pages, st.dst_pages, a, b, want_views=want)
+            views = self.shm_codec.copy_layer(pool, self.attachment, item.layer,  # type: ignore[arg-type]
+                                              src_pages, st.dst_pages, a, b, want_views=want)
             crc = checksum(self.cfg.shm_checksum, views)
             st.state = SendState.STREAMING
             await self._maybe_cut(st)

@@ -219,11 +219,18 @@ class KVPool:
     ``buffers[layer][name]`` is ``[num_pages, page_size, *component.shape]``;
     with fp8 KV ``scales[layer][name]`` is ``[num_pages, page_size, *component.scale_shape]`` fp32.
     ``flat(layer, name)`` views a buffer as ``[num_pages * page_size, ...]`` (slot = page * page_size + offset).
+
+    ``force_staged``: the KV data plane moves this (CPU) pool's pages through host staging buffers, as it
+    must for a device pool (``kvtransfer/staging.py``): the staged path, testable without a GPU.
     """
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
+    force_staged: bool = False
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu",
+                 force_staged: bool = False) -> None:
         self.layout = layout
         self.device = torch.device(device)
+        self.force_staged = force_staged
         self.allocator = PageAllocator(num_pages)
         self.num_pages = num_pages
         dt = layout.torch_dtype
