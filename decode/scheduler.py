@@ -26,7 +26,6 @@ admitted request waits for pages (``refusal()``, asked by ``Reserve``, which als
 from __future__ import annotations
 
 import enum
-import itertools
 import logging
 import threading
 import time
@@ -39,7 +38,7 @@ from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
-from engine.spec.prefill import MTPChunk, mtp_prefill_batch
+from engine.spec.prefill import PrefillChunk, prefill_forward
 from protos.worker_main import Heartbeat
 
 logger = logging.getLogger(__name__)
@@ -292,16 +291,15 @@ class DecodeScheduler:
 
     def _local_prefill(self, tasks: list[DecodeTask]) -> None:
         """One batched forward over the prompts (short by construction), first tokens, MTP pass."""
-        P, dev = self.pool.page_size, self.pool.device
-        out = self.model(ForwardBatch.build([BatchRequest(t.pages, 0, t.prompt_ids) for t in tasks], P, dev),
-                         self.pool)
-        firsts = sample(out.logits, [t.sampler for t in tasks]).token_ids.tolist()
-        if self.model.has_mtp:  # the draft layer's KV over the prompt and, when speculating, the draft state
-            offsets = [0] + list(itertools.accumulate(len(t.prompt_ids) for t in tasks))
-            chunks = [MTPChunk(t.pages, 0, t.prompt_ids, out.hidden[offsets[i]:offsets[i + 1]], f,
-                               draft=self.spec is not None) for i, (t, f) in enumerate(zip(tasks, firsts))]
-            for t, res in zip(tasks, mtp_prefill_batch(self.model, self.pool, chunks)):
-                t.draft_hidden = res.draft_hidden
+        def sample_first(logits: torch.Tensor, rows: list[int]) -> list[int]:
+            return sample(logits, [tasks[i].sampler for i in rows]).token_ids.tolist()
+
+        # the draft layer's KV over the prompt and, when speculating, the draft state
+        plan = [PrefillChunk(t.pages, 0, t.prompt_ids, draft=self.spec is not None) for t in tasks]
+        results = prefill_forward(self.model, self.pool, plan, sample_first)
+        firsts = [r.next_token for r in results]
+        for t, r in zip(tasks, results):
+            t.draft_hidden = r.draft_hidden
         with self._cv:
             for t, f in zip(tasks, firsts):
                 t.cached_len = len(t.prompt_ids)
@@ -419,14 +417,12 @@ class DecodeScheduler:
         """KV of the first ``n`` tokens of prompt + output into ``task.pages``, chunked; the MTP layer's too
         (its pair i is token i+1 with the main model's hidden i), as a prefill worker ships it."""
         seq = task.prompt_ids + task.output_ids
-        P, dev = self.pool.page_size, self.pool.device
         for s in range(0, n, self.recompute_chunk):
             e = min(n, s + self.recompute_chunk)
-            out = self.model(ForwardBatch.build([BatchRequest(task.pages, s, seq[s:e])], P, dev), self.pool)
-            if self.model.has_mtp:  # the token after the chunk is known: no pair is deferred
-                [res] = mtp_prefill_batch(self.model, self.pool, [MTPChunk(
-                    task.pages, s, seq[s:e], out.hidden, seq[e], draft=e == n and self.spec is not None)])
-                task.draft_hidden = res.draft_hidden  # the last chunk's: the request speculates at once
+            # the token after the chunk is known: nothing is sampled, no MTP pair deferred
+            [res] = prefill_forward(self.model, self.pool, [PrefillChunk(task.pages, s, seq[s:e], seq[e],
+                                                                          draft=e == n and self.spec is not None)])
+            task.draft_hidden = res.draft_hidden  # the last chunk's: the request speculates at once
 
     def _ensure_pages(self, task: DecodeTask, num_tokens: int) -> None:
         need = self.pool.pages_for(num_tokens) - len(task.pages)

@@ -32,11 +32,10 @@ from typing import Callable
 
 import torch
 
-from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
-from engine.spec.prefill import MTPChunk, mtp_prefill_batch
+from engine.spec.prefill import PrefillChunk, prefill_forward
 from protos.worker_main import Heartbeat
 from prefill.radix import Match, RadixCache
 from prefill.sink import KVSink, LocalSink, TransferFailed
@@ -296,37 +295,28 @@ class PrefillScheduler:
                     t.abort_reason = t.abort_reason or f"transfer start failed: {e}"
 
     def _forward(self, chunks: list[tuple[PrefillTask, int, int]]) -> None:
-        P = self.pool.page_size
-        reqs = [BatchRequest(t.pages, s, t.token_ids[s:e]) for t, s, e in chunks]
-        batch = ForwardBatch.build(reqs, P, self.pool.device)
-
         def ship(layer: int) -> None:
             for t, s, e in chunks:
                 if not t.abort_reason:
                     t.sink.send(layer, s, e)
 
-        batch.on_layer_done = ship
-        out = self.model(batch, self.pool)
-        finishing = [i for i, (t, s, e) in enumerate(chunks) if e == len(t.token_ids)]
-        if finishing:
-            states = [SamplerState(chunks[i][0].params, chunks[i][0].token_ids) for i in finishing]
-            res = sample(out.logits[finishing], states)
-            for j, i in enumerate(finishing):
+        def sample_first(logits: torch.Tensor, rows: list[int]) -> list[int]:
+            res = sample(logits, [SamplerState(chunks[i][0].params, chunks[i][0].token_ids) for i in rows])
+            for j, i in enumerate(rows):
                 t = chunks[i][0]
-                t.first_token = int(res.token_ids[j])
                 t.first_logprob = float(res.logprobs[j]) if res.logprobs is not None else None
                 n = t.params.logprobs
                 if n and res.top_ids is not None:
                     t.first_top = (res.top_ids[j, :n].tolist(), res.top_logprobs[j, :n].tolist())
-        if self.model.has_mtp:  # the draft layer's KV over every chunk, the draft state of finishing ones
-            offsets = [0] + list(itertools.accumulate(e - s for _, s, e in chunks))
-            mtp = [MTPChunk(t.pages, s, t.token_ids[s:e], out.hidden[offsets[i]:offsets[i + 1]],
-                            t.token_ids[e] if e < len(t.token_ids) else t.first_token, draft=e == len(t.token_ids))
-                   for i, (t, s, e) in enumerate(chunks)]
-            for (t, _, _), res in zip(chunks, mtp_prefill_batch(self.model, self.pool, mtp)):
-                if res.draft_hidden is not None:
-                    t.draft_hidden = res.draft_hidden
-            ship(self.model.cfg.num_hidden_layers)
+            return res.token_ids.tolist()
+
+        # an inner chunk's next token is the prompt's; a finishing one samples the first token and, with MTP,
+        # computes the draft state shipped with the pages
+        plan = [PrefillChunk(t.pages, s, t.token_ids[s:e], t.token_ids[e] if e < len(t.token_ids) else None,
+                             draft=e == len(t.token_ids)) for t, s, e in chunks]
+        for (t, s, e), res in zip(chunks, prefill_forward(self.model, self.pool, plan, sample_first, ship)):
+            if e == len(t.token_ids):
+                t.first_token, t.draft_hidden = res.next_token, res.draft_hidden
         with self._cv:
             for t, s, e in chunks:
                 t.computed = e

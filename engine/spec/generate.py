@@ -1,7 +1,7 @@
 """In-process speculative generation over an ``engine.runtime.Engine``'s model and pool.
 
 The smallest complete loop with MTP speculation, for tests, benchmarks and ``pdserve run``:
-chunked prefill of each request (target forward, then ``mtp_prefill`` of the chunk), the first
+chunked prefill of each request (``prefill_forward``: target forward, then the chunk's MTP pass), the first
 token sampled as the plain engine does, then ``SpecDecoder.step`` over every running request
 until all finish; pages are freed when a request finishes.
 """
@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple, Sequence
 
-from engine.batch import BatchRequest, ForwardBatch
 from engine.runtime import Engine, GenerationResult
 from engine.sampling import SamplerState, SamplingParams, sample
 from engine.spec.config import SpecConfig
 from engine.spec.decoder import SpecDecoder
 from engine.spec.metrics import SpecMetrics
-from engine.spec.prefill import mtp_prefill
+from engine.spec.prefill import PrefillChunk, prefill_forward
 from engine.spec.seq import SpecSeq
 
 logger = logging.getLogger(__name__)
@@ -47,23 +46,20 @@ class SpecEngine:
 
     def prefill(self, seq: SpecSeq, prompt_ids: Sequence[int]) -> None:
         """Chunked target prefill, each chunk followed by its MTP pass; samples the first token."""
-        res, n = None, len(prompt_ids)
+        n = len(prompt_ids)
         while seq.cached_len < n:
             c = seq.cached_len
             chunk = list(prompt_ids[c:c + self.engine.chunk_size])
             self.decoder.grow_pages(seq, c + len(chunk))
-            batch = ForwardBatch.build([BatchRequest(seq.pages, c, chunk)], self.pool.page_size, self.pool.device)
-            out = self.model(batch, self.pool)
+            last = c + len(chunk) == n  # an inner chunk's next token is the prompt's; the last one samples it
+            [res] = prefill_forward(self.model, self.pool,
+                                    [PrefillChunk(seq.pages, c, chunk, None if last else prompt_ids[c + len(chunk)],
+                                                  draft=last)],
+                                    lambda logits, _: sample(logits, [seq.sampler]).token_ids.tolist())
             seq.cached_len += len(chunk)
-            if seq.cached_len < n:  # an inner chunk: its next token is the prompt's
-                mtp_prefill(self.model, self.pool, seq.pages, c, chunk, out.hidden, prompt_ids[seq.cached_len])
-                continue
-            tok = int(sample(out.logits, [seq.sampler]).token_ids[0])
-            seq.output_ids.append(tok)
-            seq.finish_reason = self._finish_reason(seq)
-            if not seq.finish_reason:
-                res = mtp_prefill(self.model, self.pool, seq.pages, c, chunk, out.hidden, tok)
-        if res is not None:
+        seq.output_ids.append(res.next_token)
+        seq.finish_reason = self._finish_reason(seq)
+        if not seq.finish_reason:
             seq.draft_hidden, seq.draft_logits = res.draft_hidden, res.draft_logits
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]

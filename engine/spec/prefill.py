@@ -23,14 +23,19 @@ pairs as sglang's EAGLE radix cache does. Resuming at ``c = m`` with a stale pai
 never rewriting it: the page is shared) is safe - a stale MTP entry only lowers the acceptance
 of the drafts, verification keeps the output exact.
 
+Every caller (a prefill worker's chunks, a decode worker's local prefill and its recompute of a preempted
+request, ``SpecEngine``) runs the whole recipe through ``prefill_forward``: one target forward over the
+chunks, the next token sampled for the chunks that end what is known, then the MTP pass above.
+
 Disaggregation: the decode side needs the pages (the MTP layer's KV travels with the target's),
 the first token and, optionally, ``draft_hidden`` (``H`` values); without it the decode side's
 first step is a plain one (see ``engine.spec.seq``).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -129,3 +134,62 @@ def mtp_prefill(model: GlmForCausalLM, pool: KVPool, pages: Sequence[int], cache
     """Single-request form of ``mtp_prefill_batch`` (see the module doc for the chunk contract)."""
     return mtp_prefill_batch(model, pool, [MTPChunk(pages, cached_len, new_token_ids, hiddens, next_token,
                                                      carry_hidden)])[0]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """One request's chunk of a batched prefill forward (``prefill_forward``)."""
+    pages: Sequence[int]
+    """The request's pages; they must already cover ``cached_len + len(token_ids)`` tokens."""
+    cached_len: int
+    """Tokens already in the KV before this chunk (``c``)."""
+    token_ids: Sequence[int]
+    """The chunk's tokens ``x_c .. x_{e-1}``."""
+    next_token: int | None = None
+    """``x_e`` when known (an inner prompt chunk, a recomputed sequence); None: the chunk ends what is known
+    and ``x_e`` is sampled from its last logits."""
+    draft: bool = False
+    """Compute the MTP draft state at pair ``e-1`` (the request speculates next); else the MTP KV only."""
+
+
+class PrefillChunkResult(NamedTuple):
+    next_token: int
+    """``x_e``: the chunk's ``next_token`` when given, else the sampled one."""
+    draft_hidden: torch.Tensor | None
+    """``[H]`` the MTP output at pair ``e-1`` (``SpecSeq.draft_hidden``) when ``draft`` and the model has MTP."""
+    draft_logits: torch.Tensor | None
+    """``[V]`` its logits (the depth-1 draft distribution), with ``draft_hidden``."""
+
+
+SampleNext = Callable[[torch.Tensor, list[int]], list[int]]
+"""``(logits [k, V], chunk indices) -> k next tokens``: the caller's sampler for the chunks that end what is
+known (it records what else it wants from the sampling, log-probabilities say)."""
+
+
+def prefill_forward(model: GlmForCausalLM, pool: KVPool, chunks: Sequence[PrefillChunk],
+                    sample_next: SampleNext | None = None,
+                    on_layer_done: Callable[[int], None] | None = None) -> list[PrefillChunkResult]:
+    """Prefill plus MTP KV, the one recipe: a target forward over every chunk, ``sample_next`` over the
+    chunks without a ``next_token``, then (a model with an MTP layer) the MTP pass over every chunk given its
+    next token (``mtp_prefill_batch``). ``on_layer_done(layer)`` is called after each target layer's KV is
+    written and, with MTP, once more with the MTP layer's index (``num_hidden_layers``) after its pass."""
+    batch = ForwardBatch.build([BatchRequest(c.pages, c.cached_len, c.token_ids) for c in chunks],
+                               pool.page_size, pool.device)
+    batch.on_layer_done = on_layer_done
+    out = model(batch, pool)
+    nexts = [c.next_token for c in chunks]
+    rows = [i for i, t in enumerate(nexts) if t is None]
+    if rows:
+        if sample_next is None:
+            raise ValueError(f"chunks {rows} have no next_token and no sampler was given")
+        for i, tok in zip(rows, sample_next(out.logits[rows], rows)):
+            nexts[i] = int(tok)
+    if not model.has_mtp:
+        return [PrefillChunkResult(t, None, None) for t in nexts]
+    offsets = [0, *itertools.accumulate(len(c.token_ids) for c in chunks)]  # each chunk's rows of out.hidden
+    mtp = [MTPChunk(c.pages, c.cached_len, c.token_ids, out.hidden[offsets[i]:offsets[i + 1]], nexts[i], draft=c.draft)
+           for i, c in enumerate(chunks)]
+    res = mtp_prefill_batch(model, pool, mtp)
+    if on_layer_done is not None:
+        on_layer_done(model.cfg.num_hidden_layers)
+    return [PrefillChunkResult(t, r.draft_hidden, r.draft_logits) for t, r in zip(nexts, res)]
