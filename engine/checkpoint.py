@@ -93,8 +93,10 @@ PRESETS: dict[str, dict] = {"tiny": TINY_GLM5, "medium": MEDIUM_GLM5}
 """``pdserve init-model --preset`` choices."""
 
 
-def init_random_model(cfg_dict: dict, out_dir: str, seed: int = 0, std: float = 0.05) -> str:
-    """Create a random-weight checkpoint for ``cfg_dict`` in ``out_dir`` (for tests and the demo)."""
+def init_random_model(cfg_dict: dict, out_dir: str, seed: int = 0, std: float = 0.05,
+                      dtype: torch.dtype | None = None) -> str:
+    """Create a random-weight checkpoint for ``cfg_dict`` in ``out_dir`` (for tests and the demo), stored in
+    ``dtype`` (None: fp32) as ``save_checkpoint`` stores it."""
     from engine.runtime import build_model
     cfg = ModelConfig.from_dict(cfg_dict)
     gen = torch.Generator().manual_seed(seed)
@@ -109,7 +111,7 @@ def init_random_model(cfg_dict: dict, out_dir: str, seed: int = 0, std: float = 
                 p.zero_()
             else:
                 p.fill_(1.0)
-    save_checkpoint(model, cfg, out_dir)
+    save_checkpoint(model, cfg, out_dir, dtype=dtype)
     return out_dir
 
 
