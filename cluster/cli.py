@@ -29,11 +29,17 @@ def _parse_ids(s: str | None) -> list[int] | None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from engine.defaults import default_model_dir
-    from engine.runtime import Engine, load_model
+    from engine.headers import checkpoint_tensors
+    from engine.precision import resolve_dtype
+    from engine.runtime import Engine, load_model, resolve_device
     from engine.sampling import SamplingParams
     from engine.tokenizer import Tokenizer
 
     model_dir = args.model or default_model_dir()
+    choice = resolve_dtype(args.dtype, checkpoint_tensors(model_dir), resolve_device(args.device))
+    if choice.reason != "given":
+        logging.getLogger("pdserve").info("dtype auto -> %s: %s", choice.dtype, choice.reason)
+    args.dtype = choice.dtype
     model, cfg = load_model(model_dir, args.dtype, args.device, args.moe_impl)
     model.compile_decode(args.compile)
     tok = Tokenizer.from_model_dir(model_dir)
@@ -108,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", default=None, help="model directory (default: the shipped default model)")
     r.add_argument("--token-ids", default=None, help="comma-separated prompt token ids")
     r.add_argument("--prompt", default=None, help="prompt text (needs tokenizer.json)")
-    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (auto: the checkpoint's where the device computes it fast, else float32)")
     r.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp8_e4m3"])
     r.add_argument("--device", default="auto")
     r.add_argument("--moe-impl", default="auto")

@@ -29,10 +29,15 @@ def register(sub) -> None:
     s.add_argument("--log-level", default="INFO", help="log level of the router and the workers")
     s.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="router and worker logs as text lines or one JSON object per line")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (auto: the checkpoint's where the device computes it fast, else float32)")
     s.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp8_e4m3"])
     s.add_argument("--page-size", type=int, default=16)
-    s.add_argument("--num-pages", type=int, default=None, help="KV pages per worker (default: the worker's)")
+    s.add_argument("--num-pages", type=int, default=None, help="KV pages per worker (default: sized from memory)")
+    s.add_argument("--kv-cache-memory", default=None, metavar="BYTES", help="KV pool bytes per worker (8GiB, 512MB)")
+    s.add_argument("--mem-fraction", type=float, default=None,
+                   help="fraction of this host's (or GPU's) memory for all workers together (weights, activations, "
+                        "KV pools), split equally (default: 0.9 on a GPU; on a CPU at most 4096 pages per worker)")
     s.add_argument("--speculative", default="5/1/6", help="MTP speculation STEPS/TOPK/DRAFT_TOKENS")
     s.add_argument("--no-speculative", action="store_true")
     s.add_argument("--no-spec-fallback", action="store_true",
@@ -105,6 +110,7 @@ def serve_config(args: argparse.Namespace):
         http_port=args.http_port, served_model_name=args.served_model_name, log_level=args.log_level,
         log_format=args.log_format,
         dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size, num_pages=args.num_pages,
+        kv_cache_memory=args.kv_cache_memory, mem_fraction=args.mem_fraction,
         speculative=None if args.no_speculative else args.speculative, spec_fallback=not args.no_spec_fallback,
         decode_weights=args.decode_weights,
         compile_decode=args.compile,

@@ -88,14 +88,19 @@ class LocalClusterConfig:
     """Log level of the router and every worker."""
     log_format: str = "text"
     """text or json (one object per line) for the router and every worker."""
-    dtype: str = "float32"
-    """Weights dtype of the workers."""
+    dtype: str = "auto"
+    """Compute dtype of the workers (auto: the checkpoint's where the device computes it fast, else float32)."""
     kv_dtype: str | None = None
     """KV cache dtype (None: the weights dtype)."""
     page_size: int = 16
     """KV page size in tokens."""
     num_pages: int | None = None
-    """KV pages per worker (None: the worker default)."""
+    """KV pages per worker (None: sized from memory; at most one of num_pages, kv_cache_memory, mem_fraction)."""
+    kv_cache_memory: str | None = None
+    """KV pool bytes per worker (``8GiB``, ``512MB``, ...)."""
+    mem_fraction: float | None = None
+    """Fraction of this host's (or GPU's) memory for all workers together (weights, activations and KV
+    pools): each worker gets an equal share. None: the workers' default (see ``engine.memory``)."""
     speculative: str | None = "5/1/6"
     """MTP speculation STEPS/TOPK/DRAFT_TOKENS for the decode workers; None: off."""
     spec_fallback: bool = True
@@ -252,6 +257,10 @@ class LocalCluster:
             cmd += ["--kv-dtype", c.kv_dtype]
         if c.num_pages:
             cmd += ["--num-pages", str(c.num_pages)]
+        if c.kv_cache_memory:
+            cmd += ["--kv-cache-memory", c.kv_cache_memory]
+        if c.mem_fraction:
+            cmd += ["--mem-fraction", repr(c.mem_fraction / (c.num_prefill + c.num_decode))]
         threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // (c.num_prefill + c.num_decode))
         cmd += ["--threads", str(threads), "--stall-after", str(c.stall_after_s)]
         cmd += ["--metrics-port", "-1"]  # Prometheus /metrics on a free port, listed in GetClusterStatus

@@ -75,14 +75,18 @@ class RayLaunchConfig:
     """Require this bearer token on the router's public port."""
     routing: str = "cache_aware"
     """Router prefill policy."""
-    dtype: str = "float32"
-    """Weights dtype of the workers."""
+    dtype: str = "auto"
+    """Compute dtype of the workers (auto: the checkpoint's where the device computes it fast, else float32)."""
     kv_dtype: str | None = None
     """KV cache dtype (default: the weights dtype)."""
     page_size: int = 16
     """KV page size in tokens."""
     num_pages: int | None = None
-    """KV pages per worker (default: the worker's)."""
+    """KV pages per worker (default: sized from memory; at most one of num_pages, kv_cache_memory, mem_fraction)."""
+    kv_cache_memory: str | None = None
+    """KV pool bytes per worker (8GiB, 512MB, ...)."""
+    mem_fraction: float | None = None
+    """Fraction of its device's memory each worker may use for weights, activations and its KV pool."""
     speculative: str = "5/1/6"
     """MTP speculation STEPS/TOPK/DRAFT_TOKENS of the decode workers, or off."""
     no_spec_fallback: bool = False
@@ -261,6 +265,10 @@ def _worker_args(spec: dict, role: str, name: str) -> list[str]:
         args += ["--kv-dtype", spec["kv_dtype"]]
     if spec["num_pages"]:
         args += ["--num-pages", str(spec["num_pages"])]
+    if spec.get("kv_cache_memory"):
+        args += ["--kv-cache-memory", spec["kv_cache_memory"]]
+    if spec.get("mem_fraction"):
+        args += ["--mem-fraction", repr(spec["mem_fraction"])]
     if role == "decode":
         args += ["--kv-port", "0", "--speculative", spec["speculative"] or "off"]
         args += ["--compile"] if spec.get("compile_decode") else []

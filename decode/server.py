@@ -19,7 +19,7 @@ import msgpack
 import torch
 
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
-from engine.kvcache import KVLayout, PoolExhausted
+from engine.kvcache import PoolExhausted
 from engine.loader import model_hash
 from engine.runtime import load_model
 from engine.tokenizer import Tokenizer
@@ -193,9 +193,9 @@ async def amain(args: argparse.Namespace) -> None:
     mhash = model_hash(model_dir)
     if args.expect_model_hash and args.expect_model_hash != mhash:
         raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {args.expect_model_hash}")
-    model, cfg = load_model(args.quantized_model or model_dir, args.dtype, args.device)
-    layout = KVLayout.for_model(cfg, args.page_size, args.kv_dtype or args.dtype)
-    pool = _make_pool(layout, args.num_pages, args.shm)
+    plan = worker_main.start_plan(args, args.quantized_model or model_dir, "decode")
+    model, cfg = load_model(args.quantized_model or model_dir, plan.dtype.dtype, args.device)
+    pool = _make_pool(plan.layout, plan.pool.num_pages, args.shm)
     spec = build_speculator(args, model, cfg, pool)
     # a speculating worker asks prefill for the MTP draft state with every KV transfer (first round speculates)
     draft = DraftLayout(cfg.hidden_size, str(model.lm_head.weight.dtype).removeprefix("torch.")) if spec else None
@@ -205,7 +205,7 @@ async def amain(args: argparse.Namespace) -> None:
     if args.compile:
         from engine.runtime import warm_up_decode
         model.compile_decode()
-        took = warm_up_decode(model, cfg, args.kv_dtype or args.dtype, args.page_size,
+        took = warm_up_decode(model, cfg, plan.kv_dtype, args.page_size,
                               args.speculative if spec is not None else None)
         logger.info("decode graphs compiled and warmed up in %.1fs", took)
     sched = DecodeScheduler(model, pool, cfg.eos_token_ids, max_running=args.max_running,
@@ -216,13 +216,14 @@ async def amain(args: argparse.Namespace) -> None:
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = f"{args.host}:{port}"
     info = worker_main.model_info(cfg, model_dir, args.page_size)
+    info.update(dtype=plan.dtype.dtype, kv_pool_bytes=str(plan.pool.pool_bytes))
     info["gc_frozen_objects"] = str(worker_main.freeze_startup_heap())  # everything is loaded: full collections skip it
     info["speculative"] = args.speculative if spec is not None else "off"
     info["local_prefill"] = "1"
     info["decode_graphs"] = "compiled" if args.compile else "eager"
     from engine.quant.prepare import quantized_experts
     mx = sorted({m.spec.fmt.name for m in quantized_experts(model).values()})
-    info["routed_experts"] = ",".join(mx) if mx else args.dtype
+    info["routed_experts"] = ",".join(mx) if mx else plan.dtype.dtype
     info["spec_fallback"] = "on" if spec is not None and sched.spec_fallback else "off"
     servicer = DecodeServicer(sched, receiver, cfg, info, args.worker_id or f"decode-{port}", address, mhash, spec)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)

@@ -16,7 +16,7 @@ import time
 import grpc
 import msgpack
 
-from engine.kvcache import KVLayout, KVPool, PoolExhausted
+from engine.kvcache import KVPool, PoolExhausted
 from engine.loader import model_hash
 from engine.runtime import load_model
 from kvtransfer import KVSender, KVSenderConfig, TransferTicket
@@ -199,9 +199,9 @@ async def amain(args: argparse.Namespace) -> None:
     mhash = model_hash(model_dir)
     if args.expect_model_hash and args.expect_model_hash != mhash:
         raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {args.expect_model_hash}")
-    model, cfg = load_model(model_dir, args.dtype, args.device)
-    layout = KVLayout.for_model(cfg, args.page_size, args.kv_dtype or args.dtype)
-    pool = KVPool(layout, args.num_pages, model.lm_head.weight.device)
+    plan = worker_main.start_plan(args, model_dir, "prefill")
+    model, cfg = load_model(model_dir, plan.dtype.dtype, args.device)
+    pool = KVPool(plan.layout, plan.pool.num_pages, model.lm_head.weight.device)
     sender = KVSender(pool, KVSenderConfig(cluster_secret=secret.encode() if secret else None))
     sched = PrefillScheduler(model, pool, PrefillConfig(chunk_size=args.chunk_size,
                                                         max_batch_tokens=max(args.chunk_size, args.max_batch_tokens),
@@ -210,6 +210,7 @@ async def amain(args: argparse.Namespace) -> None:
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = f"{args.host}:{port}"
     info = worker_main.model_info(cfg, model_dir, args.page_size)
+    info.update(dtype=plan.dtype.dtype, kv_pool_bytes=str(plan.pool.pool_bytes))
     info["gc_frozen_objects"] = str(worker_main.freeze_startup_heap())  # everything is loaded: full collections skip it
     servicer = PrefillServicer(sched, sender, cfg, info,
                                args.worker_id or f"prefill-{port}", address, mhash, args.fault_injection)

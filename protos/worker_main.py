@@ -75,10 +75,15 @@ def common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--worker-id", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (auto: the checkpoint's where this device computes it fast, else float32)")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp8_e4m3"])
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=4096)
+    p.add_argument("--num-pages", type=int, default=None, help="KV pool pages (at most one of the three sizes)")
+    p.add_argument("--kv-cache-memory", default=None, metavar="BYTES", help="KV pool bytes (8GiB, 512MB, ...)")
+    p.add_argument("--mem-fraction", type=float, default=None,
+                   help="fraction of the device's memory for weights, activations and the KV pool (default: 0.9 "
+                        "on a GPU; on a CPU at most 4096 pages)")
     p.add_argument("--device", default="auto")
     p.add_argument("--cluster-secret", default=None, help="default: $PDSERVE_CLUSTER_SECRET")
     p.add_argument("--expect-model-hash", default=None, help="refuse to start if the model differs")
@@ -92,6 +97,19 @@ def common_args(p: argparse.ArgumentParser) -> None:
                    help="Prometheus /metrics of this worker on its own port (0: off, -1: any free port; reported "
                         "as info['metrics_port'] in its status)")
     logs.add_log_args(p)
+
+
+def start_plan(args: argparse.Namespace, weights_dir: str, role: str):
+    """The worker's dtype, KV layout and pool size (``engine.sizing.plan_start``), checked before the model
+    is loaded or the pool allocated; a pool that cannot fit ends the process with one line naming the
+    numbers."""
+    from engine.runtime import resolve_device  # torch: this module stays stdlib-only at import (the router's)
+    from engine.sizing import plan_start, pool_sizing
+    try:
+        return plan_start(weights_dir, args.dtype, args.kv_dtype, resolve_device(args.device), args.page_size,
+                          pool_sizing(args.num_pages, args.kv_cache_memory, args.mem_fraction))
+    except ValueError as e:
+        raise SystemExit(f"pdserve {role} worker: error: {e}") from None
 
 
 def apply_threads(n: int) -> None:

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(SHIPPED_DEFAULT,
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve-spec")
-    sp = ServeProcess(["--port", "0", "--prefill", "1", "--decode", "1", "--decode-weights", "model",
+    sp = ServeProcess(["--port", "0", "--prefill", "1", "--decode", "1", "--decode-weights", "model", "--dtype", "float32",
                        "--speculative", f"{NUM_STEPS}/1/{NUM_STEPS + 1}", "--no-spec-fallback", "--num-pages", "128",
                        "--run-dir", str(d / "run")], str(d / "serve.out"))
     try:

@@ -23,7 +23,7 @@ def cluster(tmp_path_factory):
     model_dir = str(d / "model")
     init_random_model({**TINY_GLM5, "index_topk": 64}, model_dir, seed=3)
     env = {"PDSERVE_CLUSTER_SECRET": SECRET}
-    common = ["--model", model_dir, "--num-pages", "256", "--page-size", "16"]
+    common = ["--model", model_dir, "--num-pages", "256", "--page-size", "16", "--dtype", "float32"]
     pre = Worker("prefill.server", common + ["--chunk-size", "32", "--max-batch-tokens", "64"], env, str(d / "p.log"))
     dec = Worker("decode.server", common + ["--no-speculative"], env, str(d / "d.log"))
     try:

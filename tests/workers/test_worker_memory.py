@@ -1,0 +1,64 @@
+"""Real worker processes size their KV pool from memory (--mem-fraction) and refuse one that cannot fit
+before loading the model or allocating anything."""
+import os
+import resource
+import subprocess
+import sys
+
+import grpc
+import pytest
+from procs import Worker
+
+from engine.checkpoint import TINY_GLM5, init_random_model
+from engine.config import ModelConfig
+from engine.headers import checkpoint_tensors, weights_bytes
+from engine.kvcache import KVLayout
+from engine.memory import ACTIVATION_RESERVE_BYTES, host_memory
+from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+SECRET = "test-secret-0123456789abcdef"
+POOL_BYTES = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return init_random_model(TINY_GLM5, str(tmp_path_factory.mktemp("mem") / "model"), seed=1)
+
+
+def test_a_pool_sized_by_mem_fraction_fits_and_is_reported(model_dir, tmp_path):
+    total = host_memory().total_bytes
+    wbytes = weights_bytes(checkpoint_tensors(model_dir), 4)
+    frac = (wbytes + ACTIVATION_RESERVE_BYTES + POOL_BYTES) / total
+    page_bytes = KVLayout.for_model(ModelConfig.from_model_dir(model_dir), 16, "float32").bytes_per_page()
+    w = Worker("prefill.server", ["--model", model_dir, "--mem-fraction", repr(frac), "--dtype", "auto"],
+               {"PDSERVE_CLUSTER_SECRET": SECRET}, str(tmp_path / "p.log"))
+    try:
+        addr = w.wait_ready()
+        with grpc.insecure_channel(addr) as ch:
+            st = worker_pb2_grpc.PrefillWorkerStub(ch).GetStatus(
+                worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {SECRET}"),), timeout=5)
+        expect = (int(frac * total) - wbytes - ACTIVATION_RESERVE_BYTES) // page_bytes
+        assert abs(st.pages_total - expect) <= 1 and st.pages_total == st.pages_free
+        assert st.info["dtype"] == "float32"  # a float32 checkpoint stays float32 under auto
+        assert abs(int(st.info["kv_pool_bytes"]) - POOL_BYTES) <= 2 * page_bytes
+        with open(w.log_path) as f:
+            log = f.read()
+        assert "dtype auto -> float32: the checkpoint is float32" in log
+        assert f"KV pool: {st.pages_total} pages of 16 tokens" in log
+    finally:
+        w.stop()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_pool_that_cannot_fit_is_refused_before_any_allocation(model_dir, role):
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    out = subprocess.run([sys.executable, "-m", f"{role}.server", "--model", model_dir, "--num-pages", "100000000",
+                          "--log-level", "INFO"], check=False, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PDSERVE_CLUSTER_SECRET": SECRET})
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"pdserve {role} worker: error: KV pool of 100000000 pages (") and \
+        "does not fit:" in last and "available on cpu, weights ~0.00 GiB" in last, last
+    assert "Traceback" not in out.stderr and "loaded " not in out.stderr  # refused before the model was loaded
+    # nothing near the pool's size was ever touched (RUSAGE_CHILDREN: the largest child so far, in KiB)
+    assert max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) < 2 << 20
