@@ -52,7 +52,7 @@ def test_run_speculative_reports_accept_len_and_matches_plain(tmp_path):
     from engine.checkpoint import TINY_GLM5, init_random_model
     init_random_model(TINY_GLM5, str(tmp_path))  # has an MTP layer
     base = [PDSERVE, "run", "--model", str(tmp_path), "--token-ids", "3,17,99,42,7,64", "--max-tokens", "16",
-            "--ignore-eos", "--json"]
+            "--ignore-eos", "--json", "--dtype", "float32"]
     spec = subprocess.run(base + ["--speculative", "3/1/4"], capture_output=True, text=True, timeout=180)
     plain = subprocess.run(base + ["--no-speculative"], capture_output=True, text=True, timeout=180)
     assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
@@ -66,7 +66,7 @@ def test_run_json_reports_acceptance_per_position_on_the_default_model():
     sum is the mean accepted drafts (``accept_len - 1``)."""
     from engine.defaults import SHIPPED_DEFAULT
     base = [PDSERVE, "run", "--model", SHIPPED_DEFAULT, "--prompt", "def main(argv):\n", "--max-tokens", "48",
-            "--ignore-eos", "--json"]
+            "--ignore-eos", "--json", "--dtype", "float32"]  # the shipped model is bf16: compare in float32
     spec = subprocess.run(base + ["--speculative", "3/1/4"], capture_output=True, text=True, timeout=180)
     plain = subprocess.run(base + ["--no-speculative"], capture_output=True, text=True, timeout=180)
     assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
