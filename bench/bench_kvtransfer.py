@@ -28,6 +28,12 @@ distorted much less by a busy machine than wall time.
 
     .venv/bin/python bench/bench_kvtransfer.py [--tokens 20000] [--rounds 12] [--layouts default,glm5]
 
+``kv staged`` sends from and receives into pools that take the device path (``kvtransfer/staging.py``:
+pages through host stages, copies ordered by events): CPU pools with ``force_staged`` here, GPU pools
+with ``--device cuda`` (``scripts/gpu_check.sh``). ``kv mooncake`` moves the pages with Mooncake's
+transfer engine (``--mooncake-protocol``, loopback TCP by default; skipped when ``pdserve[mooncake]`` is
+not installed). Both are reported against the raw socket like the other TCP rows.
+
 Goals: TCP >= 80% of the raw socket, shm >= 70% of a tensor copy. A checksum costs one extra read
 of every byte on each side: xxh3 (the default) ~28 GiB/s per core here on cache-hot bytes, crc32c
 (CPU CRC instruction) ~17 GiB/s, zlib's crc32 ~3.4 GiB/s; on a 2-core box running both ends and both
@@ -53,7 +59,7 @@ import torch  # noqa: E402
 from engine.kvcache.layout import KVComponent, KVLayout  # noqa: E402
 from engine.kvcache.pool import KVPool  # noqa: E402
 from kvtransfer import (ChecksumKind, KVReceiver, KVReceiverConfig, KVSender, KVSenderConfig, LoopThread,  # noqa: E402
-                        ShmKVPool, TransferTicket, TransportKind)
+                        ShmKVPool, TransferTicket, TransportKind, mooncake)
 
 SECRET = b"bench-secret-0123456789abcdef"
 
@@ -88,8 +94,14 @@ def raw_views(pool: KVPool, pages: list[int], tokens: int) -> list[memoryview]:
             for layer in range(pool.layout.num_layers) for c in pool.layout.components]
 
 
-def _filled_pool(layout: KVLayout, tokens: int) -> tuple[KVPool, list[int]]:
-    pool = KVPool(layout, -(-tokens // layout.page_size) + 1)
+def staged_pool(layout: KVLayout, num_pages: int, device: str) -> KVPool:
+    """A pool on the device path: on ``device`` when it is a GPU, else a CPU pool forced through it."""
+    return KVPool(layout, num_pages, device=device, force_staged=device == "cpu")
+
+
+def _filled_pool(layout: KVLayout, tokens: int, device: str | None = None) -> tuple[KVPool, list[int]]:
+    n = -(-tokens // layout.page_size) + 1
+    pool = KVPool(layout, n) if device is None else staged_pool(layout, n, device)
     pages = pool.allocator.alloc(pool.pages_for(tokens), "bench")
     g = torch.Generator().manual_seed(0)
     for per_layer in pool.buffers:
@@ -101,10 +113,11 @@ def _filled_pool(layout: KVLayout, tokens: int) -> tuple[KVPool, list[int]]:
 class Prefill:
     """Command handlers of the prefill process; each returns (seconds, cpu seconds)."""
 
-    def __init__(self, layouts_: dict[str, dict], tokens: int) -> None:
+    def __init__(self, layouts_: dict[str, dict], tokens: int, device: str) -> None:
         self.layouts = {k: KVLayout.from_dict(v) for k, v in layouts_.items()}
         self.tokens = tokens
         self.pools = {k: _filled_pool(lay, tokens) for k, lay in self.layouts.items()}
+        self.staged = {k: _filled_pool(lay, tokens, device) for k, lay in self.layouts.items()}
         self.copy_dst = {k: _filled_pool(lay, tokens)[0] for k, lay in self.layouts.items()}
         self.senders: dict[tuple, KVSender] = {}
         self.raw: dict[str, socket.socket] = {}
@@ -132,9 +145,10 @@ class Prefill:
                 dst.buffers[layer][c.name].copy_(src.buffers[layer][c.name])
         return time.perf_counter() - t0, time.process_time() - c0
 
-    def kv(self, case: str, transport: str, checksum: str, ticket: dict, open_ahead: bool) -> tuple[float, float]:
-        pool, pages = self.pools[case]
-        key = (case, transport, checksum)
+    def kv(self, case: str, transport: str, checksum: str, ticket: dict, open_ahead: bool,
+           staged: bool = False) -> tuple[float, float]:
+        pool, pages = (self.staged if staged else self.pools)[case]
+        key = (case, transport, checksum, staged)
         if key not in self.senders:
             cfg = KVSenderConfig(cluster_secret=SECRET, transport=TransportKind(transport),
                                  checksum=ChecksumKind(checksum))
@@ -155,11 +169,11 @@ class Prefill:
             s.close()
 
 
-def prefill_main(conn, layouts_: dict, tokens: int) -> None:
+def prefill_main(conn, layouts_: dict, tokens: int, device: str) -> None:
     from engine.defaults import tune_malloc
     tune_malloc()  # as a worker process runs
     torch.set_num_threads(1)
-    p = Prefill(layouts_, tokens)
+    p = Prefill(layouts_, tokens, device)
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
         conn.send(getattr(p, cmd[0])(*cmd[1:]))
@@ -192,7 +206,8 @@ class RawServer:
 
 
 class Bench:
-    def __init__(self, conn, lt: LoopThread, case: str, layout: KVLayout, tokens: int) -> None:
+    def __init__(self, conn, lt: LoopThread, case: str, layout: KVLayout, tokens: int, device: str,
+                 mooncake_protocol: str) -> None:
         self.conn, self.lt, self.case, self.layout, self.tokens = conn, lt, case, layout, tokens
         n_pages = 3 * (-(-tokens // layout.page_size))
         cfg = KVReceiverConfig(cluster_secret=SECRET, require_checksum=False)
@@ -202,7 +217,12 @@ class Bench:
         random.Random(0).shuffle(pages)
         frag_pool.allocator.decref(pages)
         self.rx = {"tcp": KVReceiver(KVPool(layout, n_pages), cfg), "shm": KVReceiver(self.shm_pool, cfg),
-                   "frag": KVReceiver(frag_pool, cfg)}
+                   "frag": KVReceiver(frag_pool, cfg),
+                   "staged": KVReceiver(staged_pool(layout, n_pages, device), cfg)}
+        if mooncake.available() is None:
+            mc_cfg = KVReceiverConfig(cluster_secret=SECRET, require_checksum=False,
+                                      mooncake_protocol=mooncake_protocol)
+            self.rx["mooncake"] = KVReceiver(KVPool(layout, n_pages), mc_cfg)
         for rx in self.rx.values():
             lt.run(rx.start())
         self.raw = RawServer(layout, tokens)
@@ -221,12 +241,14 @@ class Bench:
         th.join()
         return out
 
-    def kv(self, rx_name: str, transport: TransportKind, checksum: ChecksumKind, open_ahead: bool = True) -> Sample:
+    def kv(self, rx_name: str, transport: TransportKind, checksum: ChecksumKind, open_ahead: bool = True,
+           staged: bool = False) -> Sample:
         rx = self.rx[rx_name]
         self.n += 1
         c0 = time.process_time()
         ticket = rx.reserve(f"{self.case}-{self.n}", self.tokens)
-        seconds, child_cpu = self.ask("kv", self.case, transport.value, checksum.value, ticket.to_dict(), open_ahead)
+        seconds, child_cpu = self.ask("kv", self.case, transport.value, checksum.value, ticket.to_dict(), open_ahead,
+                                      staged)
         res = self.lt.run(rx.wait_complete(ticket.req_id, 60))
         if res.transport is not transport:
             raise RuntimeError(f"expected {transport}, the transfer used {res.transport}")
@@ -249,9 +271,12 @@ CONTENDERS = {
     "tensor copy": lambda b: b.ask("copy", b.case),
     "kv shm": lambda b: b.kv("shm", TransportKind.SHM, ChecksumKind.NONE),
     "kv shm unopened": lambda b: b.kv("shm", TransportKind.SHM, ChecksumKind.NONE, open_ahead=False),
+    "kv staged": lambda b: b.kv("staged", TransportKind.TCP, ChecksumKind.NONE, staged=True),
+    "kv mooncake": lambda b: b.kv("mooncake", TransportKind.MOONCAKE, ChecksumKind.NONE),
 }
 BASELINE = {"kv xxh3": "raw TCP", "kv crc32c": "raw TCP", "kv crc32": "raw TCP", "kv no-crc": "raw TCP",
-            "kv frag no-crc": "raw TCP", "kv shm": "tensor copy", "kv shm unopened": "tensor copy"}
+            "kv frag no-crc": "raw TCP", "kv shm": "tensor copy", "kv shm unopened": "tensor copy",
+            "kv staged": "raw TCP", "kv mooncake": "raw TCP"}
 
 
 def main() -> None:
@@ -259,7 +284,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--layouts", default=",".join(layouts()), help="comma-separated subset of the layouts")
+    ap.add_argument("--device", default="cpu", help="where the 'kv staged' pools live: cpu (force_staged) or cuda")
+    ap.add_argument("--mooncake-protocol", default="tcp", choices=["tcp", "rdma"])
+    ap.add_argument("--only", default="", help="comma-separated subset of the contenders (baselines are kept)")
     args = ap.parse_args()
+    contenders = {k: v for k, v in CONTENDERS.items()
+                  if not args.only or k in args.only.split(",") or k in BASELINE.values()}
+    if mooncake.available() is not None and contenders.pop("kv mooncake", None) is not None:
+        print(f"kv mooncake skipped: {mooncake.available()}")
     from engine.defaults import tune_malloc
     tune_malloc()  # as a worker process runs
     torch.set_num_threads(1)
@@ -268,21 +300,22 @@ def main() -> None:
     lays = {k: v for k, v in layouts().items() if k in args.layouts.split(",")}
     if not lays:
         ap.error(f"--layouts: none of {args.layouts!r} is one of {', '.join(layouts())}")
-    proc = ctx.Process(target=prefill_main, args=(child, {k: v.to_dict() for k, v in lays.items()}, args.tokens))
+    proc = ctx.Process(target=prefill_main, args=(child, {k: v.to_dict() for k, v in lays.items()}, args.tokens,
+                                                  args.device))
     proc.start()
     assert conn.recv() == "ready"
     lt = LoopThread("bench-rx")
     results: dict[str, dict[str, list[Sample]]] = {}
     try:
         for case, layout in lays.items():
-            bench = Bench(conn, lt, case, layout, args.tokens)
-            runs = results[case] = {name: [] for name in CONTENDERS}
-            names = list(CONTENDERS)
+            bench = Bench(conn, lt, case, layout, args.tokens, args.device, args.mooncake_protocol)
+            runs = results[case] = {name: [] for name in contenders}
+            names = list(contenders)
             for rnd in range(args.rounds + 1):  # round 0 warms up (first touch of every page)
                 # each round starts one contender later: whatever follows another (a transfer right after the
                 # raw socket's runs measurably slower) is spread over all of them
                 for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-                    sample = CONTENDERS[name](bench)
+                    sample = contenders[name](bench)
                     if rnd:
                         runs[name].append(sample)
             bench.close()
@@ -300,6 +333,7 @@ def main() -> None:
         median = {name: statistics.median(s.seconds for s in samples) for name, samples in runs.items()}
         for name, samples in runs.items():
             base = BASELINE.get(name)
+            base = base if base in runs else None
             med = f"({median[base] / median[name]:4.0%} of {base})" if base else ""
             top = f"({best[base] / best[name]:4.0%})" if base else ""
             cpu = min(s.cpu_s for s in samples) / gib * 1e3

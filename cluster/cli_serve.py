@@ -65,6 +65,11 @@ def register(sub) -> None:
                         "unhealthy (the router drains it)")
     s.add_argument("--no-shm", action="store_true",
                    help="ship KV over TCP even though all workers share this host (default: shared memory)")
+    s.add_argument("--kv-transport", choices=["auto", "tcp", "shm", "mooncake"], default="auto",
+                   help="how prefill workers ship KV: auto (shm on this host, else tcp), tcp, shm, or mooncake "
+                        "(Mooncake's transfer engine: pip install 'pdserve[mooncake]'; falls back to tcp)")
+    s.add_argument("--mooncake-protocol", choices=["tcp", "rdma"], default="tcp",
+                   help="with --kv-transport mooncake: the transfer engine's protocol")
     s.add_argument("--fault-injection", action="store_true",
                    help="let `pdserve bench --fault drop-kv@S` inject faults (router + prefill workers)")
     s.add_argument("--threads-per-worker", type=int, default=0, help="0: split the cores between the workers")
@@ -119,7 +124,9 @@ def serve_config(args: argparse.Namespace):
         decode_stall_timeout_s=args.decode_stall_timeout, fault_injection=args.fault_injection, shm=not args.no_shm,
         stall_after_s=args.stall_after,
         threads_per_worker=args.threads_per_worker,
-        run_dir=args.run_dir, startup_timeout_s=args.startup_timeout)
+        run_dir=args.run_dir, startup_timeout_s=args.startup_timeout,
+        extra_worker_args=() if args.kv_transport == "auto" else
+        ("--kv-transport", args.kv_transport, "--mooncake-protocol", args.mooncake_protocol))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from engine.loader import model_hash
 from engine.runtime import load_model
 from engine.tokenizer import Tokenizer
 from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, ShmKVPool, TransferError
+from kvtransfer.config import add_transport_args, receiver_mooncake_protocol
 from protos import logs, rpc, worker_main
 from protos.worker_metrics import serve_metrics
 from protos.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
@@ -200,7 +201,8 @@ async def amain(args: argparse.Namespace) -> None:
     # a speculating worker asks prefill for the MTP draft state with every KV transfer (first round speculates)
     draft = DraftLayout(cfg.hidden_size, str(model.lm_head.weight.dtype).removeprefix("torch.")) if spec else None
     receiver = KVReceiver(pool, KVReceiverConfig(host=args.host, port=args.kv_port, draft=draft,
-                                                  cluster_secret=secret.encode() if secret else None))
+                                                  cluster_secret=secret.encode() if secret else None,
+                                                  mooncake_protocol=receiver_mooncake_protocol(args)))
     await receiver.start()
     if args.compile:
         from engine.runtime import warm_up_decode
@@ -276,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser("pdserve decode worker")
     worker_main.common_args(p)
     p.add_argument("--kv-port", type=int, default=0)
+    add_transport_args(p)
     p.add_argument("--speculative", default="5/1/6", help="STEPS/TOPK/DRAFT_TOKENS, or 'off'")
     p.add_argument("--no-speculative", action="store_true")
     p.add_argument("--no-spec-fallback", action="store_true",

@@ -5,6 +5,7 @@ This is the one module of ``kvtransfer`` that reads environment variables:
 """
 from __future__ import annotations
 
+import argparse
 import enum
 import ipaddress
 import os
@@ -24,6 +25,9 @@ class TransportKind(enum.Enum):
     """Always TCP (the payload goes through the socket)."""
     SHM = "shm"
     """Try shared memory even when host ids differ (e.g. containers sharing /dev/shm); TCP on failure."""
+    MOONCAKE = "mooncake"
+    """Mooncake's transfer engine writes into the receiver's registered pages (``mooncake.py``: TCP or RDMA);
+    TCP when the receiver offers none or the engine cannot start."""
 
 
 class WireDType(enum.Enum):
@@ -158,6 +162,13 @@ class KVReceiverConfig:
     """SO_RCVBUF / SO_SNDBUF; 0 leaves the kernel's autotuning alone."""
     offer_shm: bool = True
     """Offer a shm-backed pool to senders on the same host."""
+    mooncake_protocol: str | None = None
+    """Offer Mooncake transfer-engine writes into this pool to senders that ask (``tcp`` or ``rdma``);
+    None: not offered. Needs the ``pdserve[mooncake]`` extra and a host-memory pool."""
+    remote_writer_grace_s: float = 5.0
+    """A one-sided writer on another host (Mooncake) whose connection was lost without acknowledging an
+    abort is trusted to have stopped after this long (its pid cannot be checked from here); then the
+    reservation's pages are freed."""
 
     def __post_init__(self) -> None:
         _check_secret(self.cluster_secret)
@@ -168,7 +179,9 @@ class KVReceiverConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         _check_positive(self, "ticket_ttl_s", "stall_timeout_s", "claim_timeout_s", "handshake_timeout_s",
                         "reap_interval_s", "max_connections", "max_frame_bytes", "max_unauthenticated",
-                        "unauth_rate_per_s", "unauth_burst", "log_interval_s")
+                        "unauth_rate_per_s", "unauth_burst", "log_interval_s", "remote_writer_grace_s")
+        if self.mooncake_protocol not in (None, "tcp", "rdma"):
+            raise ValueError(f"mooncake_protocol must be None, 'tcp' or 'rdma', got {self.mooncake_protocol!r}")
         if self.max_reserved_pages is not None and self.max_reserved_pages < 1:
             raise ValueError(f"max_reserved_pages must be >= 1 or None, got {self.max_reserved_pages}")
         if self.socket_buffer_bytes < 0:
@@ -221,13 +234,33 @@ class KVSenderConfig:
     ``release_backoff_s``, doubling) to tell the receiver we stopped writing, so it frees those pages now
     instead of when this process exits."""
     release_backoff_s: float = 0.1
+    mooncake_protocol: str = "tcp"
+    """With ``transport=MOONCAKE``: the transfer engine's protocol, ``tcp`` or ``rdma``."""
 
     def __post_init__(self) -> None:
         _check_secret(self.cluster_secret)
         _check_positive(self, "connect_timeout_s", "handshake_timeout_s", "send_timeout_s", "finish_timeout_s",
                         "enqueue_timeout_s", "max_pending_frames", "max_frame_bytes", "release_backoff_s",
                         "connect_retry_s", "connect_backoff_s", "connect_backoff_max_s")
+        if self.mooncake_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"mooncake_protocol must be 'tcp' or 'rdma', got {self.mooncake_protocol!r}")
         if self.release_retries < 0:
             raise ValueError(f"release_retries must be >= 0, got {self.release_retries}")
         if self.socket_buffer_bytes < 0:
             raise ValueError(f"socket_buffer_bytes must be >= 0, got {self.socket_buffer_bytes}")
+
+
+def add_transport_args(p: argparse.ArgumentParser) -> None:
+    """``--kv-transport`` and ``--mooncake-protocol``, accepted by prefill and decode workers alike (a launcher
+    passes the same extra arguments to both). Prefill: how to send. Decode: ``mooncake`` offers Mooncake
+    writes into its pool (TCP and shm are always accepted)."""
+    p.add_argument("--kv-transport", choices=[k.value for k in TransportKind], default=TransportKind.AUTO.value,
+                   help="KV transfer transport: auto (shm on the same host, else tcp), tcp, shm, or mooncake "
+                        "(the transfer engine of pdserve[mooncake]; falls back to tcp with a warning)")
+    p.add_argument("--mooncake-protocol", choices=["tcp", "rdma"], default="tcp",
+                   help="with --kv-transport mooncake: the transfer engine's protocol")
+
+
+def receiver_mooncake_protocol(args: argparse.Namespace) -> str | None:
+    """``KVReceiverConfig.mooncake_protocol`` from the flags of ``add_transport_args``."""
+    return args.mooncake_protocol if args.kv_transport == TransportKind.MOONCAKE.value else None

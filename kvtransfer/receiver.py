@@ -30,6 +30,7 @@ from kvtransfer.config import KVReceiverConfig
 from kvtransfer.errors import FailReason, TransferError
 from kvtransfer.framing import tune_socket
 from kvtransfer.protocol import peer_info
+from kvtransfer.mooncake import MooncakeEngine, MooncakeOffer, offer_for
 from kvtransfer.rx_conn import RxConnection
 from kvtransfer.shm import ShmKVPool, host_id, pid_alive
 from kvtransfer.staging import Stager, is_staged, release_all
@@ -85,6 +86,9 @@ class KVReceiver:
         self._address: tuple[str, int] | None = None
         self._warned_draining: set[str] = set()
         self.crc_pool = concurrent.futures.ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="kvtransfer-crc")
+        self.mooncake: MooncakeEngine | None = None
+        self.mooncake_offer: MooncakeOffer | None = None
+        """What READY tells senders that ask for Mooncake writes (``config.mooncake_protocol``)."""
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -103,6 +107,7 @@ class KVReceiver:
         self.manager = ReservationManager(self.pool, host=cfg.ticket_host, port=port, receiver_id=self.receiver_id,
                                           ticket_ttl_s=cfg.ticket_ttl_s, max_reserved_pages=cfg.max_reserved_pages,
                                           draft=cfg.draft)
+        self._start_mooncake()
         self._server = await self._loop.create_server(lambda: RxConnection(self).reader, sock=sock)
         self._reaper = self._loop.create_task(self._reap_forever(), name="kvtransfer-reaper")
         log.info("kvtransfer: receiver %s listening on %s:%d", self.receiver_id, cfg.host, port)
@@ -125,9 +130,32 @@ class KVReceiver:
             await asyncio.gather(self._reaper, return_exceptions=True)
         self._server = None
         self.crc_pool.shutdown(wait=False)
+        if self.mooncake is not None and not self.manager.draining():
+            self.mooncake.close()  # with a writer still draining, its registration outlives us instead
         if self.manager.draining():
             log.warning("kvtransfer: stopped with %d reservations still draining (a shm writer is alive)",
                         len(self.manager.draining()))
+
+    def _start_mooncake(self) -> None:
+        """Register the pool with a Mooncake engine when asked to; a failure (library missing, device pool)
+        is one WARNING and senders use TCP."""
+        protocol = self.config.mooncake_protocol
+        if protocol is None:
+            return
+        if self.stager is not None:
+            log.warning("kvtransfer: mooncake not offered: the pool is not host memory (device pools need a GPU "
+                        "build of the transfer engine); senders use TCP")
+            return
+        try:
+            self.mooncake = MooncakeEngine(self.config.ticket_host, protocol)
+            self.mooncake_offer = offer_for(self.mooncake, self.pool)
+        except (OSError, ValueError) as e:
+            log.warning("kvtransfer: mooncake not offered (%s); senders use TCP", e)
+            if self.mooncake is not None:
+                self.mooncake.close()
+            self.mooncake = None
+            return
+        log.info("kvtransfer: mooncake %s writes offered at %s", protocol, self.mooncake.session)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -245,7 +273,7 @@ class KVReceiver:
     def _reap_draining(self) -> None:
         for res in self.manager.draining():
             w = res.shm_writer
-            if w is None or (w.closed and not pid_alive(w.peer_pid, w.peer_start)):
+            if w is None or (w.closed and not w.may_still_write()):
                 self.manager.drained(res)
                 self._warned_draining.discard(res.ticket.ticket_id)
             elif w.closed and res.ticket.ticket_id not in self._warned_draining:

@@ -79,6 +79,12 @@ class RxConnection:
         self.codec: LayerCodec | None = None
         self.shm_codec = LayerCodec(rx.pool.layout, WireDType.NATIVE)
         self.shm_ok = False
+        self.mc_ok = False
+        """This connection's sender asked for, and was offered, Mooncake writes (its lease frames are then
+        Mooncake's, not shm's)."""
+        self.peer_local = False
+        """The sender runs on this host, in our pid namespace: its liveness can be checked (``pid_alive``)."""
+        self.closed_at = 0.0
         self.peer_pid = -1
         self.ck, self.sck = ChecksumKind.CRC32, ChecksumKind.NONE
         """Checksum kinds the sender announced (TCP payloads, shm copies)."""
@@ -120,6 +126,7 @@ class RxConnection:
     def on_lost(self, exc: Exception | None) -> None:
         was_open = self.state is not ConnState.CLOSED
         self.state = ConnState.CLOSED
+        self.closed_at = time.monotonic()
         if self._timer is not None:
             self._timer.cancel()
         self.rx.gate.remove(self)
@@ -233,14 +240,18 @@ class RxConnection:
         self.peer_pid, self.peer_start = pid, start
         # shm only when we can later tell whether the writer process is still alive (same host + pid ns)
         pool = self.rx.pool
-        self.shm_ok = isinstance(pool, ShmKVPool) and self.cfg.offer_shm and pid_alive(pid, start)
+        self.peer_local = pid_alive(pid, start)
+        offer = self.rx.mooncake_offer
+        self.mc_ok = offer is not None and info.get("mc") is True
+        self.shm_ok = isinstance(pool, ShmKVPool) and self.cfg.offer_shm and self.peer_local and not self.mc_ok
         shm = ({"name": pool.segment_name, "nonce": pool.nonce, "num_pages": pool.num_pages}
                if self.shm_ok else None)
         self.state = ConnState.READY
         self.max_header, self.max_payload = MAX_HEADER_BYTES, self.cfg.max_frame_bytes
         if self._timer is not None:
             self._timer.cancel()
-        self.send(FrameType.READY, {"info": {**self.rx.local_info, "shm": shm}})
+        mc = offer.to_dict() if self.mc_ok else None  # type: ignore[union-attr]
+        self.send(FrameType.READY, {"info": {**self.rx.local_info, "shm": shm, "mc": mc}})
         log.info("kvtransfer: %s authenticated (wire %s, shm %s)", self.peer, wire.value, self.shm_ok)
 
     # --- request frames ----------------------------------------------------------------------
@@ -317,15 +328,17 @@ class RxConnection:
                                                        TRAILER.unpack(tail)[0], crc=digest.intdigest()),
                            digest, tail)
 
-    def _sink(self, res: Reservation, layer: int, ts: int, te: int) -> tuple[list[memoryview], Callable[[], None] | None]:
+    def _sink(self, res: Reservation, layer: int, ts: int,
+              te: int) -> tuple[list[memoryview], Callable[[], None] | None]:
         """Where a LAYER payload goes and what runs once it is verified: the pool's pages (a CPU pool), or a
         host stage that is then copied into the pages (a staged pool, ``staging.py``)."""
-        stager = self.rx.stager
+        stager, codec = self.rx.stager, self.codec
+        assert codec is not None  # set at AUTH, before any LAYER frame is dispatched
         if stager is None:
-            return self.codec.sink_views(self.rx.pool, layer, res.page_arr, ts, te, self._stage)  # type: ignore[union-attr]
+            return codec.sink_views(self.rx.pool, layer, res.page_arr, ts, te, self._stage)
         stage = stager.stage_in(layer, res.page_arr, ts, te)
         res.stages.append(stage)  # released by FINISH or by the reservation's failure, whichever comes
-        views, scatter = self.codec.sink_views(stage, layer, stage.page_map, ts, te, self._stage)  # type: ignore[union-attr]
+        views, scatter = codec.sink_views(stage, layer, stage.page_map, ts, te, self._stage)  # type: ignore[arg-type]
 
         def write_back() -> None:
             if scatter is not None:
@@ -341,8 +354,9 @@ class RxConnection:
     def _on_shm_open(self, f: dict[str, Any], payload_len: int) -> None:
         res = self._owned(f)
         try:
-            if not self.shm_ok:
-                raise ProtocolError(FailReason.BAD_FRAME, "shared memory was not offered on this connection")
+            if not (self.shm_ok or self.mc_ok):
+                raise ProtocolError(FailReason.BAD_FRAME, "no one-sided transport (shm, mooncake) was offered on "
+                                    "this connection")
             if res.state is not TransferState.RESERVED:
                 raise ProtocolError(FailReason.BAD_FRAME, f"shm lease requested in state {res.state.value}")
             if f["dg"] != pages_digest(res.page_bytes, res.gen_bytes):
@@ -352,7 +366,7 @@ class RxConnection:
             return self._fail_res(res, err)
         self._start(res)
         res.shm_writer = self
-        res.transport = TransportKind.SHM
+        res.transport = TransportKind.MOONCAKE if self.mc_ok else TransportKind.SHM
         self.send(FrameType.SHM_OPENED, {"rid": res.req_id, "tid": res.ticket.ticket_id})
 
     def _on_shm_layer(self, f: dict[str, Any], payload_len: int) -> None:
@@ -366,7 +380,8 @@ class RxConnection:
         res.queued_upto[f["l"]] = f["te"]
         views = [] if f["crc"] is None else self.shm_codec.pool_views(self.rx.pool, f["l"], res.page_arr, f["ts"],
                                                                       f["te"])
-        self._verify(res, f, views, None, self.shm_codec.nbytes(f["te"] - f["ts"]), f["crc"], self.sck)
+        kind = self.ck if self.mc_ok else self.sck  # Mooncake writes crossed a network: checked like TCP
+        self._verify(res, f, views, None, self.shm_codec.nbytes(f["te"] - f["ts"]), f["crc"], kind)
 
     def _verify(self, res: Reservation, f: dict[str, Any], views: list[memoryview],
                 finalize: Callable[[], None] | None, nbytes: int, expected: int | None,
@@ -485,8 +500,15 @@ class RxConnection:
         the same live process (same host, pid and start time) after that one was lost."""
         if writer is self:
             return True
-        return (writer is not None and writer.closed and self.shm_ok and self.peer_pid > 0
+        return (writer is not None and writer.closed and (self.shm_ok or self.mc_ok) and self.peer_pid > 0
                 and (writer.peer_pid, writer.peer_start) == (self.peer_pid, self.peer_start))
+
+    def may_still_write(self) -> bool:
+        """A closed connection's one-sided writer might still write our pages: its process is alive (same
+        host), or (another host) ``remote_writer_grace_s`` has not passed since the connection was lost."""
+        if self.peer_local:
+            return pid_alive(self.peer_pid, self.peer_start)
+        return time.monotonic() - self.closed_at < self.cfg.remote_writer_grace_s
 
     def _stage(self, nbytes: int) -> torch.Tensor:
         if self._staging.numel() < nbytes:

@@ -37,6 +37,7 @@ from kvtransfer.admission import RateLimitedLog
 from kvtransfer.config import KVSenderConfig
 from kvtransfer.errors import FailReason, TransferError
 from kvtransfer.loop import LoopThread
+from kvtransfer.mooncake import MooncakeEngine
 from kvtransfer.payload import page_array
 from kvtransfer.staging import Stager, is_staged
 from kvtransfer.ticket import TOMBSTONES, TransferTicket
@@ -103,6 +104,7 @@ class KVSender:
         self._release_tries: dict[tuple[str, int], int] = {}
         self.retry_log = RateLimitedLog(logging.getLogger("kvtransfer.tx_peer"), RETRY_LOG_INTERVAL_S)
         """Retried connects (a busy receiver): one line per receiver and interval."""
+        self._mooncake: MooncakeEngine | None = None
 
     # --- prefill worker API (any thread) -----------------------------------------------------
     def open(self, ticket: TransferTicket) -> concurrent.futures.Future:
@@ -229,6 +231,15 @@ class KVSender:
             self._lt.run(self._shutdown(), timeout_s=grace_s + 5.0)
         finally:
             self._lt.stop()
+            if self._mooncake is not None:
+                self._mooncake.close()
+
+    def mooncake_engine(self, host: str) -> MooncakeEngine:
+        """Loop thread: this sender's Mooncake engine (one per process, made on first use, bound to the local
+        address of the first connection that wants it); raises ``OSError`` when it cannot start."""
+        if self._mooncake is None:
+            self._mooncake = MooncakeEngine(host, self.config.mooncake_protocol)
+        return self._mooncake
 
     # --- internals (caller thread) -----------------------------------------------------------
     def _check_ticket(self, ticket: TransferTicket) -> None:

@@ -33,6 +33,7 @@ import torch
 
 from engine.kvcache.layout import KVLayout
 from engine.kvcache.pool import KVPool
+from kvtransfer.payload import split_pages
 
 ALIGN = 64
 """Byte alignment of each section of a stage (every dtype view of it is aligned)."""
@@ -207,12 +208,6 @@ def _slot_rows(pool: KVPool, layer: int, name: str, is_scale: bool) -> torch.Ten
     return t.view(torch.uint8).reshape(t.shape[0], -1)
 
 
-def token_slots(pages: np.ndarray, page_size: int, token_start: int, token_end: int) -> np.ndarray:
-    """Pool slot of each token in [token_start, token_end), in token order: int64 [n]."""
-    t = np.arange(token_start, token_end, dtype=np.int64)
-    return pages[t // page_size] * page_size + t % page_size
-
-
 class Stager:
     """The staged path of one pool: D2H stages for the sender, H2D writes for the receiver."""
 
@@ -260,18 +255,39 @@ class Stager:
         """Receiver, after the payload was verified (and dequantized / scattered into the stage): copy the
         stage's rows of exactly [token_start, token_end) into their slots of the pool (other tokens of a
         partial first / last page are left alone). Asynchronous on a GPU: ``stage.event`` marks the end."""
-        P, base = self.pool.page_size, stage.first * self.pool.page_size
-        slots = torch.from_numpy(token_slots(pages, P, token_start, token_end))
+        P, first = self.pool.page_size, stage.first
+        sp = split_pages(pages, P, token_start, token_end)
+        # whole pages move as page rows (one index_copy_ each, a row per page); the partial first / last page
+        # as a slot range, so the tokens of that page this frame does not carry stay as they are
+        mid = sp.mid_offset + token_start
+        mid_local = (mid // P - first, mid // P - first + len(sp.mid_pages))
+        on_device = self.pool.device.type != "cpu"
         with self.copies.active():
-            if self.pool.device.type != "cpu":
-                slots = slots.to(self.pool.device, non_blocking=True)
+            idx = torch.from_numpy(np.array(sp.mid_pages, dtype=np.int64))
+            if on_device:
+                idx = idx.to(self.pool.device, non_blocking=True)
+                stage.keep.append(idx)
             for (name, is_scale), src in stage.sections.items():
-                rows = src.view(torch.uint8).reshape(src.shape[0], -1)[token_start - base:token_end - base]
-                if self.pool.device.type != "cpu":
-                    rows = rows.to(self.pool.device, non_blocking=True)
-                    stage.keep.append(rows)
-                _slot_rows(self.pool, stage.layer, name, is_scale).index_copy_(0, slots, rows)
-            stage.keep.append(slots)
+                page_src = src.view(torch.uint8).reshape(stage.num_pages, -1)
+                slot_src = src.view(torch.uint8).reshape(stage.num_pages * P, -1)
+                pieces = []
+                if len(sp.mid_pages):
+                    pieces.append((_page_rows(self.pool, stage.layer, name, is_scale), idx,
+                                   page_src[mid_local[0]:mid_local[1]]))
+                slot_dst = _slot_rows(self.pool, stage.layer, name, is_scale)
+                for run, t0 in ((sp.head, token_start), (sp.tail, token_start + sp.tail_offset)):
+                    if run is not None:
+                        local = t0 - first * P
+                        pieces.append((slot_dst[run.slot:run.slot + run.num_slots], None,
+                                       slot_src[local:local + run.num_slots]))
+                for dst, index, rows in pieces:
+                    if on_device:
+                        rows = rows.to(self.pool.device, non_blocking=True)
+                        stage.keep.append(rows)
+                    if index is None:
+                        dst.copy_(rows)
+                    else:
+                        dst.index_copy_(0, index, rows)
             stage.event = self.copies.record()
 
 

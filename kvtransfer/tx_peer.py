@@ -25,15 +25,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from kvtransfer import auth
-from kvtransfer.config import ChecksumKind, TransportKind, WireDType
+from kvtransfer.config import ChecksumKind, TransportKind
 from kvtransfer.errors import FailReason, ProtocolError, TransferError
 from kvtransfer.framing import read_frame, send_frame, tune_socket
 from kvtransfer.payload import LayerCodec, page_array
 from kvtransfer.protocol import (MAX_HEADER_BYTES, MAX_PAGES_PER_FRAME, PDSERVE_KV_PROTOCOL_VERSION, TRAILER,
                                  FrameType, check_compatible, checksum, encode_frame, new_digest, pack_u32,
                                  pages_digest, peer_info)
+from kvtransfer.mooncake import MooncakeOffer, MooncakeTransport
 from kvtransfer.shm import ShmAttachment, host_id, process_start_time
-from kvtransfer.staging import HostStage
+from kvtransfer.staging import HostStage, is_staged
+from kvtransfer.transport import KVTransport, ShmTransport, TcpTransport
 from kvtransfer.ticket import TransferTicket
 
 if TYPE_CHECKING:
@@ -177,9 +179,9 @@ class TxPeer:
         self.closed = False
         self.receiver_id = ""
         self.transport = TransportKind.TCP
-        self.attachment: ShmAttachment | None = None
-        self.codec = LayerCodec(sender.pool.layout, self.cfg.wire_dtype)
-        self.shm_codec = LayerCodec(sender.pool.layout, WireDType.NATIVE)
+        self.link: KVTransport = TcpTransport(sender.pool.layout, self.cfg.wire_dtype)
+        """How payloads reach the receiver (``transport.py``), chosen at the handshake."""
+        self.codec = self.link.codec
         self.wsock: socket.socket | None = None
         self._io: concurrent.futures.ThreadPoolExecutor | None = None
         self._writes: collections.deque[asyncio.Future] = collections.deque()
@@ -274,7 +276,8 @@ class TxPeer:
                                 "prove it holds our cluster secret")
         local = peer_info(self.sender.pool.layout.to_dict(), host_id=host_id(), pid=os.getpid(),
                           pid_start=process_start_time(os.getpid()) or 0, wire=self.cfg.wire_dtype.value,
-                          ck=self.cfg.checksum.value, sck=self.cfg.shm_checksum.value)
+                          ck=self.cfg.checksum.value, sck=self.cfg.shm_checksum.value,
+                          mc=self.cfg.transport is TransportKind.MOONCAKE)
         await send_frame(loop, sock, FrameType.AUTH,
                          {"p": auth.make_proof(secret, auth.Role.SENDER, nonce, ch["n"]), "info": local})
         info = (await self._expect(FrameType.READY))["info"]
@@ -288,6 +291,8 @@ class TxPeer:
         want, shm = self.cfg.transport, info.get("shm")
         if want is TransportKind.TCP:
             return
+        if want is TransportKind.MOONCAKE:
+            return self._choose_mooncake(info.get("mc"))
         if type(shm) is not dict:
             if want is TransportKind.SHM:
                 log.warning("kvtransfer: shm forced but receiver %s:%d offers none (pool not shm-backed or "
@@ -296,13 +301,31 @@ class TxPeer:
         if want is TransportKind.AUTO and info.get("host_id") != host_id():
             return
         try:
-            self.attachment = ShmAttachment(str(shm.get("name")), bytes(shm.get("nonce") or b""),
-                                            self.sender.pool.layout, int(shm.get("num_pages") or 0))
+            attachment = ShmAttachment(str(shm.get("name")), bytes(shm.get("nonce") or b""),
+                                       self.sender.pool.layout, int(shm.get("num_pages") or 0))
         except (OSError, ValueError, TypeError) as e:
             log.warning("kvtransfer: shm setup with receiver %s:%d failed (%s); falling back to TCP",
                         self.address[0], self.address[1], e)
             return
-        self.transport = TransportKind.SHM
+        self.link, self.transport = ShmTransport(self.sender.pool.layout, attachment), TransportKind.SHM
+
+    def _choose_mooncake(self, offer: Any) -> None:
+        why = None
+        if offer is None:
+            why = "the receiver offers none (started without mooncake_protocol, or a device pool)"
+        elif is_staged(self.sender.pool):
+            why = "this pool is not host memory (a device or staged pool)"
+        else:
+            try:
+                engine = self.sender.mooncake_engine(self.sock.getsockname()[0])  # type: ignore[union-attr]
+                self.link = MooncakeTransport(self.sender.pool.layout, engine, self.sender.pool,
+                                              MooncakeOffer.from_dict(offer))
+            except (OSError, ValueError, TypeError, KeyError) as e:
+                why = str(e)
+        if why is not None:
+            log.warning("kvtransfer: mooncake to receiver %s:%d unavailable (%s); using TCP", *self.address, why)
+            return
+        self.transport = TransportKind.MOONCAKE
 
     def fail(self, err: TransferError) -> None:
         """The connection is gone: fail everything routed through it and close."""
@@ -439,7 +462,7 @@ class TxPeer:
                 elif isinstance(item, LayerItem):
                     await self._write_layer(item)
                 elif isinstance(item, OpenItem):
-                    if self.transport is TransportKind.SHM and st.lease is None:
+                    if self.link.one_sided and st.lease is None:
                         await self._request_lease(st)
                     if st.lease is None:
                         resolve_future(st.opened, None)
@@ -484,13 +507,13 @@ class TxPeer:
 
     async def _write_layer(self, item: LayerItem) -> None:
         st = item.send
-        if self.transport is TransportKind.SHM:
+        if self.link.one_sided:
             return await self._copy_layer_shm(item)
         pool, src_pages = await self._source(item)
         for a, b in self._chunks(self.codec, item.token_start, item.token_end):
             if st.failed:
                 return
-            views = self.codec.source_views(pool, item.layer, src_pages, a, b)
+            views = self.link.payload_views(pool, item.layer, src_pages, a, b)
             nbytes, kind = self.codec.nbytes(b - a), self.cfg.checksum
             trailer = kind is not ChecksumKind.NONE
             header = encode_frame(FrameType.LAYER, {**self._span_fields(st, item.layer, a, b), "tr": trailer},
@@ -509,22 +532,31 @@ class TxPeer:
         except (TransferError, asyncio.CancelledError):
             return  # refused, timed out or aborted: st already failed
         pool, src_pages = await self._source(item)
-        for a, b in self._chunks(self.shm_codec, item.token_start, item.token_end):
+        link, kind = self.link, self._one_sided_checksum()
+        for a, b in self._chunks(link.codec, item.token_start, item.token_end):
             if st.failed:  # checked before every copy: after an ABORT we never touch the pages again
                 return
-            want = self.cfg.shm_checksum is not ChecksumKind.NONE
-            views = self.shm_codec.copy_layer(pool, self.attachment, item.layer,  # type: ignore[arg-type]
-                                              src_pages, st.dst_pages, a, b, want_views=want)
-            crc = checksum(self.cfg.shm_checksum, views)
+            want = kind is not ChecksumKind.NONE
+            if link.kind is TransportKind.SHM:  # a memory copy: on the loop thread, as before
+                views = link.write_layer(pool, item.layer, src_pages, st.dst_pages, a, b, want)
+            else:  # a network write: on the send thread, in order with the frames
+                views = await self.loop.run_in_executor(self._io, link.write_layer, pool, item.layer, src_pages,
+                                                        st.dst_pages, a, b, want)
+            crc = checksum(kind, views)
             st.state = SendState.STREAMING
             await self._maybe_cut(st)
-            st.num_bytes += self.shm_codec.nbytes(b - a)
+            st.num_bytes += link.codec.nbytes(b - a)
             await self._send(encode_frame(FrameType.SHM_LAYER, {**self._span_fields(st, item.layer, a, b), "crc": crc}))
+
+    def _one_sided_checksum(self) -> ChecksumKind:
+        """shm copies never leave this host's memory (``shm_checksum``, off by default); Mooncake writes
+        cross a network, so they are checked like TCP payloads (``checksum``)."""
+        return self.cfg.checksum if self.transport is TransportKind.MOONCAKE else self.cfg.shm_checksum
 
     async def _request_lease(self, st: OutgoingTransfer) -> None:
         """Send SHM_OPEN; the reader resolves ``st.lease`` on SHM_OPENED (or fails ``st``). Sent by the first
         layer or, earlier, by ``KVSender.open``, so that the round trip overlaps the first layer's compute."""
-        st.transport = TransportKind.SHM
+        st.transport = self.transport
         st.lease = self.loop.create_future()
         self.loop.call_later(self.cfg.handshake_timeout_s, self._lease_timed_out, st)
         await self._send(encode_frame(FrameType.SHM_OPEN, {"rid": st.ticket.req_id, "tid": st.ticket.ticket_id,

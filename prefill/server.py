@@ -19,7 +19,8 @@ import msgpack
 from engine.kvcache import KVPool, PoolExhausted
 from engine.loader import model_hash
 from engine.runtime import load_model
-from kvtransfer import KVSender, KVSenderConfig, TransferTicket
+from kvtransfer import KVSender, KVSenderConfig, TransferTicket, TransportKind
+from kvtransfer.config import add_transport_args
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
 from prefill.sink import LocalSink, TransferFailed
 from prefill.transfer import TransferSink
@@ -202,7 +203,9 @@ async def amain(args: argparse.Namespace) -> None:
     plan = worker_main.start_plan(args, model_dir, "prefill")
     model, cfg = load_model(model_dir, plan.dtype.dtype, args.device)
     pool = KVPool(plan.layout, plan.pool.num_pages, model.lm_head.weight.device)
-    sender = KVSender(pool, KVSenderConfig(cluster_secret=secret.encode() if secret else None))
+    sender = KVSender(pool, KVSenderConfig(cluster_secret=secret.encode() if secret else None,
+                                           transport=TransportKind(args.kv_transport),
+                                           mooncake_protocol=args.mooncake_protocol))
     sched = PrefillScheduler(model, pool, PrefillConfig(chunk_size=args.chunk_size,
                                                         max_batch_tokens=max(args.chunk_size, args.max_batch_tokens),
                                                         max_queue=args.max_queue))
@@ -236,6 +239,7 @@ async def amain(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser("pdserve prefill worker")
     worker_main.common_args(p)
+    add_transport_args(p)
     p.add_argument("--chunk-size", type=int, default=2048)
     p.add_argument("--max-batch-tokens", type=int, default=4096)
     p.add_argument("--max-queue", type=int, default=64)

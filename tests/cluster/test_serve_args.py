@@ -1,7 +1,10 @@
 """What ``pdserve serve`` asks each local worker process to run (pure: nothing is started)."""
+import argparse
+
 from cluster.cli import build_parser
 from cluster.cli_serve import serve_config
 from cluster.local import LocalCluster
+from kvtransfer.config import add_transport_args, receiver_mooncake_protocol
 
 
 def worker_cmds(tmp_path, *flags: str) -> dict[str, list[str]]:
@@ -27,3 +30,17 @@ def test_the_api_key_reaches_the_router_through_its_environment_only(tmp_path, m
     assert cluster.cfg.api_key == "k-0123456789"
     assert not any("k-0123456789" in a for a in cluster._router_cmd() + cluster._worker_cmd("decode", 0))
     assert "PDSERVE_API_KEY" not in cluster.env  # the workers' environment
+
+
+def test_kv_transport_reaches_both_workers_and_both_parse_it(tmp_path):
+    cmds = worker_cmds(tmp_path, "--kv-transport", "mooncake", "--mooncake-protocol", "rdma")
+    for role in ("prefill", "decode"):
+        cmd = cmds[role]
+        assert cmd[cmd.index("--kv-transport") + 1] == "mooncake"
+        assert cmd[cmd.index("--mooncake-protocol") + 1] == "rdma"
+    p = argparse.ArgumentParser()
+    add_transport_args(p)
+    assert receiver_mooncake_protocol(p.parse_args(["--kv-transport", "mooncake", "--mooncake-protocol", "rdma"])) \
+        == "rdma"
+    assert receiver_mooncake_protocol(p.parse_args([])) is None
+    assert "--kv-transport" not in worker_cmds(tmp_path)["prefill"]  # auto: the workers' default, not passed
