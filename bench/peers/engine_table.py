@@ -9,8 +9,10 @@ Decode: B random 64-token prompts, 128 greedy tokens (``ignore_eos``); a round's
 t(1)) (prefill and first token taken out); llama.cpp's is ``llama-batched-bench``'s generation rate (S_TG) at
 B parallel sequences with 64-token prompts. Prefill: one prompt of 2k / 8k tokens, one output token; llama.cpp's
 is ``llama-bench -p N -n 0``. Median of ``--rounds`` rounds, every peer on ``--threads`` threads (vLLM's OpenMP
-threads bound to cores 0..threads-1). Ratios are pdserve's best column / the peer (>= 1.0x: pdserve as fast).
-``--merge`` fills the columns not measured in this run from a previous run's JSON (to iterate on pdserve only).
+threads bound to cores 0..threads-1 unless ``--vllm-cores`` says otherwise). Ratios are pdserve's best column / the
+peer (>= 1.0x: pdserve as fast).
+``--merge`` fills the columns not measured in this run from a previous run's JSON (to iterate on pdserve
+alone).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ class Workload:
         self.batches = [int(x) for x in args.batches.split(",") if x]
         self.prefill_lens = [int(x) for x in args.prefill_lens.split(",") if x]
         self.prompt_len, self.new, self.rounds, self.threads = args.prompt_len, args.new, args.rounds, args.threads
+        self.vllm_cores = args.vllm_cores or f"0-{args.threads - 1}"
         self.rng = random.Random(0)
 
     def prompts(self, n: int, length: int) -> list[list[int]]:
@@ -120,7 +123,7 @@ def measure_vllm(model_dir: str, w: Workload) -> tuple[dict, dict]:
            "--batches", ",".join(map(str, w.batches)), "--prompt-len", str(w.prompt_len), "--new", str(w.new),
            "--prefill-lens", ",".join(map(str, w.prefill_lens)), "--rounds", str(w.rounds),
            "--vocab", str(PROMPT_VOCAB)]
-    out = run_peer(cmd, vllm_env(w.threads, f"0-{w.threads - 1}"))
+    out = run_peer(cmd, vllm_env(w.threads, w.vllm_cores))
     decode: dict[int, list[float]] = {}
     prefill: dict[int, list[float]] = {}
     for line in out.splitlines():
@@ -176,6 +179,8 @@ def main() -> None:
     ap.add_argument("--prefill-lens", default="2048,8192")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vllm-cores", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default 0-<threads-1>; "
+                    "'nobind' leaves the threads to the OS scheduler)")
     ap.add_argument("--no-compile", action="store_true", help="pdserve's decode steps eager")
     ap.add_argument("--merge", default=None, help="a previous run's JSON: fills the columns not measured now")
     ap.add_argument("--json", default=None, help="write the table (every round) here")

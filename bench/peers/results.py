@@ -103,3 +103,44 @@ def fmt_ratio(v: float | None) -> str:
 def tokens_label(n: int) -> str:
     """2048 -> '2k' (row names of the prefill lengths)."""
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+SERVED_KEYS = (("request_throughput", "req/s", True), ("output_throughput", "output tok/s", True),
+               ("median_ttft_ms", "TTFT p50 ms", False), ("p99_ttft_ms", "TTFT p99 ms", False),
+               ("mean_tpot_ms", "TPOT ms", False))
+"""vLLM ``bench serve`` keys of the served table (both clients write them): key, header, higher is better."""
+RATIO_KEYS = ("output_throughput", "median_ttft_ms", "mean_tpot_ms")
+
+
+def served_figures(result: dict) -> dict[str, float]:
+    """The served table's keys from one run: a ``vllm bench serve`` result (keys at the top) or a pdserve
+    ``bench.json`` with one step (keys in ``steps[0]``)."""
+    if "steps" in result:
+        if len(result["steps"]) != 1:
+            raise ValueError(f"expected a one-step pdserve bench result, got {len(result['steps'])} steps")
+        result = result["steps"][0]
+    return {k: float(result[k]) for k, _, _ in SERVED_KEYS}
+
+
+def advantage(key: str, ours: float, theirs: float) -> float | None:
+    """How many times better pdserve is on ``key`` (> 1.0: pdserve better): a throughput ours / theirs, a
+    latency theirs / ours."""
+    higher_better = next(h for k, _, h in SERVED_KEYS if k == key)
+    num, den = (ours, theirs) if higher_better else (theirs, ours)
+    return num / den if den > 0 else None
+
+
+def render_served(runs: dict[tuple[str, str], dict[str, dict[str, float]]], ours: str) -> str:
+    """Markdown, one line per (client, load, server) from {(client, load): {server: figures}}, with pdserve's
+    advantage over each server on output tok/s, TTFT p50 and TPOT (> 1.0x: pdserve better)."""
+    head = ["client", "load", "server", *(h for _, h, _ in SERVED_KEYS),
+            *(f"pdserve adv. {h}" for k, h, _ in SERVED_KEYS if k in RATIO_KEYS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (client, load), servers in runs.items():
+        base = servers.get(ours)
+        for server, fig in servers.items():
+            vals = [f"{fig[k]:,.2f}" if k == "request_throughput" else f"{fig[k]:,.1f}" for k, _, _ in SERVED_KEYS]
+            adv = [fmt_ratio(advantage(k, base[k], fig[k]) if base and server != ours else None)
+                   for k in RATIO_KEYS]
+            lines.append("| " + " | ".join([client, load, server, *vals, *adv]) + " |")
+    return "\n".join(lines)

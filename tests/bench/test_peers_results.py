@@ -4,11 +4,13 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 from safetensors import safe_open
 
 from bench.peers.checkpoint import write_hf
 from bench.peers.paths import peer_paths
-from bench.peers.results import PeerTable, parse_batched_bench, parse_llama_bench, tokens_label
+from bench.peers.results import (PeerTable, advantage, parse_batched_bench, parse_llama_bench, render_served,
+                                 served_figures, tokens_label)
 
 
 def test_llama_bench_json_keeps_prompt_rows_and_every_sample():
@@ -78,10 +80,34 @@ def test_tokens_label_and_peers_dir(tmp_path):
 def test_peer_checkpoint_is_bf16_with_the_default_tokenizer(tmp_path):
     hf = write_hf(str(tmp_path))
     with safe_open(os.path.join(hf, "model.safetensors"), "pt") as f:
-        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
     assert dtypes["model.embed_tokens.weight"] == "BF16" and dtypes["lm_head.weight"] == "BF16"
     assert dtypes["model.layers.1.mlp.gate.weight"] == "F32"  # the router stays fp32, as save_checkpoint keeps it
-    cfg = json.load(open(os.path.join(hf, "config.json")))
+    with open(os.path.join(hf, "config.json")) as f:
+        cfg = json.load(f)
     assert (cfg["model_type"], cfg["hidden_size"], cfg["n_routed_experts"], cfg["torch_dtype"]) == \
         ("glm4_moe", 256, 16, "bfloat16")
     assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_served_figures_from_either_client_and_advantage_orientation():
+    keys = {"request_throughput": 2.0, "output_throughput": 256.0, "median_ttft_ms": 40.0, "p99_ttft_ms": 90.0,
+            "mean_tpot_ms": 7.5}
+    assert served_figures({**keys, "completed": 10}) == keys  # vllm bench serve's result
+    assert served_figures({"config": {}, "steps": [{**keys, "label": "c=8"}]}) == keys  # pdserve bench.json
+    with pytest.raises(ValueError, match="one-step"):
+        served_figures({"steps": [keys, keys]})
+    assert advantage("output_throughput", 300.0, 150.0) == 2.0  # pdserve twice the throughput
+    assert advantage("median_ttft_ms", 20.0, 40.0) == 2.0  # pdserve half the latency
+    assert advantage("mean_tpot_ms", 10.0, 5.0) == 0.5
+
+
+def test_render_served_puts_advantages_on_peer_lines_only():
+    ours = {"request_throughput": 2.0, "output_throughput": 256.0, "median_ttft_ms": 40.0, "p99_ttft_ms": 90.0,
+            "mean_tpot_ms": 8.0}
+    vllm = {**ours, "output_throughput": 512.0, "median_ttft_ms": 20.0, "mean_tpot_ms": 4.0}
+    lines = render_served({("pdserve bench", "concurrency 8"): {"pdserve": ours, "vLLM": vllm}}, "pdserve")
+    lines = lines.splitlines()
+    assert lines[2] == "| pdserve bench | concurrency 8 | pdserve | 2.00 | 256.0 | 40.0 | 90.0 | 8.0 | - | - | - |"
+    assert lines[3] == ("| pdserve bench | concurrency 8 | vLLM | 2.00 | 512.0 | 20.0 | 90.0 | 4.0 | 0.50x | 0.50x "
+                        "| 0.50x |")
