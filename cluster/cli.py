@@ -35,12 +35,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from engine.sampling import SamplingParams
     from engine.tokenizer import Tokenizer
 
+    from cluster.local import resolve_decode_weights
+    from engine.quant.prepare import expert_status
+
     model_dir = args.model or default_model_dir()
     choice = resolve_dtype(args.dtype, checkpoint_tensors(model_dir), resolve_device(args.device))
     if choice.reason != "given":
         logging.getLogger("pdserve").info("dtype auto -> %s: %s", choice.dtype, choice.reason)
     args.dtype = choice.dtype
-    model, cfg = load_model(model_dir, args.dtype, args.device, args.moe_impl)
+    weights_dir = resolve_decode_weights(model_dir, args.decode_weights) or model_dir
+    model, cfg = load_model(weights_dir, args.dtype, args.device, args.moe_impl)
     model.compile_decode(args.compile)
     tok = Tokenizer.from_model_dir(model_dir)
     ids = _parse_ids(args.token_ids)
@@ -74,7 +78,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         res = eng.generate([ids], params)[0]
     elapsed = time.perf_counter() - t0
     out = {"token_ids": res.token_ids, "finish_reason": res.finish_reason, "prompt_tokens": len(ids),
-           "elapsed_s": round(elapsed, 4), "model": model_dir, "speculative": str(spec) if spec else "off"}
+           "elapsed_s": round(elapsed, 4), "model": model_dir, "speculative": str(spec) if spec else "off",
+           "weights": weights_dir, **expert_status(model)}
     if spec_stats is not None:  # rates per draft depth 1..num_steps: see engine.spec.metrics
         out["accept_len"] = round(spec_stats.accept_len, 4)
         out["verify_steps"] = spec_stats.num_verify_steps
@@ -119,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp8_e4m3"])
     r.add_argument("--device", default="auto")
     r.add_argument("--moe-impl", default="auto")
+    r.add_argument("--decode-weights", default="model",
+                   help="routed experts as `serve --decode-weights` takes them: 'model' (the checkpoint as is, the "
+                        "default), mxfp4 / mxfp6_e2m3 / mxfp6_e3m2 / mxfp8 (quantized once, cached), or a quantized "
+                        "copy's directory; --json reports the experts' resident bytes and the strategies that ran")
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.add_argument("--speculative", default="5/1/6",

@@ -21,6 +21,7 @@ import torch
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
 from engine.kvcache import PoolExhausted
 from engine.loader import model_hash
+from engine.quant.prepare import expert_status, quantized_experts
 from engine.runtime import load_model
 from engine.tokenizer import Tokenizer
 from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, ShmKVPool, TransferError
@@ -142,7 +143,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             tokens_per_s=tps, model_hash=self.mhash,
             spec=spec_stats_to_proto(spec.stats(), str(spec.spec)) if spec is not None else None,
             info={**self.info, "preempted": str(self.sched.num_preempted), "preemptions": str(self.sched.preemptions),
-                  "spec_fallbacks": str(self.sched.spec_fallbacks),
+                  "spec_fallbacks": str(self.sched.spec_fallbacks), **expert_status(self.sched.model),
                   **({"unhealthy": problem} if problem else {})})
 
 
@@ -223,7 +224,6 @@ async def amain(args: argparse.Namespace) -> None:
     info["speculative"] = args.speculative if spec is not None else "off"
     info["local_prefill"] = "1"
     info["decode_graphs"] = "compiled" if args.compile else "eager"
-    from engine.quant.prepare import quantized_experts
     mx = sorted({m.spec.fmt.name for m in quantized_experts(model).values()})
     info["routed_experts"] = ",".join(mx) if mx else plan.dtype.dtype
     info["spec_fallback"] = "on" if spec is not None and sched.spec_fallback else "off"

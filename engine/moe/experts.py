@@ -144,6 +144,12 @@ MOE_IMPLS: dict[str, MoEFn] = {"sorted": moe_sorted, "grouped": moe_grouped, "ga
                              "dense": moe_dense}
 
 
+MX_ONLY_IMPLS = ("mx_sorted", "mx_grouped", "mx_gather", "mx_dense", "cached_sorted", "cached_gather", "cached_dense",
+                 "fused_gather", "fused_sorted", "triton")
+"""Strategies of MX-quantized experts (``engine.moe.mx_experts.MX_MOE_IMPLS``): forcing one (``--moe-impl``)
+applies it to the quantized layers; dense layers then choose as ``auto``."""
+
+
 class RoutedExperts(nn.Module):
     """Dense-weight (bf16/fp32) routed experts. ``impl`` forces a strategy; ``auto`` picks by size."""
 
@@ -152,8 +158,9 @@ class RoutedExperts(nn.Module):
         E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, H))
         self.w2 = nn.Parameter(torch.empty(E, H, I))
-        if impl != "auto" and impl not in MOE_IMPLS:
-            raise ValueError(f"unknown MoE impl {impl!r}; known: auto, {sorted(MOE_IMPLS)}")
+        if impl != "auto" and impl not in MOE_IMPLS and impl not in MX_ONLY_IMPLS:
+            raise ValueError(f"unknown MoE impl {impl!r}; known: auto, {sorted(MOE_IMPLS)}, MX layers: "
+                             f"{list(MX_ONLY_IMPLS)}")
         self.impl = impl
         self.last_impl = ""
         """Strategy the last forward ran (reported in worker metrics)."""
@@ -161,13 +168,13 @@ class RoutedExperts(nn.Module):
     def gather_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(w13, w2) for running the gather path elsewhere (the compiled decode graphs), when ``pick`` would
         run it for decode-sized batches; None when another strategy is forced."""
-        if self.impl not in ("auto", "gather"):
+        if self.impl not in ("auto", "gather") and self.impl not in MX_ONLY_IMPLS:
             return None
         self.last_impl = "gather"
         return self.w13, self.w2
 
     def pick(self, routing: Routing) -> str:
-        if self.impl != "auto":
+        if self.impl != "auto" and self.impl not in MX_ONLY_IMPLS:
             return self.impl
         if routing.ids.numel() <= GATHER_MAX_PAIRS:
             return "gather"

@@ -26,9 +26,15 @@ summation order):
 * ``cached_sorted`` / ``cached_gather`` / ``cached_dense``  dequantize the whole layer once into a shared, bounded
                   ``DequantCache`` (LRU over layers) and run the sorted/gather/dense math: fastest
                   where memory allows, unavailable where it does not.
+* ``fused_gather`` / ``fused_sorted`` / ``triton``  GEMMs from the codes themselves (engine.moe.mx_fused): the
+                  CPU kernel for decode shapes, one transient dense expert at a time for prefill shapes, the
+                  Triton grouped GEMM on ``cuda``. No dense copy of a layer ever exists.
 
-``auto`` picks from the tuned table (engine.moe.tuning; nearest token-count key) for this shape
-and device, or the untuned fallback with one WARNING per shape. ``last_impl`` names what ran.
+``auto``: decode-sized batches (<= FALLBACK_GATHER_MAX_PAIRS pairs) run a batch-invariant strategy:
+``fused_gather`` on CPU where the kernel builds, ``triton`` on ``cuda`` where Triton imports, else
+``cached_gather`` / ``mx_gather``. Larger batches pick from the tuned table (engine.moe.tuning; nearest
+token-count key) for this shape and device, or the untuned fallback with one WARNING per shape.
+``last_impl`` names what ran.
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.moe import tuning
+from engine.moe import mx_fused, mx_triton, tuning
 from engine.moe.experts import gather_gemv
 from engine.moe.router import Routing
 from engine.quant.mx import MXSpec, MXTensor, dequantize_mx, packed_dim, qdq_mx, quantize_mx
@@ -197,8 +203,10 @@ class MXRoutedExperts(nn.Module):
 
     def gather_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Dense (w13, w2) for running ``cached_gather`` elsewhere (the compiled decode graphs: bit for bit
-        ``_gather``'s math) when that is what ``pick`` runs for decode-sized batches: automatic choice, no
-        activation quantization, and the whole layer fits the DequantCache. None otherwise."""
+        ``_gather``'s math): automatic choice, no activation quantization, and the whole layer fits the
+        DequantCache. None otherwise. Compiled graphs
+        thus keep a dequantized copy where it fits (one graph for the whole step); eager decode runs the
+        fused kernel (``decode_impl``) and holds none."""
         if self.impl != "auto" or self.act_spec is not None or not self.can_run("cached_gather", dtype):
             return None
         self.last_impl = "cached_gather"
@@ -213,6 +221,8 @@ class MXRoutedExperts(nn.Module):
         """Dense bytes strategy ``name`` materialises for one forward of ``num_tokens`` (weights only)."""
         per_expert = self.dense_bytes(dtype) // self.num_experts
         pairs = num_tokens * self.topk
+        if name in ("fused_gather", "triton"):  # a few decoded rows per thread, no dense weights
+            return 0
         if name in ("mx_gather", "cached_gather"):  # per-pair weight copies (+ the distinct experts)
             return (pairs + min(pairs, self.num_experts)) * per_expert
         if name in ("mx_dense", "cached_dense"):
@@ -223,7 +233,13 @@ class MXRoutedExperts(nn.Module):
 
     def can_run(self, name: str, dtype: torch.dtype, num_tokens: int = 1) -> bool:
         """Whether ``name`` fits: cached_* need the layer to fit the cache, and no strategy may
-        materialise more than ``max_transient_bytes``."""
+        materialise more than ``max_transient_bytes``. fused_* need the CPU kernel (fp32/bf16), triton a
+        ``cuda`` device (or TRITON_INTERPRET=1) with Triton installed and an MXFP4 layer."""
+        dev = self.w13_codes.device
+        if name.startswith("fused_") and not mx_fused.cpu_fused_ok(dev, dtype):
+            return False
+        if name == "triton" and not mx_triton.can_run(dev, dtype, self.spec):
+            return False
         if name.startswith("cached_") and (self.cache is None or not self.cache.fits(self.dense_bytes(dtype))):
             return False
         transient = self.transient_bytes(name, num_tokens, dtype)
@@ -237,22 +253,30 @@ class MXRoutedExperts(nn.Module):
         if num_tokens * self.topk <= tuning.FALLBACK_GATHER_MAX_PAIRS:
             # decode and speculative verify: a batch-invariant strategy whatever a table says, so a 1-token
             # decode and a 6-token verify round alike (lossless greedy speculation; a table's cached_dense
-            # rounds differently at each T). Speed on the default model: no difference measurable here
-            # (bench/bench_decode_step.py --scheduler, alternating runs).
-            return "cached_gather" if self.can_run("cached_gather", dtype, num_tokens) else "mx_gather"
+            # rounds differently at each T).
+            return self.decode_impl(dtype)
         if not self._table_loaded:
             dev = tuning.device_name(self.w13_codes.device)
             self._table = tuning.load_table(self.shape, dev)
             self._table_loaded = True
             if self._table is None:
                 tuning.warn_untuned_once(self.shape, dev)
+        fused = self.can_run("fused_gather", dtype, num_tokens)
         name = (tuning.nearest_impl(self._table, num_tokens) if self._table
-                else tuning.fallback_impl(num_tokens * self.topk))
+                else tuning.fallback_impl(num_tokens * self.topk, fused))
         if name not in MX_MOE_IMPLS or not self.can_run(name, dtype, num_tokens):
-            name = tuning.fallback_impl(num_tokens * self.topk)
+            name = tuning.fallback_impl(num_tokens * self.topk, fused)
             if not self.can_run(name, dtype, num_tokens):
                 name = "mx_sorted"  # one expert dense at a time: always fits
         return name
+
+    def decode_impl(self, dtype: torch.dtype) -> str:
+        """``auto``'s batch-invariant strategy for decode-sized batches: the fused kernel of this device when
+        it runs here (no dense copy), else the dequantized layer from the cache, else per-step dequantizing."""
+        for name in ("fused_gather", "triton", "cached_gather"):
+            if self.can_run(name, dtype, 1):
+                return name
+        return "mx_gather"
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         name = self.pick(x.shape[0], x.dtype)
@@ -390,6 +414,9 @@ MX_MOE_IMPLS: dict[str, MXMoEFn] = {
     "cached_sorted": cached_sorted,
     "cached_gather": cached_gather,
     "cached_dense": cached_dense,
+    "fused_gather": mx_fused.fused_gather,
+    "fused_sorted": mx_fused.fused_sorted,
+    "triton": mx_triton.triton_moe,
 }
 DENSE_TO_MX = {"sorted": "mx_sorted", "grouped": "mx_grouped", "gather": "mx_gather", "dense": "mx_dense"}
 """A dense strategy forced with ``--moe-impl`` maps to its MX analogue on quantized layers."""

@@ -152,7 +152,15 @@ def nearest_impl(table: dict[int, str], num_tokens: int) -> str:
     return table[best]
 
 
-def fallback_impl(num_pairs: int) -> str:
+FUSED_GATHER_MAX_PAIRS = 256
+"""Untuned fallback with the fused CPU kernel: up to this many pairs ``fused_gather``, more ``fused_sorted``."""
+
+
+def fallback_impl(num_pairs: int, fused: bool = False) -> str:
+    """The untuned choice: with the fused kernel (``fused``) fused_gather / fused_sorted, which hold no dense
+    layer; without it mx_gather / mx_sorted."""
+    if fused:
+        return "fused_gather" if num_pairs <= FUSED_GATHER_MAX_PAIRS else "fused_sorted"
     return "mx_gather" if num_pairs <= FALLBACK_GATHER_MAX_PAIRS else "mx_sorted"
 
 
@@ -166,10 +174,11 @@ def warn_untuned_once(shape: MoEShape, device: str) -> bool:
         return False
     _warned.add(key)
     logger.warning(
-        "no tuned MoE table for %s (%s) on device %s in %s: using the untuned fallback (mx_gather up to "
-        "%d token-expert pairs, else mx_sorted); performance may be sub-optimal. Tune it with "
-        "`pdserve tune-moe --shapes %d,%d,%d,%d --dtype %s`",
-        shape.key(device), shape.describe(), device, ", ".join(TABLE_DIRS), FALLBACK_GATHER_MAX_PAIRS,
+        "no tuned MoE table for %s (%s) on device %s in %s: using the untuned fallback (with the fused CPU "
+        "kernel: fused_gather up to %d token-expert pairs, else fused_sorted; without it: mx_gather up to %d, else "
+        "mx_sorted); performance may be sub-optimal. Tune it with `pdserve tune-moe --shapes %d,%d,%d,%d --dtype %s`",
+        shape.key(device), shape.describe(), device, ", ".join(TABLE_DIRS), FUSED_GATHER_MAX_PAIRS,
+        FALLBACK_GATHER_MAX_PAIRS,
         shape.hidden, shape.inter, shape.num_experts, shape.topk, shape.dtype)
     return True
 
@@ -239,7 +248,8 @@ def tune_shape(shape: MoEShape, token_counts: Iterable[int] = DEFAULT_TOKEN_COUN
             if name in dropped:
                 continue
             if not module.can_run(name, dtype, t):
-                skipped.append(f"T={t} {name}: its dense weights do not fit the memory budget")
+                skipped.append(f"T={t} {name}: cannot run here (its dense weights exceed the memory budget, or its "
+                               f"kernel needs another device / did not build)")
                 continue
             fn = functools.partial(MX_MOE_IMPLS[name], module, x, routing)
             t0 = time.perf_counter()

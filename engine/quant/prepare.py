@@ -30,6 +30,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.loader import CheckpointError, Rule, Target, checkpoint_files
+from engine.moe import mx_cpu_kernel
 from engine.moe.experts import RoutedExperts
 from engine.moe.mx_experts import DENSE_TO_MX, DequantCache, MXRoutedExperts
 from engine.quant.mx import MXSpec
@@ -214,14 +215,56 @@ def prepare_model_for_checkpoint(model: nn.Module, cfg: ModelConfig, model_dir: 
                                               cfg.num_experts_per_tok, plan.quant.weight, plan.quant.input,
                                               impl=impl, device=device, cache=cache))
     n_mx = len(mx_prefixes)
+    if cache is not None and cache_device_is_cpu(model):
+        mx_cpu_kernel.available()  # build the fused kernel (or warn) while loading, not at the first request
     logger.info("%s: %d of %d routed-experts modules are MX (%s)", model_dir, n_mx, len(plans),
                 ", ".join(sorted({p.quant.weight.fmt.name for p in plans if p.quant})) or "none")
     return [_mx_rule(mx_prefixes, cfg.moe_intermediate_size), rule_quark_guard] if n_mx else [rule_quark_guard]
 
 
+def cache_device_is_cpu(model: nn.Module) -> bool:
+    return any(m.w13_codes.device.type == "cpu" for m in model.modules() if isinstance(m, MXRoutedExperts))
+
+
 def quantized_experts(model: nn.Module) -> dict[str, MXRoutedExperts]:
     """The MX experts modules of a model, by name (for metrics and tests)."""
     return {n: m for n, m in model.named_modules() if isinstance(m, MXRoutedExperts)}
+
+
+class ExpertMemory(NamedTuple):
+    """Bytes the routed experts of a model hold resident (for worker status and the no-dense-copy checks)."""
+
+    mx_bytes: int
+    """Packed MX codes + E8M0 scales."""
+    dense_bytes: int
+    """Dense (bf16 / fp32) routed-expert weights: layers that are not quantized."""
+    cache_bytes: int
+    """Dequantized copies held by the DequantCache(s) of the MX layers."""
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.mx_bytes + self.dense_bytes + self.cache_bytes
+
+
+def expert_memory(model: nn.Module) -> ExpertMemory:
+    mx = dense = 0
+    caches: dict[int, DequantCache] = {}
+    for m in model.modules():
+        if isinstance(m, MXRoutedExperts):
+            mx += m.weight_bytes()
+            if m.cache is not None:
+                caches[id(m.cache)] = m.cache
+        elif isinstance(m, RoutedExperts):
+            dense += sum(p.numel() * p.element_size() for p in (m.w13, m.w2))
+    return ExpertMemory(mx, dense, sum(c.used_bytes for c in caches.values()))
+
+
+def expert_status(model: nn.Module) -> dict[str, str]:
+    """Worker status fields: resident routed-expert bytes (all, and the MX part) and the MX strategies that ran."""
+    mem = expert_memory(model)
+    ran = sorted({m.last_impl for m in model.modules() if isinstance(m, MXRoutedExperts) and m.last_impl})
+    return {"routed_expert_bytes": str(mem.resident_bytes), "routed_expert_mx_bytes": str(mem.mx_bytes),
+            "moe_impls": ",".join(ran)}
 
 
 def model_weight_bytes(model: nn.Module) -> int:
@@ -235,4 +278,5 @@ def model_weight_bytes(model: nn.Module) -> int:
 
 
 __all__ = ["prepare_model_for_checkpoint", "checkpoint_index", "checkpoint_module", "plan_experts", "check_plan",
-           "quantized_experts", "model_weight_bytes", "TensorInfo", "ExpertsPlan"]
+           "quantized_experts", "model_weight_bytes", "TensorInfo", "ExpertsPlan", "ExpertMemory", "expert_memory",
+           "expert_status"]

@@ -9,6 +9,7 @@ import torch
 
 from engine.moe import tuning
 from engine.moe.experts import moe_sorted
+from engine.moe import mx_cpu_kernel
 from engine.moe.mx_experts import MX_MOE_IMPLS, DequantCache, MXRoutedExperts
 from engine.moe.tuning import MoEShape, random_routing
 from engine.quant.mx import MX_FORMATS, MXSpec, qdq_mx
@@ -40,6 +41,12 @@ def reference(m, x, routing, w13, w2):
     return out
 
 
+def runnable(m):
+    """Every strategy but ``triton`` off a cuda device (it runs on CPU only under TRITON_INTERPRET=1:
+    tests/engine/test_mx_fused.py)."""
+    return [(n, fn) for n, fn in MX_MOE_IMPLS.items() if n != "triton" or m.can_run(n, torch.float32)]
+
+
 @pytest.mark.parametrize("fmt,act", [("mxfp4", None), ("mxfp6_e2m3", None), ("mxfp6_e3m2", None), ("mxfp8", None),
                                      ("mxfp4", "mxfp4")])
 def test_all_strategies_match_the_dense_reference(fmt, act):
@@ -48,7 +55,7 @@ def test_all_strategies_match_the_dense_reference(fmt, act):
         x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
         routing = random_routing(T, E, K, seed=T)
         ref = reference(m, x, routing, w13, w2)
-        for name, fn in MX_MOE_IMPLS.items():
+        for name, fn in runnable(m):
             torch.testing.assert_close(fn(m, x, routing), ref, rtol=1e-4, atol=1e-5, msg=f"{name} T={T}")
         # and within MX tolerance of the unquantized bf16-style weights
         full = moe_sorted(x, w13, w2, routing)
@@ -73,7 +80,7 @@ def test_bf16_compute_matches_fp32_within_bf16_rounding():
     x = torch.randn(24, H)
     routing = random_routing(24, E, K, seed=1)
     ref = MX_MOE_IMPLS["mx_sorted"](m, x, routing)
-    for name, fn in MX_MOE_IMPLS.items():
+    for name, fn in runnable(m):
         got = fn(m, x.bfloat16(), routing).float()
         assert ((got - ref).norm() / ref.norm()).item() < 2e-2, name
 
@@ -101,7 +108,17 @@ def test_cache_is_bounded_and_cached_strategies_need_room():
     assert shared.used_bytes <= shared.budget_bytes and len(shared._entries) == 1
 
 
-def test_tuned_table_nearest_key_and_last_impl(tmp_path, monkeypatch, caplog):
+def no_fused_kernel(monkeypatch, fused: bool) -> None:
+    """``fused`` False: behave as on a box without a C++ compiler (the fused CPU kernel unavailable)."""
+    if not fused:
+        monkeypatch.setattr(mx_cpu_kernel, "available", lambda: False)
+    elif not mx_cpu_kernel.available():
+        pytest.skip("no C++ compiler")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_tuned_table_nearest_key_and_last_impl(tmp_path, monkeypatch, caplog, fused):
+    no_fused_kernel(monkeypatch, fused)
     m, _, _ = make_experts("mxfp4")
     dev = tuning.device_name("cpu")
     (tmp_path / m.shape.file_name(dev)).write_text(json.dumps({"1": "mx_dense", "16": "mx_grouped",
@@ -109,8 +126,10 @@ def test_tuned_table_nearest_key_and_last_impl(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(tuning, "TABLE_DIRS", [str(tmp_path)])
     tuning._read_table.cache_clear()
     with caplog.at_level(logging.WARNING, logger="engine.moe.tuning"):
-        # up to FALLBACK_GATHER_MAX_PAIRS pairs (decode, verify) a batch-invariant gather whatever the table says
-        for T, want in ((1, "cached_gather"), (6, "cached_gather"), (12, "mx_grouped"), (100, "mx_grouped"),
+        # up to FALLBACK_GATHER_MAX_PAIRS pairs (decode, verify) a batch-invariant gather whatever the table says:
+        # the fused kernel's (no dense copy) where it builds, else from the dequantized layer
+        decode = "fused_gather" if fused else "cached_gather"
+        for T, want in ((1, decode), (6, decode), (12, "mx_grouped"), (100, "mx_grouped"),
                         (5000, "cached_sorted")):
             x = torch.randn(T, H)
             m(x, random_routing(T, E, K, seed=T))
@@ -118,10 +137,12 @@ def test_tuned_table_nearest_key_and_last_impl(tmp_path, monkeypatch, caplog):
     assert not caplog.records
     m.cache = None  # a cached_* pick without room falls back to the untuned rule
     m(torch.randn(300, H), random_routing(300, E, K))
-    assert m.last_impl == "mx_sorted"
+    assert m.last_impl == ("fused_sorted" if fused else "mx_sorted")
 
 
-def test_untuned_shape_warns_once_and_falls_back(monkeypatch, caplog, tmp_path):
+@pytest.mark.parametrize("fused", [True, False])
+def test_untuned_shape_warns_once_and_falls_back(monkeypatch, caplog, tmp_path, fused):
+    no_fused_kernel(monkeypatch, fused)
     monkeypatch.setattr(tuning, "TABLE_DIRS", [str(tmp_path)])
     monkeypatch.setattr(tuning, "_warned", set())
     layers = [make_experts("mxfp6_e2m3", seed=s)[0] for s in range(3)]
@@ -129,11 +150,16 @@ def test_untuned_shape_warns_once_and_falls_back(monkeypatch, caplog, tmp_path):
         for T in (1, 8, 64):
             for layer in layers:
                 layer(torch.randn(T, H), random_routing(T, E, K))
-                assert layer.last_impl == ("cached_gather" if T * K <= tuning.FALLBACK_GATHER_MAX_PAIRS else "mx_sorted")
+                if fused:  # 128 pairs at T=64: still the grouped kernel (FUSED_GATHER_MAX_PAIRS)
+                    assert layer.last_impl == "fused_gather"
+                else:
+                    assert layer.last_impl == ("cached_gather" if T * K <= tuning.FALLBACK_GATHER_MAX_PAIRS
+                                               else "mx_sorted")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     msg = warnings[0].getMessage()
     assert "E=8,N=64,H=64,topk=2,dtype=mxfp6_e2m3" in msg and "mx_gather" in msg and "tune-moe" in msg
+    assert "fused_gather" in msg
 
 
 def test_forced_impl_and_bad_impl():

@@ -149,6 +149,30 @@ inline float dot(const float* a, const float* b, int64_t K) {
   return head + tail;
 }
 
+// Four dots of x with the consecutive rows w[0..3] (row stride K): the same per-row operations, in the same
+// order, as dot() (so either gives bit-identical results), with four independent FMA chains in flight.
+inline void dot4(const float* a, const float* w, int64_t K, float* out) {
+#if defined(__AVX512F__)
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 xa = _mm512_loadu_ps(a + k);
+    acc0 = _mm512_fmadd_ps(xa, _mm512_loadu_ps(w + k), acc0);
+    acc1 = _mm512_fmadd_ps(xa, _mm512_loadu_ps(w + K + k), acc1);
+    acc2 = _mm512_fmadd_ps(xa, _mm512_loadu_ps(w + 2 * K + k), acc2);
+    acc3 = _mm512_fmadd_ps(xa, _mm512_loadu_ps(w + 3 * K + k), acc3);
+  }
+  const __m512 accs[4] = {acc0, acc1, acc2, acc3};
+  for (int r = 0; r < 4; ++r) {
+    float tail = 0.f;
+    for (int64_t j = k; j < K; ++j) tail += a[j] * w[r * K + j];
+    out[r] = _mm512_reduce_add_ps(accs[r]) + tail;
+  }
+#else
+  for (int r = 0; r < 4; ++r) out[r] = dot(a, w + r * K, K);
+#endif
+}
+
 void check_weights(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& lut, int64_t bits) {
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kUInt8 && codes.dim() == 3 &&
               codes.is_contiguous(), "codes: contiguous uint8 [E, N, Kp] on CPU");
@@ -199,6 +223,7 @@ torch::Tensor mx_grouped_gemm(torch::Tensor x, torch::Tensor row_index, torch::T
     std::vector<float> tile(ROWS_PER_TILE * K);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / items_per_group, e = ge[g];
+      if (gs[g] == gs[g + 1]) continue;  // an expert without pairs: its weights are not even read
       const int64_t n0 = (item % items_per_group) * ROWS_PER_ITEM, n1 = std::min(N, n0 + ROWS_PER_ITEM);
       for (int64_t r0 = n0; r0 < n1; r0 += ROWS_PER_TILE) {
         const int64_t nr = std::min(ROWS_PER_TILE, n1 - r0);
@@ -206,7 +231,11 @@ torch::Tensor mx_grouped_gemm(torch::Tensor x, torch::Tensor row_index, torch::T
           decode(cp + (e * N + r0 + r) * Kp, sp + (e * N + r0 + r) * Ks, K, block_size, lp, tile.data() + r * K);
         for (int64_t p = gs[g]; p < gs[g + 1]; ++p) {
           const float* xr = xp + (indexed ? ri[p] : p) * K;
-          for (int64_t r = 0; r < nr; ++r) yp[p * N + r0 + r] = dot(xr, tile.data() + r * K, K);
+          if (nr == ROWS_PER_TILE) {
+            dot4(xr, tile.data(), K, yp + p * N + r0);
+          } else {
+            for (int64_t r = 0; r < nr; ++r) yp[p * N + r0 + r] = dot(xr, tile.data() + r * K, K);
+          }
         }
       }
     }

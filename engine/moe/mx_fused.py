@@ -1,0 +1,103 @@
+"""Fused MX strategies: routed-expert GEMMs computed from the packed codes, no dense copy of a layer.
+
+Same ``fn(module, x, routing)`` contract as the strategies in ``engine.moe.mx_experts`` (which registers
+these in ``MX_MOE_IMPLS``):
+
+* ``fused_gather``  the CPU kernel (``engine.moe.mx_cpu_kernel``): each active expert's weight rows are
+                    decoded into a per-thread tile of 4 rows and dotted with every pair routed to it, for
+                    W13 then W2. Weight bytes read per step are the MX bytes (4.25 bits a weight for MXFP4).
+                    Batch-invariant: each output is one fp32 dot in a fixed order, whatever T is, so decode
+                    and speculative verify round alike (``auto`` runs it for decode when the kernel builds).
+* ``fused_sorted``  prefill shapes: per active expert, the kernel dequantizes it into a transient one-expert
+                    buffer (2I x H; freed after the call) and the library GEMM runs on it. Never more than
+                    one expert dense.
+* ``triton``        the Triton grouped GEMM over MXFP4 (``engine.moe.mx_triton``): ``cuda`` devices, or
+                    CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+
+Activations: fp32 and bf16 (bf16 inputs are widened to fp32 for the kernel, whose fp32 outputs are rounded
+back to bf16 after each GEMM, as a bf16 GEMM rounds its output). Other dtypes are not offered (``can_run``).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from engine.moe import mx_cpu_kernel
+from engine.moe.router import Routing
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+"""Activation dtypes the fused strategies take."""
+
+
+class PairGroups(NamedTuple):
+    """(token, expert) pairs sorted by expert (stable), as the kernels take them."""
+
+    order: torch.Tensor
+    """[P] index t*K + k of each sorted pair in ``routing.ids.reshape(-1)``."""
+    tok: torch.Tensor
+    """[P] source token of each sorted pair."""
+    experts: torch.Tensor
+    """[G] the active experts, increasing."""
+    starts: torch.Tensor
+    """[G + 1] int64: group g holds sorted pairs starts[g] .. starts[g+1]-1."""
+
+
+def pair_groups(routing: Routing, num_experts: int) -> PairGroups:
+    K = routing.ids.shape[1]
+    flat = routing.ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    experts = torch.nonzero(counts).flatten()
+    starts = torch.zeros(experts.numel() + 1, dtype=torch.long, device=flat.device)
+    torch.cumsum(counts[experts], 0, out=starts[1:])
+    return PairGroups(order, order // K, experts, starts)
+
+
+def combine(ys_sorted: torch.Tensor, groups: PairGroups, routing: Routing) -> torch.Tensor:
+    """Sorted pair outputs [P, H] -> the routing-weighted sum per token [T, H], summed over k in top-k order
+    (``mx_gather``'s combine, so the two round alike)."""
+    T, K = routing.ids.shape
+    ys = torch.empty_like(ys_sorted)
+    ys[groups.order] = ys_sorted
+    return (ys.view(T, K, -1) * routing.weights.unsqueeze(-1).to(ys.dtype)).sum(dim=1)
+
+
+def _swiglu(m, h: torch.Tensor) -> torch.Tensor:
+    I = m.inter
+    return m.qdq_act(F.silu(h[:, :I]) * h[:, I:])
+
+
+def fused_gather(m, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    g = pair_groups(routing, m.num_experts)
+    spec = m.spec
+    xq = m.qdq_act(x).float()
+    h = mx_cpu_kernel.grouped_gemm(xq, g.tok, g.experts, g.starts, m.w13_codes, m.w13_scales, spec.fmt,
+                                   spec.block_size).to(x.dtype)  # [P, 2I]
+    a = _swiglu(m, h).float()  # [P, I], already in sorted order
+    y = mx_cpu_kernel.grouped_gemm(a, None, g.experts, g.starts, m.w2_codes, m.w2_scales, spec.fmt,
+                                   spec.block_size).to(x.dtype)  # [P, H]
+    return combine(y, g, routing)
+
+
+def fused_sorted(m, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    g = pair_groups(routing, m.num_experts)
+    spec, H, I = m.spec, m.hidden, m.inter
+    xs = m.qdq_act(x)[g.tok]  # [P, H] grouped by expert
+    ys = torch.empty_like(xs)
+    w13 = torch.empty(1, 2 * I, H, dtype=x.dtype)  # one expert at a time, reused, freed on return
+    w2 = torch.empty(1, H, I, dtype=x.dtype)
+    starts = g.starts.tolist()
+    for i, e in enumerate(g.experts.split(1)):
+        s0, s1 = starts[i], starts[i + 1]
+        mx_cpu_kernel.dequant_into(m.w13_codes, m.w13_scales, e, spec.fmt, spec.block_size, w13)
+        h = F.linear(xs[s0:s1], w13[0])
+        mx_cpu_kernel.dequant_into(m.w2_codes, m.w2_scales, e, spec.fmt, spec.block_size, w2)
+        ys[s0:s1] = F.linear(_swiglu(m, h), w2[0])
+    return combine(ys, g, routing)
+
+
+def cpu_fused_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the CPU fused strategies can run here (builds the kernel the first time; one WARNING if not)."""
+    return device.type == "cpu" and dtype in FUSED_DTYPES and mx_cpu_kernel.available()
