@@ -34,7 +34,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from engine.runtime import Engine, load_model, resolve_device
     from engine.sampling import SamplingParams
     from engine.tokenizer import Tokenizer
-
     from cluster.local import resolve_decode_weights
     from engine.quant.prepare import expert_status
 
