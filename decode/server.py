@@ -243,7 +243,7 @@ async def amain(args: argparse.Namespace) -> None:
     async def on_stop():
         sched.stop()
         await receiver.stop(grace_s=2.0)
-    await worker_main.serve_until_signal(server, on_stop)
+    await worker_main.serve_until_signal(server, on_stop, args.grace_s, servicer.status, info)
 
 
 def _make_pool(layout, num_pages: int, shm: bool):

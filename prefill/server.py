@@ -233,7 +233,7 @@ async def amain(args: argparse.Namespace) -> None:
     async def on_stop():
         sched.stop()
         sender.close(grace_s=2.0)
-    await worker_main.serve_until_signal(server, on_stop)
+    await worker_main.serve_until_signal(server, on_stop, args.grace_s, servicer.status, info)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -93,6 +93,8 @@ def common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-after", type=float, default=60.0,
                    help="seconds a scheduler may go without finishing a step while it has work before the worker "
                         "reports itself unhealthy (the router then drains it)")
+    p.add_argument("--grace-s", type=float, default=30.0,
+                   help="on SIGTERM: seconds the requests in flight get to finish (new ones go to other workers)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics of this worker on its own port (0: off, -1: any free port; reported "
                         "as info['metrics_port'] in its status)")
@@ -122,15 +124,25 @@ def apply_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
-async def serve_until_signal(server, on_stop) -> None:
-    """Run until SIGTERM/SIGINT, then stop accepting, let calls finish (grace), run ``on_stop``."""
+async def serve_until_signal(server, on_stop, grace_s: float = 3.0, status=None, info: dict | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain: ``info["draining"] = "1"`` (reported in GetStatus, so the
+    router sends new requests elsewhere), wait up to ``grace_s`` while ``status()`` shows requests running
+    or queued, stop the server (what is left is cancelled), run ``on_stop``."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    logger.info("signal received: shutting down")
-    await server.stop(grace=3.0)
+    if info is not None:
+        info["draining"] = "1"
+    deadline = time.monotonic() + grace_s
+    busy = (lambda: (st := status()).running + st.queued) if status is not None else (lambda: 0)
+    logger.info("signal received: draining (%d requests running or queued get %gs)", busy(), grace_s)
+    while busy() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)  # shutdown only: a bounded poll
+    if busy():
+        logger.warning("grace period of %gs over: cancelling %d requests", grace_s, busy())
+    await server.stop(grace=1.0)
     await on_stop()
 
 

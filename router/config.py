@@ -77,8 +77,9 @@ class RouterConfig:
     ``pdserve bench --fault drop-kv@S``. Off in production."""
     startup_timeout_s: float = 120.0
     """How long ``python -m router`` waits for the first status of every worker before serving anyway."""
-    grace_s: float = 3.0
-    """Grace period for in-flight calls on shutdown."""
+    grace_s: float = 30.0
+    """On SIGTERM the router stops admitting (health NOT_SERVING, new requests UNAVAILABLE) and gives the
+    requests in flight this long to finish; what is left is then ended with UNAVAILABLE saying so."""
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:

@@ -150,6 +150,8 @@ class OpenAIServer:
 
     # -- endpoints ----------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        if self.core.draining:
+            return web.Response(status=503, text="shutting down")
         ok = self.core.registry.serving()
         return web.Response(status=200 if ok else 503, text="" if ok else "no healthy prefill and decode workers")
 

@@ -204,7 +204,9 @@ class Registry:
 
     # -- queries -----------------------------------------------------------------------------------
     def healthy(self, role: str) -> list[Worker]:
-        return [w for w in self.workers.values() if w.role == role and w.healthy and not w.excluded]
+        """Workers of ``role`` that take new requests (a draining one finishes its own, takes no new ones)."""
+        return [w for w in self.workers.values() if w.role == role and w.healthy and not w.excluded and
+                not (w.status is not None and w.status.info.get("draining") == "1")]
 
     def model_info(self) -> ModelInfo | None:
         """From the first healthy worker that reports it (prefill preferred: its page size is the index's).

@@ -86,9 +86,13 @@ class GenerateRun:
         the tokens it streamed]."""
         self._detok = Detokenizer(core.codec) if core.codec is not None else None
         self._live_calls: list = []
+        self.cutoff: RequestError | None = None
+        """Set by ``cut_off`` (a drain's grace period ended): how the request ends."""
 
     # -- helpers ---------------------------------------------------------------------------------------
     def remaining(self) -> float:
+        if self.cutoff is not None:
+            raise self.cutoff
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request finished")
@@ -106,6 +110,13 @@ class GenerateRun:
             call.cancel()
         for w, rid in self.touched:
             self.core.spawn(self.core.abort_on(w, rid, why))
+
+    def cut_off(self, why: str) -> None:
+        """End the request with UNAVAILABLE ``why``: its worker calls are cancelled and raise it where they
+        are awaited (``_prefill``, ``_decode``), and so does its next ``remaining()``."""
+        self.cutoff = RequestError(grpc.StatusCode.UNAVAILABLE, why)
+        for call in list(self._live_calls):
+            call.cancel()
 
     def _response(self, ids: list[int], finish: str = "", logprobs=(), message: str = ""
                   ) -> generation_pb2.GenerateResponse:
@@ -300,6 +311,8 @@ class GenerateRun:
             try:
                 r = await call
             except asyncio.CancelledError:
+                if self.cutoff is not None:
+                    raise self.cutoff from None
                 if call not in pw.dropped_calls:
                     raise
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
@@ -363,6 +376,10 @@ class GenerateRun:
                     self.core.spawn(self.core.registry.confirm_failure(dw, e.details() or "UNAVAILABLE"))
                 raise DecodeLost(dw, rid, f"decode worker {dw.name}: {e.code().name} {e.details()}") from None
             raise RequestError(e.code(), f"decode worker {dw.name}: {e.details()}") from None
+        except asyncio.CancelledError:
+            if self.cutoff is None:
+                raise
+            raise self.cutoff from None
         finally:
             self._live_calls.remove(call)
         raise DecodeLost(dw, rid, f"decode worker {dw.name} ended the stream without a finish")

@@ -3,8 +3,10 @@
 ``RouterServer.start()`` starts the registry (health polls, cache-event streams), sizes the public port's
 message limit from the served model (``RouterConfig.max_request_bytes``), binds the port and serves the
 standard health service (SERVING once at least one prefill and one decode worker are in rotation) and
-server reflection. ``stop()`` refuses new calls, gives in-flight ones ``grace_s``, then
-cancels and awaits every background task (aborts to workers included) and closes the channels.
+server reflection. ``stop()`` drains: health NOT_SERVING and new requests refused (UNAVAILABLE, HTTP 503)
+at once, the requests in flight get ``grace_s`` to finish, what is left is ended with UNAVAILABLE saying
+the grace period ran out (``GenerateRun.cut_off``); then every background task (aborts to workers
+included) is cancelled and awaited and the channels closed.
 """
 from __future__ import annotations
 
@@ -47,6 +49,10 @@ class RouterCore:
         self.codec: TextCodec | None = TextCodec.from_model_dir(cfg.model)
         self._codec_tried = cfg.model is not None
         self.inflight = 0
+        self.draining = False
+        """Set by ``RouterServer.stop``: new requests are refused, the ones in flight run on."""
+        self._runs: set[GenerateRun] = set()
+        """Runs being served (``observe``): what a drain cuts off when its grace period ends."""
         self._tasks: set[asyncio.Task] = set()
         self.metrics = RouterMetrics()
         self._tokenizer = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="router-tokenize")
@@ -86,6 +92,9 @@ class RouterCore:
         the request becomes a ``GenerateRun`` whose deadline is the client's (``time_left_s``, None: none)
         capped by ``request_timeout_s``, or ``RequestError`` (counted in the metrics) says why not."""
         try:
+            if self.draining:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down: not admitting new "
+                                   "requests")
             if self.inflight >= self.cfg.max_inflight:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"router is at its limit of "
                                    f"{self.cfg.max_inflight} requests in flight; retry later")
@@ -117,6 +126,7 @@ class RouterCore:
         """``run.stream()`` observed by the metrics and logged once it ends (one access log line per
         request, however it ends)."""
         obs = self.metrics.start(run, api)
+        self._runs.add(run)
         try:
             async with contextlib.aclosing(run.stream()) as responses:
                 async for resp in responses:
@@ -128,7 +138,25 @@ class RouterCore:
         except BaseException:
             obs.end(grpc.StatusCode.CANCELLED)
             raise
+        finally:
+            self._runs.discard(run)
         obs.end(grpc.StatusCode.OK)
+
+    async def drain(self, grace_s: float) -> int:
+        """Stop admitting, wait up to ``grace_s`` for the requests in flight, then cut off the rest (each
+        ends with UNAVAILABLE saying why). Returns how many were cut off."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # shutdown only: a bounded poll instead of an event on every request
+        left = list(self._runs)
+        for run in left:
+            run.cut_off(f"the server is shutting down: the request did not finish within the {grace_s:g}s "
+                        "grace period")
+        deadline = time.monotonic() + 5.0  # the cut-off streams end their RPCs with the status
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return len(left)
 
     async def abort_on(self, w: Worker, rid: str, why: str) -> None:
         try:
@@ -137,7 +165,7 @@ class RouterCore:
         except grpc.aio.AioRpcError as e:
             logger.debug("abort of %s on %s failed (%s): %s", rid, w.address, why, e.code().name)
 
-    async def drain(self, timeout_s: float) -> None:
+    async def close(self, timeout_s: float) -> None:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)
         for t in list(self._tasks):
@@ -291,7 +319,7 @@ class RouterServer:
         return max_request_bytes(max_context)
 
     async def _update_health(self) -> None:
-        await self._set_serving(self.core.registry.serving())
+        await self._set_serving(self.core.registry.serving() and not self.core.draining)
 
     async def _set_serving(self, serving: bool) -> None:
         if serving != self._serving:
@@ -300,9 +328,15 @@ class RouterServer:
 
     async def stop(self) -> None:
         if self.server is not None:
+            self.core.draining = True
             await self._set_serving(False)
-            await asyncio.gather(self.server.stop(grace=self.cfg.grace_s),
+            logger.info("draining: not admitting, %d requests in flight get %gs", self.core.inflight,
+                        self.cfg.grace_s)
+            cut = await self.core.drain(self.cfg.grace_s)
+            if cut:
+                logger.warning("drain: %d requests did not finish within %gs and were ended", cut, self.cfg.grace_s)
+            await asyncio.gather(self.server.stop(grace=1.0),
                                  self.http.stop() if self.http is not None else asyncio.sleep(0))
-        await self.core.drain(timeout_s=self.cfg.rpc_timeout_s)
+        await self.core.close(timeout_s=self.cfg.rpc_timeout_s)
         await self.core.registry.close()
 
