@@ -75,6 +75,11 @@ def register(sub) -> None:
     s.add_argument("--threads-per-worker", type=int, default=0, help="0: split the cores between the workers")
     s.add_argument("--run-dir", default=None, help="where worker logs go (default: a new temporary directory)")
     s.add_argument("--startup-timeout", type=float, default=300.0, help="seconds every process may take to start")
+    s.add_argument("--max-restarts", type=int, default=5,
+                   help="times a worker that dies is restarted on its old address (backoff 1 s, doubling up to 30 s)")
+    s.add_argument("--grace-s", type=float, default=30.0,
+                   help="on SIGTERM / Ctrl-C: stop admitting, give the requests in flight this long to finish, then "
+                        "end the rest with UNAVAILABLE")
     s.set_defaults(fn=cmd_serve)
 
     g = sub.add_parser("generate", help="send one request to a running router and stream the answer")
@@ -124,7 +129,8 @@ def serve_config(args: argparse.Namespace):
         decode_stall_timeout_s=args.decode_stall_timeout, fault_injection=args.fault_injection, shm=not args.no_shm,
         stall_after_s=args.stall_after,
         threads_per_worker=args.threads_per_worker,
-        run_dir=args.run_dir, startup_timeout_s=args.startup_timeout,
+        run_dir=args.run_dir, startup_timeout_s=args.startup_timeout, grace_s=args.grace_s,
+        max_restarts=args.max_restarts,
         extra_worker_args=() if args.kv_transport == "auto" else
         ("--kv-transport", args.kv_transport, "--mooncake-protocol", args.mooncake_protocol))
 
@@ -154,7 +160,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"pdserve: error: {e}", file=sys.stderr, flush=True)
         rc = 1
     except _Shutdown as e:
-        print(f"pdserve: {e}: shutting down (workers get {cfg.stop_grace_s:.0f}s)", flush=True)
+        print(f"pdserve: {e}: shutting down (requests in flight get {cfg.grace_s:g}s to finish)", flush=True)
     finally:
         for s in old:
             signal.signal(s, signal.SIG_IGN)
@@ -165,18 +171,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _watch(cluster) -> int:
-    """Serve until a signal; a dead worker is reported (the router routes around it), a dead router ends it."""
-    reported: set[str] = set()
+    """Serve until a signal: a dead worker is restarted (``cluster.supervisor``; the router routes around it
+    meanwhile), a dead router ends it."""
+    from cluster.supervisor import RestartPolicy, Supervisor
+    sup = Supervisor(cluster, RestartPolicy(max_restarts=cluster.cfg.max_restarts))
     while True:
         time.sleep(0.5)
-        for ch in cluster.dead_children():
-            if ch.name in reported:
-                continue
-            reported.add(ch.name)
-            print(f"pdserve: {ch.name} (pid {ch.pid}) exited with code {ch.proc.returncode}; log tail:\n"
-                  f"{ch.log_tail(2000)}", file=sys.stderr, flush=True)
-            if ch is cluster.router:
-                return 1
+        for event in sup.poll():
+            print(f"pdserve: {event}", file=sys.stderr, flush=True)
+        if cluster.router.proc.poll() is not None:
+            print(f"pdserve: router (pid {cluster.router.pid}) exited with code {cluster.router.proc.returncode}; "
+                  f"log tail:\n{cluster.router.log_tail(2000)}", file=sys.stderr, flush=True)
+            return 1
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

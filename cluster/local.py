@@ -136,8 +136,13 @@ class LocalClusterConfig:
     """Where logs go (None: a new temporary directory)."""
     startup_timeout_s: float = 300.0
     """How long every child may take to become ready."""
-    stop_grace_s: float = 20.0
-    """How long children get after SIGTERM before SIGKILL (workers take 4-10 s to stop today)."""
+    max_restarts: int = 5
+    """Times ``pdserve serve`` restarts a worker that died (with backoff; ``cluster.supervisor``)."""
+    grace_s: float = 30.0
+    """On stop (SIGTERM): the router stops admitting and gives the requests in flight this long to finish,
+    then ends what is left with UNAVAILABLE saying so; workers drain the same way."""
+    stop_margin_s: float = 15.0
+    """Beyond ``grace_s``: how long a child may take to exit after its drain before it is killed."""
     extra_worker_args: tuple[str, ...] = ()
     """Appended to every worker's command line."""
 
@@ -147,9 +152,15 @@ class LocalClusterConfig:
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError(f"need at least one prefill and one decode worker, got {self.num_prefill} + "
                              f"{self.num_decode}")
-        if self.startup_timeout_s <= 0 or self.stop_grace_s <= 0 or self.stall_after_s <= 0:
-            raise ValueError("startup_timeout_s, stop_grace_s and stall_after_s must be > 0")
+        if self.startup_timeout_s <= 0 or self.stall_after_s <= 0 or self.grace_s < 0 or self.stop_margin_s <= 0:
+            raise ValueError(f"startup_timeout_s ({self.startup_timeout_s}), stall_after_s ({self.stall_after_s}) "
+                             f"and stop_margin_s ({self.stop_margin_s}) must be > 0, grace_s ({self.grace_s}) >= 0")
         rpc.check_bind(self.host, self.api_key, "the router (give --api-key)")
+
+    @property
+    def stop_grace_s(self) -> float:
+        """How long a child gets after SIGTERM before SIGKILL."""
+        return self.grace_s + self.stop_margin_s
 
 
 class Child:
@@ -262,7 +273,7 @@ class LocalCluster:
         if c.mem_fraction:
             cmd += ["--mem-fraction", repr(c.mem_fraction / (c.num_prefill + c.num_decode))]
         threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // (c.num_prefill + c.num_decode))
-        cmd += ["--threads", str(threads), "--stall-after", str(c.stall_after_s)]
+        cmd += ["--threads", str(threads), "--stall-after", str(c.stall_after_s), "--grace-s", repr(c.grace_s)]
         cmd += ["--metrics-port", "-1"]  # Prometheus /metrics on a free port, listed in GetClusterStatus
         cmd += logs.log_args(c.log_level, c.log_format)
         if role == "prefill" and c.fault_injection:
@@ -301,7 +312,7 @@ class LocalCluster:
                "--decode", dec, "--routing", c.routing, "--model", self.model,
                "--local-prefill-below", str(c.local_prefill_below), "--max-failovers", str(c.max_failovers),
                "--decode-stall-timeout-s", str(c.decode_stall_timeout_s),
-               "--startup-timeout-s", str(c.startup_timeout_s)]
+               "--startup-timeout-s", str(c.startup_timeout_s), "--grace-s", repr(c.grace_s)]
         cmd += ["--served-model-name", c.served_model_name] if c.served_model_name else []
         cmd += logs.log_args(c.log_level, c.log_format)
         return cmd + (["--fault-injection"] if c.fault_injection else [])
@@ -318,6 +329,18 @@ class LocalCluster:
                                         f"log {ch.log_path}:\n{ch.log_tail()}")
             if pending:
                 time.sleep(0.1)
+
+    def restart_worker(self, i: int, n: int) -> Child:
+        """Start worker ``i`` (which exited) again with its command on its old port, so the router, which
+        knows it by address, takes it back once its health poll answers; its log goes to NAME.restartN.log."""
+        old = self.workers[i]
+        cmd = list(old.cmd)
+        if old.address:
+            cmd[cmd.index("--port") + 1] = old.address.rsplit(":", 1)[1]
+        new = Child(old.name, cmd, self.env, os.path.join(self.run_dir, f"{old.name}.restart{n}.log"))
+        old.close()
+        self.workers[i] = new
+        return new
 
     def dead_children(self) -> list[Child]:
         """Children that exited (their leftover shm segments are removed here, as soon as they are seen)."""
