@@ -314,7 +314,7 @@ class PrefillScheduler:
         # computes the draft state shipped with the pages
         plan = [PrefillChunk(t.pages, s, t.token_ids[s:e], t.token_ids[e] if e < len(t.token_ids) else None,
                              draft=e == len(t.token_ids)) for t, s, e in chunks]
-        for (t, s, e), res in zip(chunks, prefill_forward(self.model, self.pool, plan, sample_first, ship)):
+        for (t, _, e), res in zip(chunks, prefill_forward(self.model, self.pool, plan, sample_first, ship)):
             if e == len(t.token_ids):
                 t.first_token, t.draft_hidden = res.next_token, res.draft_hidden
         with self._cv:

@@ -1,6 +1,7 @@
 """Attention over the paged KV cache: GQA (glm4_moe) and MLA + DSA (glm_moe_dsa)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
@@ -268,46 +269,81 @@ class MLATokens(NamedTuple):
     index_w: torch.Tensor | None   # [T, Hi] fp32 indexer head weights
 
 
-def mla_tokenwise(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in_ln: torch.Tensor | None, in_eps: float,
-                  w_x: torch.Tensor, b_x: torch.Tensor | None, sizes: list[int], qa_ln: torch.Tensor, qa_eps: float,
-                  w_qb: torch.Tensor, w_iqb: torch.Tensor | None, kn_w: torch.Tensor | None,
-                  kn_b: torch.Tensor | None, kn_eps: float, kva_ln: torch.Tensor, kva_eps: float,
-                  w_uk: torch.Tensor, w_wp: torch.Tensor | None, d: MLADims) -> MLATokens:
+@dataclass(frozen=True, slots=True)
+class MLAWeights:
+    """The weights and norm constants ``mla_tokenwise`` reads (``MLAAttention.tokenwise_weights``): fixed per
+    layer, collected once while the decode graphs are compiled."""
+    in_ln: torch.Tensor | None
+    """input_layernorm weight; None when ``x`` is normed already."""
+    in_eps: float
+    """input_layernorm epsilon (unused without ``in_ln``)."""
+    w_x: torch.Tensor
+    """``[rows, hidden]`` q_a_proj, kv_a_proj_with_mqa, the indexer's wk (and weights_proj) as one GEMM."""
+    b_x: torch.Tensor | None
+    """Their biases (None: no bias)."""
+    sizes: list[int]
+    """Output rows of each fused projection, in order."""
+    qa_ln: torch.Tensor
+    """q_a_layernorm weight."""
+    qa_eps: float
+    """q_a_layernorm epsilon."""
+    w_qb: torch.Tensor
+    """q_b_proj weight ``[H * (nope + r), q_lora_rank]``."""
+    w_iqb: torch.Tensor | None
+    """The indexer's wq_b weight (None: the layer has no indexer)."""
+    kn_w: torch.Tensor | None
+    """The indexer's k_norm weight."""
+    kn_b: torch.Tensor | None
+    """The indexer's k_norm bias."""
+    kn_eps: float
+    """The indexer's k_norm epsilon."""
+    kva_ln: torch.Tensor
+    """kv_a_layernorm weight."""
+    kva_eps: float
+    """kv_a_layernorm epsilon."""
+    w_uk: torch.Tensor
+    """``[H, nope, L]`` W_UK (kv_b_proj's key rows), absorbed into the queries."""
+    w_wp: torch.Tensor | None
+    """The indexer's weights_proj when it keeps its own dtype (fp32 in a low-precision model), else None
+    (fused into ``w_x``)."""
+
+
+def mla_tokenwise(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: MLAWeights, d: MLADims) -> MLATokens:
     """Everything an MLA layer computes token by token before attention, as a function of tensors and
-    constants (``MLAAttention.tokenwise_args``): run eagerly, or traced into one compiled graph per shape
-    class (``engine.layers.decode_graph``). ``x`` [T, hidden] is the layer input (``in_ln`` its
-    input_layernorm, None when ``x`` is normed already)."""
+    constants: run eagerly, or traced into one compiled graph per shape class (``engine.layers.decode_graph``).
+    ``x`` [T, hidden] is the layer input (``w.in_ln`` its input_layernorm, None when ``x`` is normed already),
+    ``cos`` / ``sin`` its RoPE rows (``RotaryTable.lookup``)."""
     T = x.shape[0]
-    h = x if in_ln is None else rms_norm(x, in_ln, in_eps)
+    h = x if w.in_ln is None else rms_norm(x, w.in_ln, w.in_eps)
     # q_a, kv_a, the indexer's wk and (same dtype) weights_proj read h: one GEMM (1 call instead of 4)
-    proj = F.linear(h, w_x, b_x).split(sizes, dim=-1)
-    q_resid = rms_norm(proj[0], qa_ln, qa_eps)
-    q = F.linear(q_resid, w_qb).view(T, d.H, d.nope + d.r)
+    proj = F.linear(h, w.w_x, w.b_x).split(w.sizes, dim=-1)
+    q_resid = rms_norm(proj[0], w.qa_ln, w.qa_eps)
+    q = F.linear(q_resid, w.w_qb).view(T, d.H, d.nope + d.r)
     ckv = proj[1]
     # every RoPE of the layer as ONE rotation (the same values as rotating each part alone)
     parts = [ckv[:, None, d.L:]]
     k_idx = None
     if d.Hi:
-        k_idx = F.layer_norm(proj[2], (d.Di,), kn_w, kn_b, kn_eps)  # [T, Di]
+        k_idx = F.layer_norm(proj[2], (d.Di,), w.kn_w, w.kn_b, w.kn_eps)  # [T, Di]
         parts.append(k_idx[:, None, :d.r])
     o = len(parts)
     parts.append(q[..., d.nope:])
     scored = d.Hi > 0 and d.need_topk
     if scored:
-        q_idx = F.linear(q_resid, w_iqb).view(T, d.Hi, d.Di)
+        q_idx = F.linear(q_resid, w.w_iqb).view(T, d.Hi, d.Di)
         parts.append(q_idx[..., :d.r])
     rot = apply_interleaved(torch.cat(parts, dim=1), cos, sin)
-    latent = rms_norm(ckv[:, :d.L], kva_ln, kva_eps)
+    latent = rms_norm(ckv[:, :d.L], w.kva_ln, w.kva_eps)
     if d.Hi:
         index_key = torch.cat([rot[:, 1], k_idx[:, d.r:]], dim=-1)
     else:  # keep the slot defined (shipped and checked like any other component)
         index_key = torch.zeros(T, d.Di, dtype=ckv.dtype, device=ckv.device)
     q_nope, q_rot = q[..., :d.nope], rot[:, o:o + d.H]
-    q_lat = torch.cat([head_bmm(q_nope, w_uk), q_rot], dim=-1) if d.absorb else None
+    q_lat = torch.cat([head_bmm(q_nope, w.w_uk), q_rot], dim=-1) if d.absorb else None
     q_index = index_w = None
     if scored:
         q_index = torch.cat([rot[:, o + d.H:], q_idx[..., d.r:]], dim=-1)
-        w_lin = proj[3] if w_wp is None else F.linear(h.to(w_wp.dtype), w_wp)
+        w_lin = proj[3] if w.w_wp is None else F.linear(h.to(w.w_wp.dtype), w.w_wp)
         index_w = DSAIndexer.head_weights_of(w_lin, d.Hi)
     return MLATokens(latent, rot[:, 0], index_key, q_nope, q_rot, q_lat, q_index, index_w)
 
@@ -345,8 +381,8 @@ class MLAAttention(nn.Module):
         return self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
                                           cfg.kv_lora_rank)
 
-    def tokenwise_args(self, in_norm: RMSNorm | None, need_topk: bool, absorb: bool) -> tuple:
-        """``mla_tokenwise``'s arguments after ``x, cos, sin`` (``in_norm``: the input_layernorm to apply)."""
+    def tokenwise_weights(self, in_norm: RMSNorm | None) -> MLAWeights:
+        """``mla_tokenwise``'s weights (``in_norm``: the input_layernorm to apply, None when ``x`` is normed)."""
         cfg, idx = self.cfg, self.indexer
         mods = [self.q_a_proj, self.kv_a_proj_with_mqa]
         w_wp = None
@@ -357,21 +393,26 @@ class MLAAttention(nn.Module):
             else:  # kept fp32 in a low-precision model: its own GEMM
                 w_wp = idx.weights_proj.weight
         w_x, b_x, sizes = self._fused_x.weight([(m.weight, m.bias) for m in mods])
-        d = MLADims(cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
-                    0 if idx is None else cfg.index_n_heads, cfg.index_head_dim, need_topk, absorb)
-        return (None if in_norm is None else in_norm.weight, 0.0 if in_norm is None else in_norm.eps,
-                w_x, b_x, sizes, self.q_a_layernorm.weight, self.q_a_layernorm.eps, self.q_b_proj.weight,
-                None if idx is None else idx.wq_b.weight, None if idx is None else idx.k_norm.weight,
-                None if idx is None else idx.k_norm.bias, 1e-6 if idx is None else idx.k_norm.eps,
-                self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.w_kv()[:, :cfg.qk_nope_head_dim],
-                w_wp, d)
+        return MLAWeights(
+            in_ln=None if in_norm is None else in_norm.weight, in_eps=0.0 if in_norm is None else in_norm.eps,
+            w_x=w_x, b_x=b_x, sizes=sizes, qa_ln=self.q_a_layernorm.weight, qa_eps=self.q_a_layernorm.eps,
+            w_qb=self.q_b_proj.weight, w_iqb=None if idx is None else idx.wq_b.weight,
+            kn_w=None if idx is None else idx.k_norm.weight, kn_b=None if idx is None else idx.k_norm.bias,
+            kn_eps=1e-6 if idx is None else idx.k_norm.eps, kva_ln=self.kv_a_layernorm.weight,
+            kva_eps=self.kv_a_layernorm.eps, w_uk=self.w_kv()[:, :cfg.qk_nope_head_dim], w_wp=w_wp)
+
+    def dims(self, need_topk: bool, absorb: bool) -> MLADims:
+        """``mla_tokenwise``'s constants for a batch kind."""
+        cfg = self.cfg
+        return MLADims(cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
+                       0 if self.indexer is None else cfg.index_n_heads, cfg.index_head_dim, need_topk, absorb)
 
     def write_kv(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable) -> None:
         """Only the new tokens' KV (latent, rope key, indexer key), bit for bit what ``forward`` writes,
         without the attention: for a pass whose output is not read, only its cache (the MTP layer over a
         prompt). ``x`` is normed already."""
         cos, sin = rope.lookup(batch.positions, x.dtype)
-        self.store_kv(mla_tokenwise(x, cos, sin, *self.tokenwise_args(None, False, False)), batch, pool)
+        self.store_kv(mla_tokenwise(x, cos, sin, self.tokenwise_weights(None), self.dims(False, False)), batch, pool)
 
     def store_kv(self, t: MLATokens, batch: ForwardBatch, pool: KVPool) -> None:
         L = self.layer_idx
@@ -384,7 +425,8 @@ class MLAAttention(nn.Module):
         """``x`` normed -> (o_proj output, the DSA selection); ``DecoderLayer`` runs the same pieces itself."""
         cos, sin = rope.lookup(batch.positions, x.dtype)
         absorb = max(batch.q_lens) <= MLA_ABSORB_MAX_Q
-        t = mla_tokenwise(x, cos, sin, *self.tokenwise_args(None, batch.max_kv_len > self.cfg.index_topk, absorb))
+        t = mla_tokenwise(x, cos, sin, self.tokenwise_weights(None),
+                          self.dims(batch.max_kv_len > self.cfg.index_topk, absorb))
         o, topk = self.attend(t, batch, pool, topk_prev)
         if absorb:
             o = head_bmm(o, self.w_kv()[:, self.cfg.qk_nope_head_dim:].transpose(1, 2))  # apply W_UV

@@ -27,6 +27,7 @@ the same path, tested on both (``tests/engine/test_spec.py``, ``tests/engine/tes
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
@@ -34,27 +35,109 @@ import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
 from engine.kvcache.pool import KVPool
-from engine.layers.attention import MLADims, MLAAttention, MLATokens, TopK, dsa_topk, head_bmm, mla_tokenwise
+from engine.layers.attention import (MLADims, MLAAttention, MLATokens, MLAWeights, TopK, dsa_topk, head_bmm,
+                                     mla_tokenwise)
 from engine.layers.mlp import FFNArgs, ffn_tokenwise
 from engine.layers.norm import rms_norm
 from engine.moe.experts import GATHER_MAX_PAIRS
 from engine.moe.router import Routing
 
-__all__ = ["DecodeGraphs", "MLADims", "layer_post"]
+__all__ = ["DecodeGraphs", "LayerWeights", "MLADims", "MTPInput", "PostWeights", "layer_post"]
 
 
-def layer_post(x: torch.Tensor, o: torch.Tensor, w_uv: torch.Tensor | None, o_w: torch.Tensor,
-               o_b: torch.Tensor | None, ln_w: torch.Tensor, ln_eps: float, f: FFNArgs
+@dataclass(frozen=True, slots=True)
+class PostWeights:
+    """The weights ``layer_post`` reads: the decoder layer after its attention."""
+    w_uv: torch.Tensor | None
+    """``[H, L, v]`` W_UV (kv_b_proj's value rows) for absorbed attention outputs; None: ``o`` is ``[T, H, v]``."""
+    o_w: torch.Tensor
+    """o_proj weight."""
+    o_b: torch.Tensor | None
+    """o_proj bias (None: no bias)."""
+    ln_w: torch.Tensor
+    """post_attention_layernorm weight."""
+    ln_eps: float
+    """post_attention_layernorm epsilon."""
+    ffn: FFNArgs
+    """The FFN's (``ffn_tokenwise``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """Everything an MLA decoder layer's token-wise functions read besides the step's tensors
+    (``DecoderLayer._weight_args``): collected once per layer and batch kind while compiled."""
+    pre: MLAWeights
+    """``mla_tokenwise``'s weights."""
+    dims: MLADims
+    """``mla_tokenwise``'s constants for the batch kind (context scored by the indexer, absorbed queries)."""
+    post: PostWeights
+    """``layer_post``'s weights."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """The tensors of one decode / verify step that every layer reads."""
+    cos: torch.Tensor
+    """RoPE cosines of the step's tokens (``RotaryTable.lookup``)."""
+    sin: torch.Tensor
+    """RoPE sines."""
+    out_slots: torch.Tensor
+    """``[T]`` where each new token's KV is written."""
+    kv_slots: torch.Tensor
+    """``[B, S]`` each request's context slots (padding: slot 0)."""
+    mask: torch.Tensor | None
+    """``[B, Tq, S]`` causal + valid keys; None: every key of every query (one decoding request)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MTPInput:
+    """An MTP layer's input side: its block reads ``eh_proj([enorm(embed(ids)); hnorm(prev_hidden)])``
+    (``GlmForCausalLM._mtp_input``)."""
+    prev_hidden: torch.Tensor
+    """``[T, hidden]`` the target's final-normed hidden states at the same positions."""
+    en_w: torch.Tensor
+    """enorm weight."""
+    en_eps: float
+    """enorm epsilon."""
+    hn_w: torch.Tensor
+    """hnorm weight."""
+    hn_eps: float
+    """hnorm epsilon."""
+    eh_w: torch.Tensor
+    """eh_proj weight ``[hidden, 2 * hidden]``."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeadWeights:
+    """The model's ends around its layers in a whole-step graph."""
+    embed_w: torch.Tensor
+    """embed_tokens weight."""
+    norm_w: torch.Tensor
+    """The final norm's weight (the MTP layer's shared_head_norm for an MTP step)."""
+    norm_eps: float
+    """Its epsilon."""
+    lm_w: torch.Tensor
+    """lm_head weight."""
+
+
+class GraphLayer(NamedTuple):
+    """One layer of ``mla_decode_stack``."""
+    bufs: tuple[torch.Tensor, ...]   # the layer's flat latent / rope / index pool buffers (``pool_views``)
+    consts: PagedConsts
+    weights: LayerWeights
+
+
+def layer_post(x: torch.Tensor, o: torch.Tensor, w: PostWeights
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Routing | None]:
-    """The decoder layer after attention: ``o`` [T, H, L] latent outputs (``w_uv`` [H, L, v] applies W_UV)
+    """The decoder layer after attention: ``o`` [T, H, L] latent outputs (``w.w_uv`` [H, L, v] applies W_UV)
     or [T, H, v] -> o_proj, residual, post_attention_layernorm, FFN, residual. Returns ``(x, h, y, routing)``:
     with ``routing`` None ``x`` is the layer's output; else the routed experts are the caller's
     (``x + finish_ffn(experts, h, y, routing)``)."""
-    if w_uv is not None:
-        o = head_bmm(o, w_uv)
-    x = x + F.linear(o.reshape(x.shape[0], -1), o_w, o_b)
-    h = rms_norm(x, ln_w, ln_eps)
-    y, routing = ffn_tokenwise(h, f)
+    if w.w_uv is not None:
+        o = head_bmm(o, w.w_uv)
+    x = x + F.linear(o.reshape(x.shape[0], -1), w.o_w, w.o_b)
+    h = rms_norm(x, w.ln_w, w.ln_eps)
+    y, routing = ffn_tokenwise(h, w.ffn)
     if routing is None:
         return x + y, h, None, None
     return x, h, y, routing
@@ -69,16 +152,16 @@ class PagedConsts(NamedTuple):
     L: int             # kv_lora_rank
 
 
-def paged_mla_attention(t: MLATokens, lat_buf: torch.Tensor, rope_buf: torch.Tensor, idx_buf: torch.Tensor,
-                        out_slots: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor | None,
+def paged_mla_attention(t: MLATokens, bufs: tuple[torch.Tensor, ...], step: StepInputs,
                         prev_idx: torch.Tensor | None, prev_valid: torch.Tensor | None, c: PagedConsts
                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``MLAAttention.attend`` for absorbed queries of requests with the same query count, as a function of
-    tensors: writes the new tokens' KV into the flat pool buffers ``*_buf`` [slots, ...] at ``out_slots``,
-    selects each query's keys (the DSA indexer's top-k, ``prev_*`` for a layer that shares its previous
-    layer's, or every key of a short context) and attends over them in the latent space. ``kv_slots`` [B, S]
-    (padding: slot 0), ``mask`` [B, Tq, S] causal + valid keys (None: every key of every query, one
-    decoding request). Returns (o_lat [T, H, L], the selection [B, Tq, k] and its validity or None)."""
+    tensors: writes the new tokens' KV into the flat pool buffers ``bufs`` (latent, rope, index: [slots, ...])
+    at ``step.out_slots``, selects each query's keys (the DSA indexer's top-k, ``prev_*`` for a layer that
+    shares its previous layer's, or every key of a short context) and attends over them in the latent space.
+    Returns (o_lat [T, H, L], the selection [B, Tq, k] and its validity or None)."""
+    lat_buf, rope_buf, idx_buf = bufs
+    out_slots, kv_slots, mask = step.out_slots, step.kv_slots, step.mask
     lat_buf.index_copy_(0, out_slots, t.latent)
     rope_buf.index_copy_(0, out_slots, t.krope)
     idx_buf.index_copy_(0, out_slots, t.index_key)
@@ -117,38 +200,35 @@ def paged_mla_attention(t: MLATokens, lat_buf: torch.Tensor, rope_buf: torch.Ten
     return o, (idx if c.score else None), valid
 
 
-def mla_decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bufs: tuple, out_slots: torch.Tensor,
-                     kv_slots: torch.Tensor, mask: torch.Tensor | None, prev_idx: torch.Tensor | None,
-                     prev_valid: torch.Tensor | None, c: PagedConsts, pre_args: tuple, post_args: tuple):
+def mla_decode_layer(x: torch.Tensor, step: StepInputs, bufs: tuple[torch.Tensor, ...],
+                     prev_idx: torch.Tensor | None, prev_valid: torch.Tensor | None, c: PagedConsts, w: LayerWeights):
     """A whole MLA decoder layer for decode / verify steps: ``mla_tokenwise``, ``paged_mla_attention``,
     ``layer_post``. Returns ``layer_post``'s outputs and the selection."""
-    t = mla_tokenwise(x, cos, sin, *pre_args)
-    o, idx, valid = paged_mla_attention(t, *bufs, out_slots, kv_slots, mask, prev_idx, prev_valid, c)
-    return layer_post(x, o, *post_args), idx, valid
+    t = mla_tokenwise(x, step.cos, step.sin, w.pre, w.dims)
+    o, idx, valid = paged_mla_attention(t, bufs, step, prev_idx, prev_valid, c)
+    return layer_post(x, o, w.post), idx, valid
 
 
-def mla_decode_stack(ids: torch.Tensor, embed_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     out_slots: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor | None, layers: tuple,
-                     norm_w: torch.Tensor, norm_eps: float, lm_w: torch.Tensor, logits_index: torch.Tensor | None,
-                     mtp: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's decode / verify forward: embedding, ``mla_decode_layer`` per layer (``layers``: (pool
-    views, consts, pre args, post args), every FFN complete inside), final norm, LM head. Returns
-    (fp32 logits of ``logits_index``'s rows or of all, the final-normed hidden states). With ``mtp`` =
-    (prev_hidden, enorm weight, eps, hnorm weight, eps, eh_proj weight) it is an MTP layer's forward:
-    its input is eh_proj([enorm(embed(ids)); hnorm(prev_hidden)]) (``GlmForCausalLM._mtp_input``)."""
-    x = F.embedding(ids, embed_w)
+def mla_decode_stack(ids: torch.Tensor, step: StepInputs, layers: tuple[GraphLayer, ...], head: HeadWeights,
+                     logits_index: torch.Tensor | None, mtp: MTPInput | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's decode / verify forward: embedding, ``mla_decode_layer`` per layer (every FFN complete
+    inside), final norm, LM head. Returns (fp32 logits of ``logits_index``'s rows or of all, the final-normed
+    hidden states). With ``mtp`` it is an MTP layer's forward: its input is
+    eh_proj([enorm(embed(ids)); hnorm(prev_hidden)]) (``GlmForCausalLM._mtp_input``)."""
+    x = F.embedding(ids, head.embed_w)
     if mtp is not None:
-        prev_hidden, en_w, en_eps, hn_w, hn_eps, eh_w = mtp
-        x = F.linear(torch.cat([rms_norm(x, en_w, en_eps), rms_norm(prev_hidden, hn_w, hn_eps)], dim=-1), eh_w)
+        x = F.linear(torch.cat([rms_norm(x, mtp.en_w, mtp.en_eps), rms_norm(mtp.prev_hidden, mtp.hn_w, mtp.hn_eps)],
+                               dim=-1), mtp.eh_w)
     prev_idx = prev_valid = None
-    for bufs, c, pre, post in layers:
-        (x, _, _, _), idx, valid = mla_decode_layer(x, cos, sin, bufs, out_slots, kv_slots, mask, prev_idx,
-                                                    prev_valid, c, pre, post)
-        if c.score:
+    for layer in layers:
+        (x, _, _, _), idx, valid = mla_decode_layer(x, step, layer.bufs, prev_idx, prev_valid, layer.consts,
+                                                    layer.weights)
+        if layer.consts.score:
             prev_idx, prev_valid = idx, valid
-    hidden = rms_norm(x, norm_w, norm_eps)
+    hidden = rms_norm(x, head.norm_w, head.norm_eps)
     sel = hidden if logits_index is None else hidden.index_select(0, logits_index)
-    return F.linear(sel, lm_w).float(), hidden
+    return F.linear(sel, head.lm_w).float(), hidden
 
 
 def pool_views(pool: KVPool, layer: int) -> tuple[torch.Tensor, ...]:
@@ -209,17 +289,18 @@ class DecodeGraphs:
         else:
             self.pre, self.post, self.layer, self.stack = mla_tokenwise, layer_post, mla_decode_layer, mla_decode_stack
 
-    def tokenwise(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, args: tuple) -> MLATokens:
-        """``mla_tokenwise(x, cos, sin, *args)``."""
-        return self.pre(*_dynamic(self.compiled, x, cos, sin), *args)
+    def tokenwise(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: MLAWeights, d: MLADims
+                  ) -> MLATokens:
+        """``mla_tokenwise(x, cos, sin, w, d)``."""
+        return self.pre(*_dynamic(self.compiled, x, cos, sin), w, d)
 
-    def after_attention(self, x: torch.Tensor, o: torch.Tensor, *args
+    def after_attention(self, x: torch.Tensor, o: torch.Tensor, w: PostWeights
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Routing | None]:
-        """``layer_post(x, o, *args)``."""
-        return self.post(*_dynamic(self.compiled, x, o), *args)
+        """``layer_post(x, o, w)``."""
+        return self.post(*_dynamic(self.compiled, x, o), w)
 
     def run_layer(self, attn: MLAAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  batch: ForwardBatch, pool: KVPool, topk: TopK | None, args: tuple):
+                  batch: ForwardBatch, pool: KVPool, topk: TopK | None, w: LayerWeights):
         """``mla_decode_layer`` for ``attn``'s layer over a batch of requests with equal query counts ->
         (``layer_post``'s outputs, the DSA selection)."""
         c = self.consts(attn, batch)
@@ -227,8 +308,8 @@ class DecodeGraphs:
             raise ValueError(f"layer {attn.layer_idx} shares the DSA top-k but no previous layer produced one")
         mask = self.batch_inputs(batch, x, cos, sin)
         prev = (None, None) if topk is None or c.score else (topk.idx, topk.valid)
-        out, idx, valid = self.layer(x, cos, sin, pool_views(pool, attn.layer_idx), batch.out_slots,
-                                     batch.kv_slots, mask, *prev, c, *args)
+        step = StepInputs(cos, sin, batch.out_slots, batch.kv_slots, mask)
+        out, idx, valid = self.layer(x, step, pool_views(pool, attn.layer_idx), *prev, c, w)
         if c.score:
             topk = TopK(idx, valid)
         return out, topk
@@ -256,19 +337,19 @@ class DecodeGraphs:
             torch._dynamo.mark_dynamic(t, d)
         return mask
 
-    def run_stack(self, layers: list, batch: ForwardBatch, pool: KVPool, ids: torch.Tensor, embed_w: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, norm: tuple, lm_w: torch.Tensor, all_logits: bool,
-                  mtp: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_stack(self, layers: list[tuple[MLAAttention, LayerWeights]], batch: ForwardBatch, pool: KVPool,
+                  ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head: HeadWeights, all_logits: bool,
+                  mtp: MTPInput | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole decode / verify forward (embedding, every layer, final norm, LM head) as one graph call;
-        ``layers`` are ``(attn, weight args)`` of layers whose FFN completes inside the graph; ``mtp`` see
+        ``layers`` are ``(attn, weights)`` of layers whose FFN completes inside the graph; ``mtp`` see
         ``mla_decode_stack``."""
         li = None if all_logits else batch.logits_index
-        mask = self.batch_inputs(batch, ids, cos, sin, *(() if mtp is None else mtp[:1]))
+        mask = self.batch_inputs(batch, ids, cos, sin, *(() if mtp is None else (mtp.prev_hidden,)))
         if li is not None and li.shape[0] > 1:
             torch._dynamo.mark_dynamic(li, 0)
-        per_layer = tuple((pool_views(pool, a.layer_idx), self.consts(a, batch), *args) for a, args in layers)
-        return self.stack(ids, embed_w, cos, sin, batch.out_slots, batch.kv_slots, mask, per_layer, *norm, lm_w, li,
-                          mtp)
+        per_layer = tuple(GraphLayer(pool_views(pool, a.layer_idx), self.consts(a, batch), w) for a, w in layers)
+        step = StepInputs(cos, sin, batch.out_slots, batch.kv_slots, mask)
+        return self.stack(ids, step, per_layer, head, li, mtp)
 
     def experts_in_graph(self, experts: torch.nn.Module, num_pairs: int, dtype: torch.dtype
                          ) -> tuple[torch.Tensor, torch.Tensor] | None:

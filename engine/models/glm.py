@@ -6,6 +6,7 @@ the explicit mapping table for those.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -15,7 +16,7 @@ from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kvcache.pool import KVPool
 from engine.layers.attention import MLA_ABSORB_MAX_Q, GQAAttention, MLAAttention
-from engine.layers.decode_graph import EAGER, DecodeGraphs, layer_post
+from engine.layers.decode_graph import EAGER, DecodeGraphs, HeadWeights, LayerWeights, MTPInput, PostWeights
 from engine.layers.mlp import MLP, MoE, finish_ffn
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryTable
@@ -37,7 +38,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.graphs: DecodeGraphs = EAGER
         """How decode / verify steps run the layer's token-wise parts (``GlmForCausalLM.compile_decode``)."""
-        self._frozen_args: dict[tuple, tuple] = {}
+        self._frozen_args: dict[tuple, LayerWeights] = {}
         """Compiled graphs' weight arguments, collected once (weights are frozen while compiled)."""
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
@@ -53,18 +54,18 @@ class DecoderLayer(nn.Module):
         g = self.graphs if absorb else EAGER
         cos, sin = rope.lookup(batch.positions, x.dtype)
         experts, experts_w = self._experts_in_graph(g, batch)
-        args = self._args(g, (batch.max_kv_len > cfg.index_topk, absorb), experts_w)
+        w = self._args(g, (batch.max_kv_len > cfg.index_topk, absorb), experts_w)
         if g.compiled and not pool.layout.is_fp8 and batch.uniform_q:
-            (x, h, y, routing), topk = g.run_layer(attn, x, cos, sin, batch, pool, topk, args)
+            (x, h, y, routing), topk = g.run_layer(attn, x, cos, sin, batch, pool, topk, w)
         else:
-            t = g.tokenwise(x, cos, sin, args[0])
+            t = g.tokenwise(x, cos, sin, w.pre, w.dims)
             o, topk = attn.attend(t, batch, pool, topk)
-            x, h, y, routing = g.after_attention(x, o, *args[1])
+            x, h, y, routing = g.after_attention(x, o, w.post)
         if routing is not None:
             x = x + finish_ffn(experts, h, y, routing)
         return x, topk
 
-    def graph_args(self, batch: ForwardBatch) -> tuple[tuple, tuple] | None:
+    def graph_args(self, batch: ForwardBatch) -> LayerWeights | None:
         """The weight arguments of this layer inside a whole-step graph (``GlmForCausalLM._stack_layers``),
         or None when its FFN cannot complete there (routed experts left to eager code)."""
         experts, experts_w = self._experts_in_graph(self.graphs, batch)
@@ -81,29 +82,30 @@ class DecoderLayer(nn.Module):
         pairs = batch.num_tokens * self.self_attn.cfg.num_experts_per_tok
         return experts, g.experts_in_graph(experts, pairs, self.post_attention_layernorm.weight.dtype)
 
-    def _args(self, g: DecodeGraphs, key: tuple[bool, bool], experts_w: tuple | None) -> tuple[tuple, tuple]:
-        """(``mla_tokenwise``'s, ``layer_post``'s) weight arguments. Compiled graphs take them collected once
-        (weights are frozen while compiled), except the routed experts' dense weights: an MX layer's come
-        from its DequantCache, which may drop and rebuild them."""
+    def _args(self, g: DecodeGraphs, key: tuple[bool, bool], experts_w: tuple | None) -> LayerWeights:
+        """The MLA token-wise functions' weights. Compiled graphs take them collected once (weights are frozen
+        while compiled), except the routed experts' dense weights: an MX layer's come from its DequantCache,
+        which may drop and rebuild them."""
         full = key + (experts_w is not None,)
-        args = self._frozen_args.get(full) if g.compiled else None
-        if args is None:
-            args = self._weight_args(*key, experts_w)
+        w = self._frozen_args.get(full) if g.compiled else None
+        if w is None:
+            w = self._weight_args(*key, experts_w)
             if g.compiled:
-                self._frozen_args[full] = args
-        f = args[1][-1]
+                self._frozen_args[full] = w
+        f = w.post.ffn
         if experts_w is not None and f.w13 is not experts_w[0]:
-            args = (args[0], args[1][:-1] + (f._replace(w13=experts_w[0], w2=experts_w[1]),))
+            w = replace(w, post=replace(w.post, ffn=f._replace(w13=experts_w[0], w2=experts_w[1])))
             if g.compiled:
-                self._frozen_args[full] = args
-        return args
+                self._frozen_args[full] = w
+        return w
 
-    def _weight_args(self, need_topk: bool, absorb: bool, experts_w: tuple | None) -> tuple[tuple, tuple]:
-        """The MLA token-wise functions' weight arguments: ``mla_tokenwise``'s and ``layer_post``'s."""
+    def _weight_args(self, need_topk: bool, absorb: bool, experts_w: tuple | None) -> LayerWeights:
+        """The MLA token-wise functions' weights: ``mla_tokenwise``'s and ``layer_post``'s."""
         attn, pln = self.self_attn, self.post_attention_layernorm
         w_uv = attn.w_kv()[:, attn.cfg.qk_nope_head_dim:].transpose(1, 2) if absorb else None
-        return (attn.tokenwise_args(self.input_layernorm, need_topk, absorb),
-                (w_uv, attn.o_proj.weight, attn.o_proj.bias, pln.weight, pln.eps, self.mlp.tokenwise_args(experts_w)))
+        post = PostWeights(w_uv=w_uv, o_w=attn.o_proj.weight, o_b=attn.o_proj.bias, ln_w=pln.weight, ln_eps=pln.eps,
+                           ffn=self.mlp.tokenwise_args(experts_w))
+        return LayerWeights(attn.tokenwise_weights(self.input_layernorm), attn.dims(need_topk, absorb), post)
 
 
 class MTPLayer(nn.Module):
@@ -177,11 +179,12 @@ class GlmForCausalLM(nn.Module):
         return ForwardResult(self.logits(sel), hidden)
 
     def _run_stack(self, layers: list, batch: ForwardBatch, pool: KVPool, norm: RMSNorm, all_logits: bool,
-                   mtp: tuple | None = None) -> ForwardResult:
+                   mtp: MTPInput | None = None) -> ForwardResult:
         cos, sin = self.rope().lookup(batch.positions, self.lm_head.weight.dtype)
+        head = HeadWeights(self.model.embed_tokens.weight, norm.weight, norm.eps, self.lm_head.weight)
         logits, hidden = layers[0][0].graphs.run_stack(
-            [(layer.self_attn, args) for layer, args in layers], batch, pool, batch.input_ids,
-            self.model.embed_tokens.weight, cos, sin, (norm.weight, norm.eps), self.lm_head.weight, all_logits, mtp)
+            [(layer.self_attn, w) for layer, w in layers], batch, pool, batch.input_ids, cos, sin, head, all_logits,
+            mtp)
         return ForwardResult(logits, hidden)
 
     def _stack_layers(self, layers: list, batch: ForwardBatch, pool: KVPool) -> list | None:
@@ -228,7 +231,7 @@ class GlmForCausalLM(nn.Module):
         if layers is not None:  # one compiled graph for the whole draft step
             if not prev_hidden.is_inference():  # callers stack hidden states outside inference mode: one
                 prev_hidden = prev_hidden.clone()  # kind of tensor, one graph (dispatch keys are guarded)
-            mtp = (prev_hidden, m.enorm.weight, m.enorm.eps, m.hnorm.weight, m.hnorm.eps, m.eh_proj.weight)
+            mtp = MTPInput(prev_hidden, m.enorm.weight, m.enorm.eps, m.hnorm.weight, m.hnorm.eps, m.eh_proj.weight)
             return self._run_stack(layers, batch, pool, m.shared_head_norm, all_logits, mtp)
         x, _ = m.block(self._mtp_input(m, batch, prev_hidden), batch, pool, self.rope(), None)
         if batch.on_layer_done is not None:
