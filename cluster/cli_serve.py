@@ -53,6 +53,12 @@ def register(sub) -> None:
     s.add_argument("--api-key", default=None, help="require 'authorization: Bearer KEY' on the public port (every "
                    "user sees it in ps: prefer --api-key-file or $PDSERVE_API_KEY)")
     flags.add_api_key_file_arg(s)
+    s.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve the router's gRPC and HTTP ports and the workers' gRPC ports over TLS with this "
+                        "certificate (the KV data plane stays HMAC-authenticated: see protos/tls.py)")
+    s.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    s.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="CA bundle for mutual TLS between the router and the workers (default: trust --tls-cert)")
     s.add_argument("--routing", default="cache_aware", choices=["cache_aware", "round_robin", "least_load", "random"])
     s.add_argument("--local-prefill-below", type=int, default=0,
                    help="prefill prompts shorter than this on the decode worker (0: always disaggregate)")
@@ -89,6 +95,8 @@ def register(sub) -> None:
     g.add_argument("--api-key", default=None, help="every user sees it in ps: prefer --api-key-file or "
                    "$PDSERVE_API_KEY")
     flags.add_api_key_file_arg(g)
+    g.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="dial the router over TLS, trusting this CA bundle (or its self-signed certificate)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--top-p", type=float, default=None)
@@ -124,7 +132,7 @@ def serve_config(args: argparse.Namespace):
         speculative=None if args.no_speculative else args.speculative, spec_fallback=not args.no_spec_fallback,
         decode_weights=args.decode_weights,
         compile_decode=args.compile,
-        api_key=api_key, routing=args.routing,
+        api_key=api_key, routing=args.routing, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         local_prefill_below=args.local_prefill_below, max_failovers=args.max_failovers,
         decode_stall_timeout_s=args.decode_stall_timeout, fault_injection=args.fault_injection, shm=not args.no_shm,
         stall_after_s=args.stall_after,
@@ -152,7 +160,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cluster.start()
         print(f"pdserve: listening on {cluster.router_address}", flush=True)
         if cluster.http_address:
-            print(f"pdserve: OpenAI-compatible HTTP on http://{cluster.http_address}/v1", flush=True)
+            scheme = "https" if cfg.tls_cert else "http"
+            print(f"pdserve: OpenAI-compatible HTTP on {scheme}://{cluster.http_address}/v1", flush=True)
         for ch in cluster.children:
             print(f"pdserve:   {ch.name:<10} pid {ch.pid:<7} {ch.address}  log {ch.log_path}", flush=True)
         rc = _watch(cluster)
@@ -202,7 +211,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
-    with GenerationClient(args.target, api_key=api_key) as client:
+    with GenerationClient(args.target, api_key=api_key, tls_ca=args.tls_ca) as client:
         try:
             for chunk in client.stream(args.prompt, ids, **kw):
                 out.add(chunk, t0)

@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from protos import logs, rpc
+from protos import logs, rpc, tls
 
 READY_PREFIX = "PDSERVE_READY"
 SHM_DIR = "/dev/shm"
@@ -115,6 +115,14 @@ class LocalClusterConfig:
     quantized is served as it is."""
     api_key: str | None = None
     """Require this bearer token on the router's public port."""
+    tls_cert: str | None = None
+    """PEM certificate: the router's gRPC and HTTP ports and every worker's gRPC port serve TLS
+    (``protos.tls``; the KV data plane stays HMAC-authenticated, see there why)."""
+    tls_key: str | None = None
+    """PEM private key of ``tls_cert``."""
+    tls_ca: str | None = None
+    """PEM CA bundle: mutual TLS between the router and the workers (default: the router trusts
+    ``tls_cert`` itself)."""
     routing: str = "cache_aware"
     """Router prefill policy."""
     local_prefill_below: int = 0
@@ -156,6 +164,7 @@ class LocalClusterConfig:
             raise ValueError(f"startup_timeout_s ({self.startup_timeout_s}), stall_after_s ({self.stall_after_s}) "
                              f"and stop_margin_s ({self.stop_margin_s}) must be > 0, grace_s ({self.grace_s}) >= 0")
         rpc.check_bind(self.host, self.api_key, "the router (give --api-key)")
+        tls.tls_config(self.tls_cert, self.tls_key, self.tls_ca)  # ValueError for a half-given pair or a bad file
 
     @property
     def stop_grace_s(self) -> float:
@@ -275,7 +284,7 @@ class LocalCluster:
         threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // (c.num_prefill + c.num_decode))
         cmd += ["--threads", str(threads), "--stall-after", str(c.stall_after_s), "--grace-s", repr(c.grace_s)]
         cmd += ["--metrics-port", "-1"]  # Prometheus /metrics on a free port, listed in GetClusterStatus
-        cmd += logs.log_args(c.log_level, c.log_format)
+        cmd += logs.log_args(c.log_level, c.log_format) + self._tls_args()
         if role == "prefill" and c.fault_injection:
             cmd += ["--fault-injection"]
         if role == "decode":
@@ -314,8 +323,13 @@ class LocalCluster:
                "--decode-stall-timeout-s", str(c.decode_stall_timeout_s),
                "--startup-timeout-s", str(c.startup_timeout_s), "--grace-s", repr(c.grace_s)]
         cmd += ["--served-model-name", c.served_model_name] if c.served_model_name else []
-        cmd += logs.log_args(c.log_level, c.log_format)
+        cmd += logs.log_args(c.log_level, c.log_format) + self._tls_args()
         return cmd + (["--fault-injection"] if c.fault_injection else [])
+
+    def _tls_args(self) -> list[str]:
+        c = self.cfg
+        return [a for flag, path in (("--tls-cert", c.tls_cert), ("--tls-key", c.tls_key), ("--tls-ca", c.tls_ca))
+                if path for a in (flag, os.path.abspath(path))]
 
     @staticmethod
     def _wait_ready(children: list[Child], timeout_s: float) -> None:

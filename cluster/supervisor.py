@@ -4,7 +4,7 @@ Lifecycle of one worker slot (``Supervisor.poll`` runs every half second from th
 
     RUNNING --exits--> DEAD: its shm segments are removed, its exit code and log tail are logged
     DEAD --backoff (backoff_s x 2^restarts, at most max_backoff_s)--> STARTING: the same command on the
-         same port (gRPC binds with SO_REUSEPORT), its log in NAME.restartN.log
+         same port (a dead listener leaves no TIME_WAIT), its log in NAME.restartN.log
     STARTING --ready line--> RUNNING: the router's health poll finds it on the address it knows and
          takes it back into rotation (requests that were on it failed over meanwhile)
     DEAD with max_restarts spent --> GAVE_UP: logged once; the router routes around it

@@ -216,7 +216,7 @@ async def amain(args: argparse.Namespace) -> None:
     sched.heartbeat = worker_main.Heartbeat(args.stall_after)
     sched.spec_fallback = not args.no_spec_fallback
     server = rpc.make_server(secret)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    port = worker_main.bind(server, args, "decode")
     address = f"{args.host}:{port}"
     info = worker_main.model_info(cfg, model_dir, args.page_size)
     info.update(dtype=plan.dtype.dtype, kv_pool_bytes=str(plan.pool.pool_bytes))

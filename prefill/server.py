@@ -210,7 +210,7 @@ async def amain(args: argparse.Namespace) -> None:
                                                         max_batch_tokens=max(args.chunk_size, args.max_batch_tokens),
                                                         max_queue=args.max_queue))
     server = rpc.make_server(secret)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    port = worker_main.bind(server, args, "prefill")
     address = f"{args.host}:{port}"
     info = worker_main.model_info(cfg, model_dir, args.page_size)
     info.update(dtype=plan.dtype.dtype, kv_pool_bytes=str(plan.pool.pool_bytes))

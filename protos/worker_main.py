@@ -93,6 +93,9 @@ def common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-after", type=float, default=60.0,
                    help="seconds a scheduler may go without finishing a step while it has work before the worker "
                         "reports itself unhealthy (the router then drains it)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve the worker's gRPC port over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, help="PEM CA bundle: require client certificates it signed (mutual TLS)")
     p.add_argument("--grace-s", type=float, default=30.0,
                    help="on SIGTERM: seconds the requests in flight get to finish (new ones go to other workers)")
     p.add_argument("--metrics-port", type=int, default=0,
@@ -112,6 +115,20 @@ def start_plan(args: argparse.Namespace, weights_dir: str, role: str):
                           pool_sizing(args.num_pages, args.kv_cache_memory, args.mem_fraction))
     except ValueError as e:
         raise SystemExit(f"pdserve {role} worker: error: {e}") from None
+
+
+def bind(server, args: argparse.Namespace, role: str) -> int:
+    """Bind the worker's gRPC port (TLS with --tls-cert/--tls-key, mutual with --tls-ca); a bad TLS flag
+    or a port that cannot be bound ends the process with one line."""
+    from protos import tls  # grpc: this module stays stdlib-only at import (the router's)
+    try:
+        port = tls.bind(server, f"{args.host}:{args.port}", tls.tls_config(args.tls_cert, args.tls_key, args.tls_ca),
+                        internal=True)
+    except ValueError as e:
+        raise SystemExit(f"pdserve {role} worker: error: {e}") from None
+    if port == 0:
+        raise SystemExit(f"pdserve {role} worker: error: cannot bind {args.host}:{args.port}")
+    return port
 
 
 def apply_threads(n: int) -> None:

@@ -80,12 +80,20 @@ class _Base:
         self.metadata = rpc.auth_metadata(api_key)
 
 
-class GenerationClient(_Base):
-    """Blocking client (one channel; thread-safe like any grpc channel)."""
+def _tls_credentials(tls_ca: str) -> grpc.ChannelCredentials:
+    with open(tls_ca, "rb") as f:
+        return grpc.ssl_channel_credentials(root_certificates=f.read())
 
-    def __init__(self, target: str, api_key: str | None = None, timeout_s: float | None = 600.0) -> None:
+
+class GenerationClient(_Base):
+    """Blocking client (one channel; thread-safe like any grpc channel). ``tls_ca``: dial over TLS, trusting
+    this PEM bundle (a router started with --tls-cert)."""
+
+    def __init__(self, target: str, api_key: str | None = None, timeout_s: float | None = 600.0,
+                 tls_ca: str | None = None) -> None:
         super().__init__(target, api_key, timeout_s)
-        self.channel = grpc.insecure_channel(target, options=rpc.CHANNEL_OPTIONS)
+        self.channel = grpc.insecure_channel(target, options=rpc.CHANNEL_OPTIONS) if tls_ca is None else \
+            grpc.secure_channel(target, _tls_credentials(tls_ca), options=rpc.CHANNEL_OPTIONS)
         self.gen = generation_pb2_grpc.GenerationStub(self.channel)
         self.admin = generation_pb2_grpc.AdminStub(self.channel)
 
@@ -117,9 +125,11 @@ class GenerationClient(_Base):
 class AsyncGenerationClient(_Base):
     """asyncio client; create and use it inside one running event loop."""
 
-    def __init__(self, target: str, api_key: str | None = None, timeout_s: float | None = 600.0) -> None:
+    def __init__(self, target: str, api_key: str | None = None, timeout_s: float | None = 600.0,
+                 tls_ca: str | None = None) -> None:
         super().__init__(target, api_key, timeout_s)
-        self.channel = grpc.aio.insecure_channel(target, options=rpc.CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(target, options=rpc.CHANNEL_OPTIONS) if tls_ca is None else \
+            grpc.aio.secure_channel(target, _tls_credentials(tls_ca), options=rpc.CHANNEL_OPTIONS)
         self.gen = generation_pb2_grpc.GenerationStub(self.channel)
         self.admin = generation_pb2_grpc.AdminStub(self.channel)
 

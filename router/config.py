@@ -5,6 +5,7 @@ import argparse
 from dataclasses import dataclass
 
 from cluster import flags
+from protos.tls import TLSConfig, tls_config
 
 ROUTING_POLICIES = ("cache_aware", "round_robin", "least_load", "random")
 DEFAULT_HTTP_PORT = flags.DEFAULT_HTTP_PORT
@@ -34,6 +35,14 @@ class RouterConfig:
     Default: --api-key-file, else $PDSERVE_API_KEY (this flag shows the key to every user in ps)."""
     cluster_secret: str | None = None
     """Secret for the internal worker plane (default: $PDSERVE_CLUSTER_SECRET)."""
+    tls_cert: str | None = None
+    """PEM certificate: the public gRPC and HTTP ports serve TLS, and workers are dialled over TLS
+    (``protos.tls``)."""
+    tls_key: str | None = None
+    """PEM private key of --tls-cert."""
+    tls_ca: str | None = None
+    """PEM CA bundle that signed the workers' certificates (and the router's client certificate for mutual
+    TLS on the internal plane); default: --tls-cert itself."""
     model: str | None = None
     """Model directory used only for its tokenizer.json (default: the workers' model_dir)."""
     routing: str = "cache_aware"
@@ -105,10 +114,15 @@ class RouterConfig:
                              f"{self.balance_abs_threshold} and {self.balance_rel_threshold}")
         if self.local_prefill_below < 0:
             raise ValueError(f"local_prefill_below must be >= 0, got {self.local_prefill_below}")
+        tls_config(self.tls_cert, self.tls_key, self.tls_ca)  # ValueError for a half-given pair or a bad file
         for addr in self.prefill + self.decode:
             host, _, port = addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"worker address must be host:port, got {addr!r}")
+
+    @property
+    def tls(self) -> TLSConfig | None:
+        return tls_config(self.tls_cert, self.tls_key, self.tls_ca)
 
 
 def add_config_args(p: argparse.ArgumentParser, cls=RouterConfig, skip: tuple[str, ...] = ()) -> None:

@@ -28,6 +28,7 @@ from importlib import metadata
 
 from aiohttp import web
 
+from protos.tls import TLSConfig
 from router.chat import ChatTemplate, ChatTemplateError
 from router.metrics import CONTENT_TYPE
 from router.openai_protocol import ApiError, Answer, OpenAIRequest, chat_messages, parse_chat, parse_completion
@@ -52,8 +53,10 @@ def _version() -> str:
 
 class OpenAIServer:
     def __init__(self, core, host: str, port: int, api_key: str | None, max_request_bytes: int,
-                 grace_s: float) -> None:
+                 grace_s: float, tls: TLSConfig | None = None) -> None:
         self.core, self.host = core, host
+        self._ssl = tls.http_context() if tls is not None else None
+        self.scheme = "https" if tls is not None else "http"
         self._bind_port = 0 if port == -1 else port
         self.port = 0
         self._token = api_key.encode() if api_key else None
@@ -75,7 +78,7 @@ class OpenAIServer:
 
     async def start(self) -> None:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self._bind_port)
+        site = web.TCPSite(self._runner, self.host, self._bind_port, ssl_context=self._ssl)
         try:
             await site.start()
         except OSError as e:
@@ -83,7 +86,7 @@ class OpenAIServer:
             raise OSError(e.errno, f"cannot bind the HTTP port {self.host}:{self._bind_port} ({e.strerror}): "
                           "--http-port 0 turns it off, -1 picks a free port") from None
         self.port = self._runner.addresses[0][1]
-        logger.info("OpenAI-compatible HTTP on http://%s/v1", self.address)
+        logger.info("OpenAI-compatible HTTP on %s://%s/v1", self.scheme, self.address)
 
     async def stop(self) -> None:
         """Refuse new connections, give in-flight requests the grace period, then cancel them."""

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 import grpc
 
-from protos import rpc
+from protos import rpc, tls
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from router.config import RouterConfig
 from router.policy import Candidate
@@ -116,7 +116,7 @@ class Registry:
         for role, addrs, stub_cls in (("prefill", self.cfg.prefill, worker_pb2_grpc.PrefillWorkerStub),
                                       ("decode", self.cfg.decode, worker_pb2_grpc.DecodeWorkerStub)):
             for addr in addrs:
-                ch = grpc.aio.insecure_channel(addr, options=WORKER_CHANNEL_OPTIONS)
+                ch = tls.channel(addr, self.cfg.tls, WORKER_CHANNEL_OPTIONS)
                 w = Worker(role, addr, ch, stub_cls(ch))
                 if w.key in self.workers:
                     raise ValueError(f"{role} worker {addr} listed twice")
@@ -160,7 +160,7 @@ class Registry:
                 logger.info("%s worker %s is back: no longer draining", role, address)
             return w
         stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-        ch = grpc.aio.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS)
+        ch = tls.channel(address, self.cfg.tls, WORKER_CHANNEL_OPTIONS)
         w = Worker(role, address, ch, stub_cls(ch))
         self.workers[key] = w
         self._first_poll[key] = asyncio.Event()

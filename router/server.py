@@ -21,7 +21,7 @@ from typing import AsyncIterator, Iterator
 import grpc
 from google.protobuf.message import DecodeError
 
-from protos import rpc
+from protos import rpc, tls
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -282,7 +282,7 @@ class RouterServer:
         add_generation_service(GenerationServicer(self.core), self.server)
         generation_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.core), self.server)
         self._health = rpc.add_health_and_reflection(self.server, PUBLIC_SERVICES)
-        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        self.port = tls.bind(self.server, f"{self.cfg.host}:{self.cfg.port}", self.cfg.tls)
         if self.port == 0:
             await self.core.registry.close()
             raise OSError(f"cannot bind {self.cfg.host}:{self.cfg.port}")
@@ -292,7 +292,7 @@ class RouterServer:
         await self.server.start()
         if self.cfg.http_port:
             self.http = OpenAIServer(self.core, self.cfg.host, self.cfg.http_port, self.cfg.api_key,
-                                     self.max_request_bytes, self.cfg.grace_s)
+                                     self.max_request_bytes, self.cfg.grace_s, self.cfg.tls)
             try:
                 await self.http.start()
             except OSError:
