@@ -174,7 +174,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for s in old:
             signal.signal(s, signal.SIG_IGN)
         if cluster is not None:
-            cluster.stop()
+            cluster.stop(keep_logs=rc != 0)
+            if rc != 0 and cluster.cfg.run_dir is None:
+                print(f"pdserve: logs kept in {cluster.run_dir}", file=sys.stderr, flush=True)
         print("pdserve: stopped", flush=True)
     return rc
 

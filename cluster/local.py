@@ -244,10 +244,12 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 class LocalCluster:
     def __init__(self, cfg: LocalClusterConfig) -> None:
         self.cfg = cfg
-        self.run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="pdserve-run-")
-        os.makedirs(self.run_dir, exist_ok=True)
         self.model = cfg.model or _default_model()
         self.decode_weights = resolve_decode_weights(self.model, cfg.decode_weights)
+        self.run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="pdserve-run-")
+        """Logs; a temporary one (no ``run_dir`` given) is removed by a clean ``stop``."""
+        self._temp_run_dir = cfg.run_dir is None
+        os.makedirs(self.run_dir, exist_ok=True)
         """The checkpoint decode workers load (None: ``self.model``)."""
         self.secret = rpc.cluster_secret() or secrets.token_hex(16)
         # the API key is the router's alone (workers never see it); like the secret, never in argv
@@ -309,7 +311,7 @@ class LocalCluster:
             self.router = Child("router", self._router_cmd(), router_env, os.path.join(self.run_dir, "router.log"))
             self._wait_ready([self.router], c.startup_timeout_s)
         except BaseException:
-            self.stop()
+            self.stop(keep_logs=True)  # the error names a log in run_dir
             raise
 
     def _router_cmd(self) -> list[str]:
@@ -363,8 +365,9 @@ class LocalCluster:
             ch.clean_up_after_exit()
         return dead
 
-    def stop(self) -> None:
-        """SIGTERM the router, then the workers; SIGKILL whatever outlives the grace period. Idempotent."""
+    def stop(self, keep_logs: bool = False) -> None:
+        """SIGTERM the router, then the workers; SIGKILL whatever outlives the grace period; remove a
+        temporary run directory unless ``keep_logs``. Idempotent."""
         if self.router is not None:
             self.router.terminate()
             _wait_all([self.router], self.cfg.stop_grace_s)
@@ -379,13 +382,15 @@ class LocalCluster:
                 ch.proc.wait(5)
             ch.clean_up_after_exit()
             ch.close()
+        if self._temp_run_dir and not keep_logs:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.stop(keep_logs=exc_type is not None)
 
 
 def _wait_all(children: list[Child], timeout_s: float) -> None:
@@ -395,6 +400,19 @@ def _wait_all(children: list[Child], timeout_s: float) -> None:
             ch.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+
+
+MX_BLOCK_SIZE = 32
+"""Elements per MX scale block along a weight's last (input) dimension (OCP MX v1.0, section 5)."""
+
+
+def mx_unfit(cfg) -> str:
+    """Why the routed experts of ``cfg`` (an ``engine.config.ModelConfig``) cannot be MX-quantized, or "":
+    gate/up ([moe_intermediate, hidden]) block along hidden_size, down ([hidden, moe_intermediate]) along
+    moe_intermediate_size."""
+    bad = [f"{name} {getattr(cfg, name)}" for name in ("hidden_size", "moe_intermediate_size")
+           if getattr(cfg, name) % MX_BLOCK_SIZE]
+    return f"{' and '.join(bad)} not a multiple of the MX block size {MX_BLOCK_SIZE}" if bad else ""
 
 
 def resolve_decode_weights(model_dir: str, spec: str) -> str | None:
@@ -418,6 +436,12 @@ def resolve_decode_weights(model_dir: str, spec: str) -> str | None:
         return spec
     if QuarkConfig.for_model_dir(model_dir) is not None:
         return None  # already quantized: serve it as it is
+    from engine.config import ModelConfig
+    why = mx_unfit(ModelConfig.from_model_dir(model_dir))
+    if why:
+        logger.warning("decode weights: %s cannot be quantized to %s (%s): decode workers run the model's own "
+                       "weights (--decode-weights model)", model_dir, spec, why)
+        return None
     from engine.defaults import PDSERVE_HOME
     from engine.loader import model_hash
     out = os.path.join(PDSERVE_HOME, "quantized", f"{model_hash(model_dir)}-{spec}")
