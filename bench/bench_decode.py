@@ -30,7 +30,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import transformers
     from engine.defaults import default_model_dir
-    from engine.runtime import Engine, load_model
+    from engine.load import load_model
+    from engine.offline import Engine
     from engine.sampling import SamplingParams
 
     model_dir = args.model or default_model_dir()

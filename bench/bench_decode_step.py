@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 
 def engine_steps(model, cfg, batch: int):
-    from engine.runtime import Engine, Seq
+    from engine.offline import Engine, Seq
     from engine.sampling import SamplerState, SamplingParams
     prompts = torch.randint(2, cfg.vocab_size, (batch, 256), generator=torch.Generator().manual_seed(0)).tolist()
     eng = Engine(model, cfg, page_size=16, num_pages=batch * 40 + 8)
@@ -73,7 +73,7 @@ def main() -> None:
         tuned = False
     torch.set_num_threads(args.threads)
     from engine.defaults import default_model_dir
-    from engine.runtime import load_model
+    from engine.load import load_model
     model, cfg = load_model(args.model or default_model_dir(), "float32", "cpu")
     if args.compile:
         model.compile_decode()

@@ -39,7 +39,7 @@ def main() -> None:
     from engine.batch import BatchRequest, ForwardBatch
     from engine.checkpoint import init_random_model
     from engine.kvcache import KVLayout, KVPool
-    from engine.runtime import load_model
+    from engine.load import load_model
 
     dtype = getattr(torch, args.dtype)
     print(f"{'model':>12} | {'tokens':>6} | {'engine tok/s':>12} | {'transformers tok/s':>18} | ratio")

@@ -23,7 +23,7 @@ import torch
 
 from engine.checkpoint import TINY_GLM5
 from engine.config import ModelConfig
-from engine.moe import tuning
+from engine.moe import tune, tuned_table
 from engine.moe.experts import RoutedExperts
 from engine.moe.mx_experts import MX_MOE_IMPLS, DequantCache, MXRoutedExperts
 from engine.quant.mx import MXSpec, get_mx_format
@@ -41,7 +41,7 @@ def dense_twin(mx: MXRoutedExperts, dtype: torch.dtype) -> RoutedExperts:
     return dense
 
 
-def bench_shape(name: str, shape: tuning.MoEShape, token_counts: list[int], dtype: torch.dtype,
+def bench_shape(name: str, shape: tuned_table.MoEShape, token_counts: list[int], dtype: torch.dtype,
                 device: torch.device) -> list[dict]:
     mx = MXRoutedExperts.random(shape, MXSpec(get_mx_format(shape.dtype)), device=device,
                                 cache=DequantCache(DequantCache.default_budget(device)))
@@ -50,16 +50,16 @@ def bench_shape(name: str, shape: tuning.MoEShape, token_counts: list[int], dtyp
     rows = []
     for t in token_counts:
         x = torch.randn(t, shape.hidden, generator=torch.Generator().manual_seed(t)).to(device, dtype)
-        routing = tuning.random_routing(t, shape.num_experts, shape.topk, device, seed=t)
+        routing = tune.random_routing(t, shape.num_experts, shape.topk, device, seed=t)
         with torch.inference_mode():
-            t_dense = tuning.best_time_s(lambda: dense(x, routing))
-            t_tuned = tuning.best_time_s(lambda: mx(x, routing))
+            t_dense = tune.best_time_s(lambda: dense(x, routing))
+            t_tuned = tune.best_time_s(lambda: mx(x, routing))
             tuned = mx.last_impl
-            fallback = tuning.fallback_impl(t * shape.topk)
+            fallback = tuned_table.fallback_impl(t * shape.topk)
             if not mx.can_run(fallback, dtype, t):
                 fallback = "mx_sorted"
-            t_fb = t_tuned if fallback == tuned else tuning.best_time_s(lambda: MX_MOE_IMPLS[fallback](mx, x, routing))
-        rows.append({"shape": name, "key": shape.key(tuning.device_name(device)), "tokens": t,
+            t_fb = t_tuned if fallback == tuned else tune.best_time_s(lambda: MX_MOE_IMPLS[fallback](mx, x, routing))
+        rows.append({"shape": name, "key": shape.key(tuned_table.device_name(device)), "tokens": t,
                      "dense_ms": t_dense * 1e3, "dense_impl": dense.last_impl, "mx_tuned_ms": t_tuned * 1e3,
                      "tuned_impl": tuned, "table": mx._table is not None, "fallback_ms": t_fb * 1e3,
                      "fallback_impl": fallback, "mx_vs_dense": t_tuned / t_dense, "tuned_vs_fallback": t_tuned / t_fb,
@@ -84,11 +84,11 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     tokens = [int(t) for t in args.tokens.split(",")]
-    print(f"device {tuning.device_name(device)}, torch threads {torch.get_num_threads()}, compute dtype "
+    print(f"device {tuned_table.device_name(device)}, torch threads {torch.get_num_threads()}, compute dtype "
           f"{str(dtype).removeprefix('torch.')}, weights {args.format}")
     rows = []
     for name in args.shapes:
-        shape = tuning.parse_shape(name, args.format)
+        shape = tuned_table.parse_shape(name, args.format)
         rows += bench_shape(name, shape, tokens, dtype, device)
     if args.json:
         print(json.dumps(rows))

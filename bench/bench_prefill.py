@@ -69,7 +69,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from engine.defaults import default_model_dir
     from engine.kvcache import KVLayout, KVPool
-    from engine.runtime import load_model
+    from engine.load import load_model
     from engine.sampling import SamplingParams
     from prefill.scheduler import PrefillConfig, PrefillScheduler, PrefillTask
 

@@ -60,9 +60,10 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
 
     from engine.defaults import default_model_dir
-    from engine.runtime import Engine, load_model
+    from engine.load import load_model
+    from engine.offline import Engine
     from engine.sampling import SamplingParams
-    from engine.spec import SpecConfig, SpecEngine
+    from engine.speculative import SpecConfig, SpecEngine
 
     model_dir = args.model or default_model_dir()
     model, cfg = load_model(model_dir, args.dtype, "cpu")

@@ -18,7 +18,7 @@ tokenized and cut to ``context_factor x index_topk`` tokens, so every decode ste
   ``WorkerStatus.spec`` counters over the long requests (whose first round after the KV transfer has no
   draft yet).
 
-Speedup = spec-on tok/s / spec-off tok/s of the same path. Per-position rates: ``engine.spec.metrics``
+Speedup = spec-on tok/s / spec-off tok/s of the same path. Per-position rates: ``engine.speculative.metrics``
 (the depth-d draft accepted, given verification tried depth d). Greedy, EOS ignored; each path's tokens
 are compared with the in-process plain ones. Prints a table and writes JSON (``--out``, default
 ``$PDSERVE_HOME/bench/spec_dsa.json``), with the machine's load average before and after.
@@ -36,9 +36,10 @@ import torch
 from bench.bench_spec import best_time
 from bench.serve_proc import serve
 from engine.defaults import PDSERVE_HOME, SHIPPED_DEFAULT, tune_malloc
-from engine.runtime import Engine, load_model
+from engine.load import load_model
+from engine.offline import Engine
 from engine.sampling import SamplingParams
-from engine.spec import SpecConfig, SpecEngine
+from engine.speculative import SpecConfig, SpecEngine
 from engine.tokenizer import Tokenizer
 from router.client import GenerationClient
 

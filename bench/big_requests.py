@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.flags import add_api_key_file_arg
+from common.flags import add_api_key_file_arg
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2
 from router.client import GenerationClient, make_request

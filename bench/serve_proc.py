@@ -47,7 +47,7 @@ def _serve(flags: list[str], start_timeout_s: float, http: bool) -> Iterator[Ser
     with tempfile.TemporaryDirectory() as d:
         out_path = os.path.join(d, "serve.out")
         with open(out_path, "wb") as log:
-            p = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", "0", "--http-port",
+            p = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", "0", "--http-port",
                                   "-1" if http else "0", "--run-dir", os.path.join(d, "run"), *flags],
                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

@@ -27,7 +27,7 @@ import grpc
 from bench.chaos import Chaos
 from bench.loadgen.config import BenchConfig, Slo
 from bench.loadgen.sweep import report, run_sweep_async
-from cluster.flags import add_api_key_file_arg
+from common.flags import add_api_key_file_arg
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 

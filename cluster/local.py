@@ -25,7 +25,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from protos import logs, rpc, tls
+from common import logs
+from protos import rpc, tls
+from common.env import API_KEY, CLUSTER_SECRET
+from common.net import check_bind
 
 READY_PREFIX = "PDSERVE_READY"
 SHM_DIR = "/dev/shm"
@@ -163,7 +166,7 @@ class LocalClusterConfig:
         if self.startup_timeout_s <= 0 or self.stall_after_s <= 0 or self.grace_s < 0 or self.stop_margin_s <= 0:
             raise ValueError(f"startup_timeout_s ({self.startup_timeout_s}), stall_after_s ({self.stall_after_s}) "
                              f"and stop_margin_s ({self.stop_margin_s}) must be > 0, grace_s ({self.grace_s}) >= 0")
-        rpc.check_bind(self.host, self.api_key, "the router (give --api-key)")
+        check_bind(self.host, self.api_key, "the router (give --api-key)")
         tls.tls_config(self.tls_cert, self.tls_key, self.tls_ca)  # ValueError for a half-given pair or a bad file
 
     @property
@@ -253,8 +256,8 @@ class LocalCluster:
         """The checkpoint decode workers load (None: ``self.model``)."""
         self.secret = rpc.cluster_secret() or secrets.token_hex(16)
         # the API key is the router's alone (workers never see it); like the secret, never in argv
-        self.env = {k: v for k, v in os.environ.items() if k != rpc.API_KEY_ENV}
-        self.env.update({rpc.SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1"})
+        self.env = {k: v for k, v in os.environ.items() if k != API_KEY}
+        self.env.update({CLUSTER_SECRET: self.secret, "PYTHONUNBUFFERED": "1"})
         self.workers: list[Child] = []
         self.router: Child | None = None
 
@@ -307,7 +310,7 @@ class LocalCluster:
                     self.workers.append(Child(name, self._worker_cmd(role, i), self.env,
                                               os.path.join(self.run_dir, f"{name}.log")))
             self._wait_ready(self.workers, c.startup_timeout_s)
-            router_env = {**self.env, **({rpc.API_KEY_ENV: c.api_key} if c.api_key else {})}
+            router_env = {**self.env, **({API_KEY: c.api_key} if c.api_key else {})}
             self.router = Child("router", self._router_cmd(), router_env, os.path.join(self.run_dir, "router.log"))
             self._wait_ready([self.router], c.startup_timeout_s)
         except BaseException:

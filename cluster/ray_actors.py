@@ -30,7 +30,7 @@ import time
 import ray
 
 from cluster.local import Child, ClusterStartError
-from protos import rpc
+from common.env import API_KEY, CLUSTER_SECRET
 from router.discovery import ensure_private_dir
 
 logger = logging.getLogger(__name__)
@@ -54,8 +54,8 @@ class ServerProcess:
         ensure_private_dir(log_dir)  # beside the worker list, which says where the secret may be sent
         log_path = os.path.join(log_dir, f"{name}.{os.getpid()}.log")
         # secrets through the environment, never argv (ps shows argv to every user); the API key to the router only
-        env = {k: v for k, v in os.environ.items() if k != rpc.API_KEY_ENV}
-        env.update({rpc.SECRET_ENV: secret, "PYTHONUNBUFFERED": "1", **({rpc.API_KEY_ENV: api_key} if api_key else {})})
+        env = {k: v for k, v in os.environ.items() if k != API_KEY}
+        env.update({CLUSTER_SECRET: secret, "PYTHONUNBUFFERED": "1", **({API_KEY: api_key} if api_key else {})})
         self.child = Child(name, cmd, env, log_path)
         self.started_s = time.time()
         try:

@@ -29,7 +29,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from cluster.flags import DEFAULT_HTTP_PORT
+from common.flags import DEFAULT_HTTP_PORT
 from cluster.local import ClusterStartError
 from cluster.ray_placement import PLACEMENTS, PlacementError, demands_for
 
@@ -138,8 +138,8 @@ class RayLaunchConfig:
         if self.max_failovers < 0:
             raise ValueError(f"max_failovers must be >= 0, got {self.max_failovers}")
         self.bundle  # validates the JSON
-        from protos import rpc
-        rpc.check_bind(self.host, self.api_key, "the router (give --api-key)")
+        from common.net import check_bind
+        check_bind(self.host, self.api_key, "the router (give --api-key)")
 
     @property
     def bundle(self) -> dict[str, float]:

@@ -38,8 +38,8 @@ from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
-from engine.spec.prefill import PrefillChunk, prefill_forward
-from protos.worker_main import Heartbeat
+from engine.speculative.prefill import PrefillChunk, prefill_forward
+from worker.heartbeat import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class DecodeTask:
     spec_off: bool = False
     """Speculation stopped paying for this request (see ``DecodeScheduler.spec_fallback``): plain steps."""
     draft_hidden: torch.Tensor | None = None
-    """``[H]`` the MTP draft state shipped with the KV (``engine.spec.seq.SpecSeq.draft_hidden``): the first
+    """``[H]`` the MTP draft state shipped with the KV (``engine.speculative.seq.SpecSeq.draft_hidden``): the first
     round speculates. None: it verifies the last token alone and its draft extend creates the state."""
 
     def __post_init__(self) -> None:

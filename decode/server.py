@@ -22,13 +22,16 @@ from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
 from engine.kvcache import PoolExhausted
 from engine.loader import model_hash
 from engine.quant.prepare import expert_status, quantized_experts
-from engine.runtime import load_model
+from engine.load import load_model
 from engine.tokenizer import Tokenizer
 from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, ShmKVPool, TransferError
 from kvtransfer.config import add_transport_args, receiver_mooncake_protocol
-from protos import logs, rpc, worker_main
-from protos.worker_metrics import serve_metrics
-from protos.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
+from common import logs
+from protos import rpc
+from common.net import check_bind
+from worker import heartbeat, process
+from worker.metrics import serve_metrics
+from worker.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger("decode.server")
@@ -41,7 +44,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.sched, self.receiver, self.cfg = sched, receiver, cfg
         self.info, self.worker_id, self.address, self.mhash = info, worker_id, address, mhash
         self.speculator = speculator
-        """``engine.spec.worker.MTPSpeculator`` when this worker speculates: its stats go in ``WorkerStatus.spec``."""
+        """``engine.speculative.worker.MTPSpeculator`` when this worker speculates: its stats go in ``WorkerStatus.spec``."""
         self.loop = asyncio.get_running_loop()
 
     async def Reserve(self, request, context):
@@ -148,7 +151,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
 
     def counters(self) -> dict[str, tuple[float, str]]:
-        """Monotonic totals for /metrics (``protos.worker_metrics``)."""
+        """Monotonic totals for /metrics (``worker.metrics``)."""
         s = self.sched
         return {"generation_tokens": (s.tokens_out, "Tokens decoded (the first token of a request comes from "
                                       "its prefill)"),
@@ -188,14 +191,14 @@ def stop_checker(tok: Tokenizer | None):
 
 async def amain(args: argparse.Namespace) -> None:
     from engine.defaults import default_model_dir
-    worker_main.apply_threads(args.threads)
+    process.apply_threads(args.threads)
     model_dir = args.model or default_model_dir()
     secret = rpc.cluster_secret(args.cluster_secret)
-    rpc.check_bind(args.host, secret, "decode worker")
+    check_bind(args.host, secret, "decode worker")
     mhash = model_hash(model_dir)
     if args.expect_model_hash and args.expect_model_hash != mhash:
         raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {args.expect_model_hash}")
-    plan = worker_main.start_plan(args, args.quantized_model or model_dir, "decode")
+    plan = process.start_plan(args, args.quantized_model or model_dir, "decode")
     model, cfg = load_model(args.quantized_model or model_dir, plan.dtype.dtype, args.device)
     pool = _make_pool(plan.layout, plan.pool.num_pages, args.shm)
     spec = build_speculator(args, model, cfg, pool)
@@ -206,21 +209,21 @@ async def amain(args: argparse.Namespace) -> None:
                                                   mooncake_protocol=receiver_mooncake_protocol(args)))
     await receiver.start()
     if args.compile:
-        from engine.runtime import warm_up_decode
+        from engine.warmup import warm_up_decode
         model.compile_decode()
         took = warm_up_decode(model, cfg, plan.kv_dtype, args.page_size,
                               args.speculative if spec is not None else None)
         logger.info("decode graphs compiled and warmed up in %.1fs", took)
     sched = DecodeScheduler(model, pool, cfg.eos_token_ids, max_running=args.max_running,
                             stop_checker=stop_checker(Tokenizer.from_model_dir(model_dir)), spec=spec)
-    sched.heartbeat = worker_main.Heartbeat(args.stall_after)
+    sched.heartbeat = heartbeat.Heartbeat(args.stall_after)
     sched.spec_fallback = not args.no_spec_fallback
     server = rpc.make_server(secret)
-    port = worker_main.bind(server, args, "decode")
+    port = process.bind(server, args, "decode")
     address = f"{args.host}:{port}"
-    info = worker_main.model_info(cfg, model_dir, args.page_size)
+    info = process.model_info(cfg, model_dir, args.page_size)
     info.update(dtype=plan.dtype.dtype, kv_pool_bytes=str(plan.pool.pool_bytes))
-    info["gc_frozen_objects"] = str(worker_main.freeze_startup_heap())  # everything is loaded: full collections skip it
+    info["gc_frozen_objects"] = str(process.freeze_startup_heap())  # everything is loaded: full collections skip it
     info["speculative"] = args.speculative if spec is not None else "off"
     info["local_prefill"] = "1"
     info["decode_graphs"] = "compiled" if args.compile else "eager"
@@ -243,7 +246,7 @@ async def amain(args: argparse.Namespace) -> None:
     async def on_stop():
         sched.stop()
         await receiver.stop(grace_s=2.0)
-    await worker_main.serve_until_signal(server, on_stop, args.grace_s, servicer.status, info)
+    await process.serve_until_signal(server, on_stop, args.grace_s, servicer.status, info)
 
 
 def _make_pool(layout, num_pages: int, shm: bool):
@@ -267,7 +270,7 @@ def build_speculator(args, model, cfg, pool):
         logger.warning("model has no MTP layer: running without speculative decoding")
         return None
     try:
-        from engine.spec.worker import make_speculator
+        from engine.speculative.worker import make_speculator
     except ImportError:
         logger.warning("speculative decoding is not available in this build: running without it")
         return None
@@ -276,7 +279,7 @@ def build_speculator(args, model, cfg, pool):
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser("pdserve decode worker")
-    worker_main.common_args(p)
+    process.common_args(p)
     p.add_argument("--kv-port", type=int, default=0)
     add_transport_args(p)
     p.add_argument("--speculative", default="5/1/6", help="STEPS/TOPK/DRAFT_TOKENS, or 'off'")
@@ -291,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shm", action="store_true", help="put the KV pool in shared memory (same-host transfers)")
     args = p.parse_args(argv)
     logs.setup_logging(args.log_level, args.log_format)
-    worker_main.run(amain(args))
+    process.run(amain(args))
 
 
 if __name__ == "__main__":

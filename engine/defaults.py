@@ -1,4 +1,4 @@
-"""Where the default model lives, and environment variables (read here and nowhere else)."""
+"""Where the default model lives, and process-wide CPU settings (the environment is read by ``common.env``)."""
 from __future__ import annotations
 
 import ctypes
@@ -6,9 +6,11 @@ import logging
 import os
 import sys
 
+from common import env
+
 logger = logging.getLogger(__name__)
 
-PDSERVE_HOME = os.environ.get("PDSERVE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "pdserve"))
+PDSERVE_HOME = env.pdserve_home()
 """Scratch space for generated models and benchmark output."""
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED_DEFAULT = os.path.join(REPO_ROOT, "models", "glm5-tiny")
@@ -45,7 +47,7 @@ def tune_malloc() -> bool:
     global _malloc_tuned
     if _malloc_tuned:
         return True
-    if os.environ.get("PDSERVE_TUNE_MALLOC", "1") == "0" or not sys.platform.startswith("linux"):
+    if not env.tune_malloc() or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None)

@@ -1,17 +1,16 @@
 """Configuration of the KV data plane (receiver on decode workers, sender on prefill workers).
 
-This is the one module of ``kvtransfer`` that reads environment variables:
-``PDSERVE_CLUSTER_SECRET`` is the default of both configs' ``cluster_secret``.
+``PDSERVE_CLUSTER_SECRET`` (read by ``common.env``) is the default of both configs' ``cluster_secret``.
 """
 from __future__ import annotations
 
 import argparse
 import enum
-import ipaddress
-import os
 from dataclasses import dataclass, field
 
-SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+from common import env
+from common.net import is_loopback
+
 MIN_SECRET_BYTES = 16
 MIB = 1 << 20
 
@@ -58,18 +57,8 @@ class ChecksumKind(enum.Enum):
 
 def secret_from_env() -> bytes | None:
     """``PDSERVE_CLUSTER_SECRET`` as bytes, or None when unset or empty."""
-    value = os.environ.get(SECRET_ENV, "")
+    value = env.cluster_secret()
     return value.encode() if value else None
-
-
-def is_loopback(host: str) -> bool:
-    """True only for addresses that cannot be reached from another machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a hostname may resolve anywhere: treat it as reachable
 
 
 def _check_secret(secret: bytes | None) -> None:
@@ -90,7 +79,7 @@ DRAFT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 @dataclass(frozen=True, slots=True)
 class DraftLayout:
     """The speculative draft state a decode worker asks prefill to ship with a request's KV (MTP): the MTP
-    layer's normed output at the prompt's last pair (``engine.spec.seq.SpecSeq.draft_hidden``), so the first
+    layer's normed output at the prompt's last pair (``engine.speculative.seq.SpecSeq.draft_hidden``), so the first
     decode round after the transfer already speculates. It travels in FINISH, checksummed like a payload;
     a FINISH without it (a prefill worker that has no MTP layer, or an older one) fails the transfer."""
 
@@ -174,7 +163,7 @@ class KVReceiverConfig:
         _check_secret(self.cluster_secret)
         if not self.cluster_secret and not is_loopback(self.host):
             raise ValueError(f"refusing to bind the KV data plane to {self.host!r} without a cluster secret: "
-                             f"set {SECRET_ENV} or cluster_secret, or bind to 127.0.0.1")
+                             f"set {env.CLUSTER_SECRET} or cluster_secret, or bind to 127.0.0.1")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         _check_positive(self, "ticket_ttl_s", "stall_timeout_s", "claim_timeout_s", "handshake_timeout_s",

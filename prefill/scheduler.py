@@ -35,8 +35,8 @@ import torch
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
-from engine.spec.prefill import PrefillChunk, prefill_forward
-from protos.worker_main import Heartbeat
+from engine.speculative.prefill import PrefillChunk, prefill_forward
+from worker.heartbeat import Heartbeat
 from prefill.radix import Match, RadixCache
 from prefill.sink import KVSink, LocalSink, TransferFailed
 

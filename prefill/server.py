@@ -18,15 +18,18 @@ import msgpack
 
 from engine.kvcache import KVPool, PoolExhausted
 from engine.loader import model_hash
-from engine.runtime import load_model
+from engine.load import load_model
 from kvtransfer import KVSender, KVSenderConfig, TransferTicket, TransportKind
 from kvtransfer.config import add_transport_args
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
 from prefill.sink import LocalSink, TransferFailed
 from prefill.transfer import TransferSink
-from protos import logs, rpc, worker_main
-from protos.worker_metrics import serve_metrics
-from protos.convert import sampling_from_proto
+from common import logs
+from protos import rpc
+from common.net import check_bind
+from worker import heartbeat, process
+from worker.metrics import serve_metrics
+from worker.convert import sampling_from_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger("prefill.server")
@@ -125,7 +128,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                          **({"unhealthy": problem} if problem else {})})
 
     def counters(self) -> dict[str, tuple[float, str]]:
-        """Monotonic totals for /metrics (``protos.worker_metrics``)."""
+        """Monotonic totals for /metrics (``worker.metrics``)."""
         c = self.sched.cache
         return {"prefix_cache_queries": (c.query_tokens, "Prompt tokens looked up in the prefix cache"),
                 "prefix_cache_hits": (c.hit_tokens, "Prompt tokens found in the prefix cache"),
@@ -193,14 +196,14 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 async def amain(args: argparse.Namespace) -> None:
     from engine.defaults import default_model_dir
-    worker_main.apply_threads(args.threads)
+    process.apply_threads(args.threads)
     model_dir = args.model or default_model_dir()
     secret = rpc.cluster_secret(args.cluster_secret)
-    rpc.check_bind(args.host, secret, "prefill worker")
+    check_bind(args.host, secret, "prefill worker")
     mhash = model_hash(model_dir)
     if args.expect_model_hash and args.expect_model_hash != mhash:
         raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {args.expect_model_hash}")
-    plan = worker_main.start_plan(args, model_dir, "prefill")
+    plan = process.start_plan(args, model_dir, "prefill")
     model, cfg = load_model(model_dir, plan.dtype.dtype, args.device)
     pool = KVPool(plan.layout, plan.pool.num_pages, model.lm_head.weight.device)
     sender = KVSender(pool, KVSenderConfig(cluster_secret=secret.encode() if secret else None,
@@ -210,15 +213,15 @@ async def amain(args: argparse.Namespace) -> None:
                                                         max_batch_tokens=max(args.chunk_size, args.max_batch_tokens),
                                                         max_queue=args.max_queue))
     server = rpc.make_server(secret)
-    port = worker_main.bind(server, args, "prefill")
+    port = process.bind(server, args, "prefill")
     address = f"{args.host}:{port}"
-    info = worker_main.model_info(cfg, model_dir, args.page_size)
+    info = process.model_info(cfg, model_dir, args.page_size)
     info.update(dtype=plan.dtype.dtype, kv_pool_bytes=str(plan.pool.pool_bytes))
-    info["gc_frozen_objects"] = str(worker_main.freeze_startup_heap())  # everything is loaded: full collections skip it
+    info["gc_frozen_objects"] = str(process.freeze_startup_heap())  # everything is loaded: full collections skip it
     servicer = PrefillServicer(sched, sender, cfg, info,
                                args.worker_id or f"prefill-{port}", address, mhash, args.fault_injection)
     sched.cache.on_event = servicer.publish
-    sched.heartbeat = worker_main.Heartbeat(args.stall_after)
+    sched.heartbeat = heartbeat.Heartbeat(args.stall_after)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])
     sched.start()
@@ -233,12 +236,12 @@ async def amain(args: argparse.Namespace) -> None:
     async def on_stop():
         sched.stop()
         sender.close(grace_s=2.0)
-    await worker_main.serve_until_signal(server, on_stop, args.grace_s, servicer.status, info)
+    await process.serve_until_signal(server, on_stop, args.grace_s, servicer.status, info)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser("pdserve prefill worker")
-    worker_main.common_args(p)
+    process.common_args(p)
     add_transport_args(p)
     p.add_argument("--chunk-size", type=int, default=2048)
     p.add_argument("--max-batch-tokens", type=int, default=4096)
@@ -247,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="accept InjectFault calls (resilience benchmarks: pdserve bench --fault drop-kv@S)")
     args = p.parse_args(argv)
     logs.setup_logging(args.log_level, args.log_format)
-    worker_main.run(amain(args))
+    process.run(amain(args))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Generate the Python gRPC code from ``protos/pdserve/v1/*.proto`` (``python -m protos.build``).
 
-The generated modules live beside the .proto files and are committed; ``tests/test_protos.py``
+The generated modules live beside the .proto files and are committed; ``tests/protos/test_build.py``
 regenerates them into a temporary folder and fails if the committed ones are stale. Imports between
 generated modules are rewritten to the installed package path (``protos.pdserve.v1``).
 """

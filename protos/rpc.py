@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import hmac
-import ipaddress
 import logging
 import os
 from typing import Iterable
@@ -19,13 +18,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common import env
+
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Largest gRPC message any pdserve service accepts or sends (a 1M-token prompt as ids is ~5 MB)."""
-SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
-API_KEY_ENV = "PDSERVE_API_KEY"
-"""The router's public API key (read by the router and every client command when no flag gives one)."""
 
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -36,7 +34,7 @@ CHANNEL_OPTIONS = SERVER_OPTIONS[:2] + [("grpc.keepalive_time_ms", 10_000), ("gr
 
 
 def cluster_secret(explicit: str | None = None) -> str | None:
-    return explicit or os.environ.get(SECRET_ENV) or None
+    return explicit or env.cluster_secret()
 
 
 def api_key(explicit: str | None = None, path: str | None = None) -> str | None:
@@ -48,7 +46,7 @@ def api_key(explicit: str | None = None, path: str | None = None) -> str | None:
         raise ValueError("give --api-key or --api-key-file, not both")
     if explicit:
         logger.warning("--api-key is visible to every user of this machine (ps, /proc/PID/cmdline): "
-                       "prefer $%s or --api-key-file", API_KEY_ENV)
+                       "prefer $%s or --api-key-file", env.API_KEY)
         return explicit
     if path:
         with open(path) as f:
@@ -58,28 +56,12 @@ def api_key(explicit: str | None = None, path: str | None = None) -> str | None:
         if os.stat(path).st_mode & 0o077:
             logger.warning("API key file %s is readable by other users: chmod 600 it", path)
         return key
-    return os.environ.get(API_KEY_ENV) or None
+    return env.api_key()
 
 
 def api_key_from_args(args: argparse.Namespace) -> str | None:
-    """``api_key`` of a parser given ``--api-key`` and ``cluster.flags.add_api_key_file_arg``."""
+    """``api_key`` of a parser given ``--api-key`` and ``common.flags.add_api_key_file_arg``."""
     return api_key(getattr(args, "api_key", None), getattr(args, "api_key_file", None))
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def check_bind(host: str, secret: str | None, what: str) -> None:
-    """Refuse to expose an unauthenticated service beyond loopback."""
-    if not is_loopback(host) and not secret:
-        raise ValueError(f"{what} would listen on {host} without a secret: set {SECRET_ENV} "
-                         "(or pass a secret / API key), or bind to 127.0.0.1")
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):

@@ -16,8 +16,9 @@ import logging
 import signal
 import sys
 
-from cluster import flags
-from protos import logs, rpc, worker_main
+from common import flags, logs
+from protos import rpc
+from worker import process
 from router.config import DEFAULT_HTTP_PORT, RouterConfig, add_config_args, config_from_args
 from router.server import RouterServer
 
@@ -33,7 +34,7 @@ async def amain(cfg: RouterConfig) -> None:
     missing = await srv.core.registry.wait_first_poll(cfg.startup_timeout_s)
     if missing:
         logger.warning("workers not healthy yet (serving anyway, they join when healthy): %s", ", ".join(missing))
-    worker_main.freeze_startup_heap()  # ~26k start-up objects out of every full collection (~10-20 ms each) on the loop
+    process.freeze_startup_heap()  # ~26k start-up objects out of every full collection (~10-20 ms each) on the loop
     http = f" http {srv.http.address}" if srv.http is not None else ""
     print(f"PDSERVE_READY router {srv.address}{http}", flush=True)
     loop = asyncio.get_running_loop()
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.prefill or not cfg.decode:
         print("router: error: give at least one --prefill and one --decode worker address", file=sys.stderr)
         return 2
-    from protos.worker_main import run
+    from worker.process import run
     run(amain(cfg))
     return 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from cluster import flags
+from common import flags
 from protos.tls import TLSConfig, tls_config
 
 ROUTING_POLICIES = ("cache_aware", "round_robin", "least_load", "random")
@@ -126,7 +126,7 @@ class RouterConfig:
 
 
 def add_config_args(p: argparse.ArgumentParser, cls=RouterConfig, skip: tuple[str, ...] = ()) -> None:
-    """One ``--flag`` per field (see ``cluster.flags``); ``--routing`` is limited to the known policies."""
+    """One ``--flag`` per field (see ``common.flags``); ``--routing`` is limited to the known policies."""
     flags.add_config_args(p, cls, skip, choices={"routing": ROUTING_POLICIES})
 
 

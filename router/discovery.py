@@ -31,8 +31,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from cluster import flags
-from protos import logs, rpc
+from common import flags, logs
+from protos import rpc
 from router.config import RouterConfig, add_config_args, config_from_args
 
 logger = logging.getLogger("router.discovery")
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"router: error: {e}", file=sys.stderr)
         return 2
-    from protos.worker_main import run
+    from worker.process import run
     run(amain(cfg, dcfg))
     return 0
 

@@ -22,6 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from protos import rpc, tls
+from common.net import check_bind
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -275,7 +276,7 @@ class RouterServer:
         return f"{self.cfg.host}:{self.port}"
 
     async def start(self) -> None:
-        rpc.check_bind(self.cfg.host, self.cfg.api_key, "router")
+        check_bind(self.cfg.host, self.cfg.api_key, "router")
         await self.core.registry.start()  # first: the message size limit comes from the served model
         self.max_request_bytes = await self._request_limit()
         self.server = rpc.make_server(self.cfg.api_key, "API key", max_receive_bytes=self.max_request_bytes)

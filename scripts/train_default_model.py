@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--log-every", type=int, default=10)
     a("--save-every-min", type=float, default=5.0)
     a("--no-eval", action="store_true")
-    a("--spec-eval", action="store_true", help="also measure speculative accept length with engine.spec")
+    a("--spec-eval", action="store_true", help="also measure speculative accept length with engine.speculative")
     return ap.parse_args(argv)
 
 

@@ -5,7 +5,7 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ["engine", "prefill", "decode", "router", "kvtransfer", "protos", "cluster", "bench"]
+PACKAGES = ["common", "protos", "engine", "worker", "kvtransfer", "prefill", "decode", "router", "cluster", "bench", "cli"]
 FORBIDDEN = {
     "engine": {"prefill", "decode", "router", "kvtransfer", "protos", "grpc", "cluster", "bench"},
     "prefill": {"decode", "router"},

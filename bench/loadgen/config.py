@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.flags import field_docs
+from common.flags import field_docs
 
 WORKLOADS = ("prefill-bound", "reference", "single-stream", "random", "trace")
 BACKENDS = ("pdserve", "openai")

@@ -14,7 +14,6 @@ and holds them until the step ends: the router must give their slots back after 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import os
 import signal
 import socket
@@ -25,6 +24,7 @@ import grpc
 from bench.loadgen.runner import RequestRecord
 from bench.loadgen.slowreader import SlowReaders
 from bench.loadgen.stats import percentile
+from common.net import is_loopback
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 SLOWLORIS_PER_WORKER = 80
@@ -38,19 +38,12 @@ SLOW_READER_REOPEN_S = 0.02
 ``SLOW_READER_STREAMS`` open (a 256-stream burst alone mostly meets a full prefill queue)."""
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class KVSlowloris:
     """``num_per_port`` TCP connections to each of ``addresses`` that send nothing (a handshake that never
     comes), each re-opened ``reopen_s`` after the receiver closes it, until ``close()``."""
 
     def __init__(self, addresses: Sequence[tuple[str, int]], num_per_port: int, reopen_s: float) -> None:
-        bad = [h for h, _ in addresses if not _is_loopback(h)]
+        bad = [h for h, _ in addresses if not is_loopback(h)]
         if bad:
             raise ValueError(f"kv-slowloris attacks loopback addresses only, got {bad}")
         self.addresses, self.num_per_port, self.reopen_s = list(addresses), num_per_port, reopen_s

@@ -31,7 +31,8 @@ from bench.peers.checkpoint import write_gguf, write_hf
 from bench.peers.paths import REPO, peer_paths, vllm_env
 from bench.peers.results import PeerTable, parse_batched_bench, parse_llama_bench, tokens_label
 from engine.defaults import tune_malloc
-from engine.runtime import Engine, load_model
+from engine.load import load_model
+from engine.offline import Engine
 from engine.sampling import SamplingParams
 
 COLUMNS = {"pdserve-fp32": "pdserve fp32", "pdserve-bf16": "pdserve bf16", "transformers": "transformers bf16",

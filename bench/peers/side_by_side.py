@@ -112,7 +112,7 @@ def run_client(client: str, base_url: str, concurrency: int, args: argparse.Name
     """One client at one concurrency against ``base_url``; returns its result JSON."""
     os.makedirs(out_dir, exist_ok=True)
     if client == "pdserve":
-        cmd = [sys.executable, "-m", "cluster.cli", "bench", "--backend", "openai", "--base-url", base_url,
+        cmd = [sys.executable, "-m", "cli", "bench", "--backend", "openai", "--base-url", base_url,
                "--model", MODEL_NAME, "--workload", "random", "--input-len", str(args.input_len),
                "--output-len", str(args.output_len), "--input-range", f"{args.input_len},{args.input_len}",
                "--output-range", f"{args.output_len},{args.output_len}", "--concurrency", str(concurrency),

@@ -32,7 +32,7 @@ summation order):
 
 ``auto``: decode-sized batches (<= FALLBACK_GATHER_MAX_PAIRS pairs) run a batch-invariant strategy:
 ``fused_gather`` on CPU where the kernel builds, ``triton`` on ``cuda`` where Triton imports, else
-``cached_gather`` / ``mx_gather``. Larger batches pick from the tuned table (engine.moe.tuning; nearest
+``cached_gather`` / ``mx_gather``. Larger batches pick from the tuned table (engine.moe.tuned_table; nearest
 token-count key) for this shape and device, or the untuned fallback with one WARNING per shape.
 ``last_impl`` names what ran.
 """
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.moe import mx_fused, mx_triton, tuning
+from engine.moe import mx_fused, mx_triton, tuned_table
 from engine.moe.experts import gather_gemv
 from engine.moe.router import Routing
 from engine.quant.mx import MXSpec, MXTensor, dequantize_mx, packed_dim, qdq_mx, quantize_mx
@@ -130,7 +130,7 @@ class MXRoutedExperts(nn.Module):
         self.register_buffer("w2_scales", torch.zeros(E, H, I // bs, **u8))
         self.spec, self.act_spec = spec, act_spec
         self.num_experts, self.hidden, self.inter, self.topk = E, H, I, topk
-        self.shape = tuning.MoEShape(H, I, E, topk, spec.fmt.name)
+        self.shape = tuned_table.MoEShape(H, I, E, topk, spec.fmt.name)
         self.impl = impl
         self.cache = cache
         self.max_transient_bytes = DequantCache.default_budget(device)
@@ -156,7 +156,7 @@ class MXRoutedExperts(nn.Module):
         return m
 
     @classmethod
-    def random(cls, shape: tuning.MoEShape, spec: MXSpec, device: torch.device | str = "cpu",
+    def random(cls, shape: tuned_table.MoEShape, spec: MXSpec, device: torch.device | str = "cpu",
                cache: DequantCache | None = None, seed: int = 0) -> "MXRoutedExperts":
         """Random codes and scales near 2^-6 (for timing: no dense weights are ever materialised)."""
         m = cls(shape.num_experts, shape.hidden, shape.inter, shape.topk, spec, device=device, cache=cache)
@@ -250,22 +250,22 @@ class MXRoutedExperts(nn.Module):
     def pick(self, num_tokens: int, dtype: torch.dtype = torch.float32) -> str:
         if self.impl != "auto":
             return self.impl
-        if num_tokens * self.topk <= tuning.FALLBACK_GATHER_MAX_PAIRS:
+        if num_tokens * self.topk <= tuned_table.FALLBACK_GATHER_MAX_PAIRS:
             # decode and speculative verify: a batch-invariant strategy whatever a table says, so a 1-token
             # decode and a 6-token verify round alike (lossless greedy speculation; a table's cached_dense
             # rounds differently at each T).
             return self.decode_impl(dtype)
         if not self._table_loaded:
-            dev = tuning.device_name(self.w13_codes.device)
-            self._table = tuning.load_table(self.shape, dev)
+            dev = tuned_table.device_name(self.w13_codes.device)
+            self._table = tuned_table.load_table(self.shape, dev)
             self._table_loaded = True
             if self._table is None:
-                tuning.warn_untuned_once(self.shape, dev)
+                tuned_table.warn_untuned_once(self.shape, dev)
         fused = self.can_run("fused_gather", dtype, num_tokens)
-        name = (tuning.nearest_impl(self._table, num_tokens) if self._table
-                else tuning.fallback_impl(num_tokens * self.topk, fused))
+        name = (tuned_table.nearest_impl(self._table, num_tokens) if self._table
+                else tuned_table.fallback_impl(num_tokens * self.topk, fused))
         if name not in MX_MOE_IMPLS or not self.can_run(name, dtype, num_tokens):
-            name = tuning.fallback_impl(num_tokens * self.topk, fused)
+            name = tuned_table.fallback_impl(num_tokens * self.topk, fused)
             if not self.can_run(name, dtype, num_tokens):
                 name = "mx_sorted"  # one expert dense at a time: always fits
         return name

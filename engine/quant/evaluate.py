@@ -1,7 +1,7 @@
 """Quality of quantized checkpoints against the unquantized model on a held-out text.
 
 For each format: quantize the checkpoint (engine.quant.quantize), load it the way ``pdserve run``
-does (engine.runtime.load_model), run the same token ids through both models in one prefill, and
+does (engine.load.load_model), run the same token ids through both models in one prefill, and
 compare next-token distributions at every position:
 
 * KL(P_ref || P_quant), nats, mean (and max) over positions;
@@ -109,7 +109,7 @@ def eval_token_ids(model_dir: str, model, cfg, text_path: str | None, num_tokens
             return ids, f"tokenizer.json on {text_path or 'the built-in held-out text'}"
     if text_path is not None and tok is None:
         raise ValueError(f"--text needs a tokenizer.json in {model_dir}")
-    from engine.runtime import Engine
+    from engine.offline import Engine
     from engine.sampling import SamplingParams
     start = cfg.bos_token_id if cfg.bos_token_id is not None else 0
     eng = Engine(model, cfg, num_pages=num_tokens // 16 + 8)
@@ -123,7 +123,7 @@ def evaluate_quant(model_dir: str, formats: Sequence[str], text_path: str | None
     """Quantize ``model_dir`` to each of ``formats`` and compare against the unquantized model."""
     from engine.quant.prepare import quantized_experts
     from engine.quant.quantize import quantize_checkpoint
-    from engine.runtime import load_model
+    from engine.load import load_model
     if num_tokens < 2:
         raise ValueError(f"num_tokens must be >= 2, got {num_tokens}")
     ref_model, cfg = load_model(model_dir, "float32", device)

@@ -9,8 +9,8 @@
   (a proxy for draft acceptance), ``mtp_chain_top1``: t+3 from the MTP layer chained on its own output;
 * ``dsa_ppl``: transformers' held-out perplexity at several ``index_topk`` (the dense value = no selection);
 * ``sample``: a greedy continuation of a held-out prompt;
-* ``accept_len`` (with ``--spec``, when ``engine.spec`` is present): mean accept length of greedy MTP
-  speculative decoding at 5/1/6 and 3/1/4 (``engine.spec.run_speculative``).
+* ``accept_len`` (with ``--spec``, when ``engine.speculative`` is present): mean accept length of greedy MTP
+  speculative decoding at 5/1/6 and 3/1/4 (``engine.speculative.run_speculative``).
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def transformers_ppl(hf, windows: torch.Tensor, topks: list[int]) -> dict[int, f
 
 
 def greedy_sample(model, cfg, tok, prompt_ids: list[int], max_tokens: int) -> str:
-    from engine.runtime import Engine
+    from engine.offline import Engine
     from engine.sampling import SamplingParams
     res = Engine(model, cfg, num_pages=64).generate([prompt_ids], SamplingParams(max_tokens=max_tokens))
     return tok.decode(prompt_ids) + "⟨▶⟩" + tok.decode(res[0].token_ids)
@@ -94,9 +94,9 @@ def greedy_sample(model, cfg, tok, prompt_ids: list[int], max_tokens: int) -> st
 def accept_lengths(model, cfg, prompts: list[list[int]], max_tokens: int) -> dict:
     try:
         from engine.sampling import SamplingParams
-        from engine.spec import run_speculative
+        from engine.speculative import run_speculative
     except ImportError as e:  # the speculative decoder lives in engine/spec (another issue)
-        return {"skipped": f"engine.spec not available: {e}"}
+        return {"skipped": f"engine.speculative not available: {e}"}
     out = {}
     for spec in ("5/1/6", "3/1/4"):
         t0 = time.perf_counter()
@@ -111,7 +111,7 @@ def evaluate(model_dir: str, manifest: str = "corpus/manifest.json", stdlib_dir:
     from tokenizers import Tokenizer
     from transformers import GlmMoeDsaForCausalLM
 
-    from engine.runtime import load_model
+    from engine.load import load_model
     tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
     stream = heldout_stream(model_dir, manifest, stdlib_dir)
     model, cfg = load_model(model_dir, "float32", "cpu")
@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("model_dir")
     ap.add_argument("--manifest", default="corpus/manifest.json")
     ap.add_argument("--stdlib", default=None)
-    ap.add_argument("--spec", action="store_true", help="also measure speculative accept length (engine.spec)")
+    ap.add_argument("--spec", action="store_true", help="also measure speculative accept length (engine.speculative)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

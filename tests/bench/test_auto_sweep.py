@@ -8,7 +8,7 @@ import pytest
 
 from bench.loadgen.config import BenchConfig, Slo
 from bench.loadgen.sweep import run_bench
-from cluster.cli import main as cli_main
+from cli.main import main as cli_main
 from fake_server import FakeBehaviour, FakeServer
 
 pytestmark = pytest.mark.timeout(120)

@@ -121,13 +121,13 @@ def _imports(path):
 
 def test_bench_is_a_pure_grpc_client():
     """No torch, engine or worker imports anywhere in the load generator or its CLI (it runs off-cluster)."""
-    files = [os.path.join(ROOT, "cluster", "cli_bench.py")]
+    files = [os.path.join(ROOT, "cli", "bench.py")]
     for dirpath, _, names in os.walk(os.path.join(ROOT, "bench", "loadgen")):
         files += [os.path.join(dirpath, n) for n in names if n.endswith(".py")]
     bad = [f"{os.path.relpath(f, ROOT)} imports {m}" for f in files for m in _imports(f)
            if m in {"torch", "engine", "prefill", "decode", "kvtransfer", "router"}]
     assert not bad, bad
-    code = ("import sys; from cluster.cli import build_parser; build_parser(); import bench.loadgen; "
+    code = ("import sys; from cli.main import build_parser; build_parser(); import bench.loadgen; "
             "from bench.loadgen import sweep; print(sorted(m for m in ('torch', 'engine', 'router') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -11,7 +11,7 @@ from bench.loadgen.runner import OK, LoadStep, StepRunner
 from bench.loadgen.stats import step_stats
 from bench.loadgen.sweep import run_bench
 from bench.loadgen.workload import make_workload
-from cluster.cli import main as cli_main
+from cli.main import main as cli_main
 from fake_server import FakeBehaviour, FakeServer
 from protos.pdserve.v1 import generation_pb2_grpc
 

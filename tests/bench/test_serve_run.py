@@ -15,12 +15,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 HAS_SERVE = os.path.exists(os.path.join(REPO, "cluster", "cli_serve.py"))
 
 pytestmark = [pytest.mark.timeout(900),
-              pytest.mark.skipif(not HAS_SERVE, reason="cluster/cli_serve.py (pdserve serve) is not in this "
+              pytest.mark.skipif(not HAS_SERVE, reason="cli/serve.py (pdserve serve) is not in this "
                                                        "checkout yet; the fake-server runs cover the bench")]
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cluster.cli", *args]
+    return [sys.executable, "-m", "cli", *args]
 
 
 @pytest.fixture(scope="module")

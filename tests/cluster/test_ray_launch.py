@@ -14,7 +14,7 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from cluster import cli  # noqa: E402
+from cli import main as cli  # noqa: E402
 from cluster.ray_launcher import LaunchError, RayLaunchConfig, actor_names, launch, status, stop  # noqa: E402
 from cluster.ray_placement import PlacementError, group_nodes, list_groups  # noqa: E402
 from cluster.ray_scale import scale  # noqa: E402

@@ -43,8 +43,8 @@ def test_decode_weights_reach_decode_workers_only():
 
 
 def test_no_spec_fallback_from_the_launch_command_line_reaches_decode_workers_only():
-    from cluster.cli import build_parser
-    from cluster.flags import config_from_args
+    from cli.main import build_parser
+    from common.flags import config_from_args
     cfg = config_from_args(build_parser().parse_args(["launch", "--model", "/m", "--no-spec-fallback"]),
                            cls=RayLaunchConfig)
     assert cfg.no_spec_fallback

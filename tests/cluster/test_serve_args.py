@@ -1,8 +1,8 @@
 """What ``pdserve serve`` asks each local worker process to run (pure: nothing is started)."""
 import argparse
 
-from cluster.cli import build_parser
-from cluster.cli_serve import serve_config
+from cli.main import build_parser
+from cli.serve import serve_config
 from cluster.local import LocalCluster
 from kvtransfer.config import add_transport_args, receiver_mooncake_protocol
 

@@ -5,7 +5,8 @@ import torch
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
 from engine.checkpoint import TINY_GLM5, init_random_model
 from engine.kvcache import KVLayout, KVPool
-from engine.runtime import Engine, load_model
+from engine.load import load_model
+from engine.offline import Engine
 from engine.sampling import SamplingParams
 from prefill.scheduler import PrefillConfig, PrefillScheduler, PrefillTask
 from prefill.sink import KVSink, SinkResult
@@ -56,8 +57,8 @@ def pd_generate(tiny, prompts, params, dec_pages=64, max_running=64, spec=None, 
     pre = PrefillScheduler(model, ppool, PrefillConfig(chunk_size=32, max_batch_tokens=64))
     speculator = None
     if spec:
-        from engine.spec import SpecConfig
-        from engine.spec.worker import MTPSpeculator
+        from engine.speculative import SpecConfig
+        from engine.speculative.worker import MTPSpeculator
         speculator = MTPSpeculator(model, cfg, dpool, SpecConfig.parse(spec))
     dec = DecodeScheduler(model, dpool, cfg.eos_token_ids, max_running=max_running, spec=speculator)
     if recompute_chunk:

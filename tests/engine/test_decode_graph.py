@@ -14,9 +14,9 @@ import torch
 
 from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache import KVLayout, KVPool
-from engine.runtime import load_model
+from engine.load import load_model
 from engine.sampling import SamplingParams
-from engine.spec import SpecConfig, SpecEngine
+from engine.speculative import SpecConfig, SpecEngine
 from test_spec import dirs, make_engine, one_thread, prompts_for  # noqa: F401  (fixtures)
 
 PAGE = 8

@@ -8,7 +8,7 @@ from engine.checkpoint import MEDIUM_GLM5, TINY_GLM5, hf_tensors, init_random_mo
 from engine.config import ModelConfig
 from engine.loader import checkpoint_names
 from engine.models.glm import GlmForCausalLM
-from engine.runtime import load_model
+from engine.load import load_model
 
 
 def test_streaming_writer_shards_per_layer_and_loads(tmp_path):

@@ -14,7 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = r"""
 import json, resource, torch
 torch.set_num_threads(1)
-from engine.runtime import Engine, Seq, load_model
+from engine.load import load_model
+from engine.offline import Engine, Seq
 from engine.defaults import default_model_dir, tune_malloc
 from engine.sampling import SamplerState, SamplingParams
 tuned = tune_malloc()

@@ -12,7 +12,7 @@ from tiny import make_hf_model
 from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache import KVLayout, KVPool
 from engine.loader import CheckpointError
-from engine.runtime import load_model
+from engine.load import load_model
 
 
 def add_mtp_layer(hf, model_dir, seed=7):

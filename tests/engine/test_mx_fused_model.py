@@ -10,7 +10,8 @@ import pytest
 from engine.defaults import SHIPPED_DEFAULT
 from engine.moe import mx_cpu_kernel
 from engine.quant.prepare import expert_memory, quantized_experts
-from engine.runtime import Engine, load_model
+from engine.load import load_model
+from engine.offline import Engine
 from engine.sampling import SamplingParams
 
 MXFP4_DEFAULT = SHIPPED_DEFAULT + "-mxfp4"

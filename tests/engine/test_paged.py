@@ -5,7 +5,7 @@ import torch
 from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache import KVLayout, KVPool
 from engine.layers import attention
-from engine.runtime import load_model
+from engine.load import load_model
 
 TOL = 1e-4
 

@@ -17,7 +17,8 @@ from engine.moe.experts import RoutedExperts
 from engine.moe.mx_experts import MXRoutedExperts
 from engine.quant.mx import quantize_mx
 from engine.quant.quantize import quantize_checkpoint
-from engine.runtime import Engine, load_model
+from engine.load import load_model
+from engine.offline import Engine
 from engine.sampling import SamplingParams
 
 PDSERVE = os.path.join(os.path.dirname(sys.executable), "pdserve")

@@ -29,7 +29,7 @@ def test_compare_logits_definitions():
 
 
 def test_eval_quant_cli_orders_formats(model_dir, capsys):
-    from cluster.cli import main
+    from cli.main import main
     assert main(["eval-quant", "--model", model_dir, "--formats", "mxfp4,mxfp8", "--num-tokens", "40", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["num_tokens"] == 40 and report["token_source"].startswith("pseudo-text")

@@ -7,11 +7,12 @@ import os
 import pytest
 import torch
 
-from engine.moe import tuning
+from engine.moe import tuned_table
 from engine.moe.experts import moe_sorted
 from engine.moe import mx_cpu_kernel
 from engine.moe.mx_experts import MX_MOE_IMPLS, DequantCache, MXRoutedExperts
-from engine.moe.tuning import MoEShape, random_routing
+from engine.moe.tune import random_routing
+from engine.moe.tuned_table import MoEShape
 from engine.quant.mx import MX_FORMATS, MXSpec, qdq_mx
 
 E, H, I, K = 8, 64, 64, 2
@@ -120,12 +121,12 @@ def no_fused_kernel(monkeypatch, fused: bool) -> None:
 def test_tuned_table_nearest_key_and_last_impl(tmp_path, monkeypatch, caplog, fused):
     no_fused_kernel(monkeypatch, fused)
     m, _, _ = make_experts("mxfp4")
-    dev = tuning.device_name("cpu")
+    dev = tuned_table.device_name("cpu")
     (tmp_path / m.shape.file_name(dev)).write_text(json.dumps({"1": "mx_dense", "16": "mx_grouped",
                                                                "256": "cached_sorted"}))
-    monkeypatch.setattr(tuning, "TABLE_DIRS", [str(tmp_path)])
-    tuning._read_table.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="engine.moe.tuning"):
+    monkeypatch.setattr(tuned_table, "TABLE_DIRS", [str(tmp_path)])
+    tuned_table._read_table.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="engine.moe.tuned_table"):
         # up to FALLBACK_GATHER_MAX_PAIRS pairs (decode, verify) a batch-invariant gather whatever the table says:
         # the fused kernel's (no dense copy) where it builds, else from the dequantized layer
         decode = "fused_gather" if fused else "cached_gather"
@@ -143,17 +144,17 @@ def test_tuned_table_nearest_key_and_last_impl(tmp_path, monkeypatch, caplog, fu
 @pytest.mark.parametrize("fused", [True, False])
 def test_untuned_shape_warns_once_and_falls_back(monkeypatch, caplog, tmp_path, fused):
     no_fused_kernel(monkeypatch, fused)
-    monkeypatch.setattr(tuning, "TABLE_DIRS", [str(tmp_path)])
-    monkeypatch.setattr(tuning, "_warned", set())
+    monkeypatch.setattr(tuned_table, "TABLE_DIRS", [str(tmp_path)])
+    monkeypatch.setattr(tuned_table, "_warned", set())
     layers = [make_experts("mxfp6_e2m3", seed=s)[0] for s in range(3)]
-    with caplog.at_level(logging.WARNING, logger="engine.moe.tuning"):
+    with caplog.at_level(logging.WARNING, logger="engine.moe.tuned_table"):
         for T in (1, 8, 64):
             for layer in layers:
                 layer(torch.randn(T, H), random_routing(T, E, K))
                 if fused:  # 128 pairs at T=64: still the grouped kernel (FUSED_GATHER_MAX_PAIRS)
                     assert layer.last_impl == "fused_gather"
                 else:
-                    assert layer.last_impl == ("cached_gather" if T * K <= tuning.FALLBACK_GATHER_MAX_PAIRS
+                    assert layer.last_impl == ("cached_gather" if T * K <= tuned_table.FALLBACK_GATHER_MAX_PAIRS
                                                else "mx_sorted")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
@@ -171,36 +172,36 @@ def test_forced_impl_and_bad_impl():
 
 
 def test_tune_moe_cli_writes_a_table(tmp_path):
-    from cluster.cli import main
+    from cli.main import main
     rc = main(["tune-moe", "--shapes", "64,64,8,2", "tiny", "--tokens", "1,8", "--impls", "mx_gather,mx_sorted,cached_dense",
                "--out", str(tmp_path), "--max-run-s", "2"])
     assert rc == 0
-    dev = tuning.device_name("cpu")
-    for shape in (MoEShape(64, 64, 8, 2), tuning.NAMED_SHAPES["tiny"]):
+    dev = tuned_table.device_name("cpu")
+    for shape in (MoEShape(64, 64, 8, 2), tuned_table.NAMED_SHAPES["tiny"]):
         table = json.loads((tmp_path / shape.file_name(dev)).read_text())
         assert set(table) == {"1", "8"} and set(table.values()) <= {"mx_gather", "mx_sorted", "cached_dense"}
 
 
 def test_shipped_tables_name_registered_impls():
-    files = [f for f in os.listdir(tuning.TUNED_DIR) if f.endswith(".json")]
+    files = [f for f in os.listdir(tuned_table.TUNED_DIR) if f.endswith(".json")]
     assert files, "no tuned tables shipped"
     for f in files:
         assert f.startswith("E=") and ",device_name=" in f
-        with open(os.path.join(tuning.TUNED_DIR, f)) as fh:
+        with open(os.path.join(tuned_table.TUNED_DIR, f)) as fh:
             table = json.load(fh)
         assert table and all(k.isdigit() and v in MX_MOE_IMPLS for k, v in table.items()), f
     shipped = {f.split(",device_name=")[0] for f in files}
     for name in ("tiny", "peer"):
-        assert tuning.NAMED_SHAPES[name].key("x").split(",device_name=")[0] in shipped, name
+        assert tuned_table.NAMED_SHAPES[name].key("x").split(",device_name=")[0] in shipped, name
 
 
 def test_decode_and_verify_round_alike_with_mx_experts(tmp_path, monkeypatch):
     """A token's MoE output is bitwise the same alone (decode) and among 6 (verify), even when a tuning table
     names a strategy that rounds differently at each T (the shipped CPU tables say cached_dense there)."""
     m, _, _ = make_experts("mxfp4")
-    (tmp_path / m.shape.file_name(tuning.device_name("cpu"))).write_text(json.dumps({"1": "cached_dense"}))
-    monkeypatch.setattr(tuning, "TABLE_DIRS", [str(tmp_path)])
-    tuning._read_table.cache_clear()
+    (tmp_path / m.shape.file_name(tuned_table.device_name("cpu"))).write_text(json.dumps({"1": "cached_dense"}))
+    monkeypatch.setattr(tuned_table, "TABLE_DIRS", [str(tmp_path)])
+    tuned_table._read_table.cache_clear()
     x = torch.randn(6, H, generator=torch.Generator().manual_seed(9))
     r = random_routing(6, E, K, seed=9)
     together = m(x, r)

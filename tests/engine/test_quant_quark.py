@@ -18,7 +18,8 @@ from tiny import make_hf_model
 from engine.moe.mx_experts import MXRoutedExperts
 from engine.quant.evaluate import all_logits
 from engine.quant.mx import quantize_mx
-from engine.runtime import Engine, load_model
+from engine.load import load_model
+from engine.offline import Engine
 from engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("quark") is None,

@@ -19,7 +19,7 @@ exactly (two top logits both 1.5391 at token 255), where argmax follows that 1-u
 Exact ties of the indexer's scores are ordered by position now (``dsa_topk``); ``test_spec_dsa.py`` runs bf16
 with DSA active where the CPU's bf16 GEMMs round each row alike at any row count. fp32 runs keep DSA active.
 
-The last test runs ``engine.spec.worker`` inside the decode worker's real scheduler.
+The last test runs ``engine.speculative.worker`` inside the decode worker's real scheduler.
 """
 import json
 import os
@@ -31,11 +31,11 @@ import torch
 from engine.batch import BatchRequest, ForwardBatch
 from engine.checkpoint import TINY_GLM5, init_random_model, save_checkpoint
 from engine.kvcache import KVLayout, KVPool, PoolExhausted
-from engine.runtime import Engine, load_model
+from engine.load import load_model
+from engine.offline import Engine
 from engine.sampling import SamplerState, SamplingParams, probs_from_logits, sample
-from engine.spec import (MTPChunk, SpecConfig, SpecDecoder, SpecEngine, SpecSeq, mtp_prefill, mtp_prefill_batch,
-                         run_speculative)
-from engine.spec.worker import make_speculator
+from engine.speculative import MTPChunk, SpecConfig, SpecDecoder, SpecEngine, SpecSeq, mtp_prefill, mtp_prefill_batch, run_speculative
+from engine.speculative.worker import make_speculator
 from test_spec_verify import P_VALUE_MIN, chi_square_p_value
 
 TINY_DSA = dict(TINY_GLM5, vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,

@@ -28,9 +28,10 @@ from engine.checkpoint import TINY_GLM5, init_random_model
 from engine.kvcache import KVLayout, KVPool
 from engine.layers.attention import dsa_topk
 from engine.quant.quantize import quantize_checkpoint
-from engine.runtime import Engine, load_model
+from engine.load import load_model
+from engine.offline import Engine
 from engine.sampling import SamplerState, SamplingParams, probs_from_logits
-from engine.spec import SpecConfig, SpecDecoder, SpecEngine, SpecSeq, mtp_prefill
+from engine.speculative import SpecConfig, SpecDecoder, SpecEngine, SpecSeq, mtp_prefill
 
 TOPK = 8
 DSA = dict(TINY_GLM5, vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,

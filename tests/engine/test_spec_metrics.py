@@ -1,4 +1,4 @@
-"""Per-position acceptance rates of speculative decoding (``engine.spec.metrics``).
+"""Per-position acceptance rates of speculative decoding (``engine.speculative.metrics``).
 
 The in-process test runs ``SpecEngine`` on the shipped default model (trained: its MTP drafts are
 right about half the time, so every depth sees both outcomes) and recomputes every count from
@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from engine.defaults import SHIPPED_DEFAULT
-from engine.runtime import Engine, load_model
+from engine.load import load_model
+from engine.offline import Engine
 from engine.sampling import SamplingParams
-from engine.spec import SpecConfig, SpecEngine
-from engine.spec.metrics import SpecMetrics, step_depths
-from engine.spec.tree import DraftTree
+from engine.speculative import SpecConfig, SpecEngine
+from engine.speculative.metrics import SpecMetrics, step_depths
+from engine.speculative.tree import DraftTree
 from engine.tokenizer import Tokenizer
 
 PROMPT = '''import os

@@ -3,9 +3,9 @@ checked against exact distributions (chi-square, fixed seeds)."""
 import pytest
 import torch
 
-from engine.spec.config import SpecConfig
-from engine.spec.tree import DraftTree
-from engine.spec.verify import verify_chain_sampling, verify_greedy, verify_tree_sampling
+from engine.speculative.config import SpecConfig
+from engine.speculative.tree import DraftTree
+from engine.speculative.verify import verify_chain_sampling, verify_greedy, verify_tree_sampling
 
 P_VALUE_MIN = 1e-3
 """Chi-square tests fail below this p-value: a correct sampler fails with probability 0.1% per test

@@ -43,7 +43,7 @@ class ServeProcess:
         self._out = open(out_path, "wb")
         if "--http-port" not in args:  # the default (8000) would clash between concurrent test runs
             args = [*args, "--http-port", "0"]
-        self.proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", *args], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", *args], cwd=REPO,
                                      stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, **(env or {})})
         self.address = ""

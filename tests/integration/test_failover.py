@@ -144,7 +144,7 @@ def run_bench(served, tmp_path, fault: str, duration_s: float, concurrency: int 
     import json
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--target", served.address, "--workload",
+    out = subprocess.run([sys.executable, "-m", "cli", "bench", "--target", served.address, "--workload",
                           "random", "--input-len", "64", "--output-len", "64", "--concurrency", str(concurrency),
                           "--duration", str(duration_s), "--warmup", "0", "--fault", fault, "--out", str(tmp_path),
                           "--quiet"],

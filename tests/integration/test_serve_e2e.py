@@ -259,7 +259,7 @@ def test_generate_cli_streams_the_same_tokens(served, client, tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text(API_KEY + "\n")
     key_file.chmod(0o600)
-    base = [sys.executable, "-m", "cluster.cli", "generate", "--target", served[0].address]
+    base = [sys.executable, "-m", "cli", "generate", "--target", served[0].address]
     args = ["--token-ids", ",".join(map(str, prompt)), "--max-tokens", "8", "--ignore-eos"]
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
     for key_args, extra_env in ((["--api-key-file", str(key_file)], {}), ([], {"PDSERVE_API_KEY": API_KEY}),

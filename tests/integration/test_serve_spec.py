@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine.defaults import SHIPPED_DEFAULT
-from engine.runtime import load_model
+from engine.load import load_model
 from engine.sampling import SamplingParams
-from engine.spec import run_speculative
+from engine.speculative import run_speculative
 from engine.tokenizer import Tokenizer
 from router.client import GenerationClient
 from serve_helpers import ServeProcess, pages_all_free, wait_until

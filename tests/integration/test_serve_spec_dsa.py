@@ -10,7 +10,8 @@ import torch
 from test_spec_dsa import DSA, LENS, TOPK, make_predictable
 
 from engine.checkpoint import init_random_model
-from engine.runtime import Engine, load_model
+from engine.load import load_model
+from engine.offline import Engine
 from engine.sampling import SamplingParams
 from router.client import GenerationClient
 from serve_helpers import ServeProcess, pages_all_free, wait_until

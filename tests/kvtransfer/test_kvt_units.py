@@ -14,7 +14,8 @@ from kvt_helpers import SECRET, make_layout, make_pool
 from kvtransfer import (FailReason, KVReceiverConfig, KVSenderConfig, ShmKVPool, TransferError, TransferState,
                         TransferTicket)
 from kvtransfer import auth
-from kvtransfer.config import SECRET_ENV, WireDType
+from common.env import CLUSTER_SECRET as SECRET_ENV
+from kvtransfer.config import WireDType
 from kvtransfer.errors import ProtocolError
 from kvtransfer.payload import LayerCodec, gather_rows, paired_runs, scatter_rows, slot_runs
 from kvtransfer.protocol import (MAX_HEADER_BYTES, MAX_REQ_ID_LEN, FrameType, check_compatible, decode_header,

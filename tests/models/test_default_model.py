@@ -65,7 +65,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def shipped():
-    from engine.runtime import load_model
+    from engine.load import load_model
     from engine.tokenizer import Tokenizer
     model, cfg = load_model(MODEL_DIR, "float32", "cpu")
     return model, cfg, Tokenizer.from_model_dir(MODEL_DIR)

@@ -7,7 +7,7 @@ import torch
 
 from engine.checkpoint import TINY_GLM5, init_random_model
 from engine.kvcache import KVLayout, KVPool
-from engine.runtime import load_model
+from engine.load import load_model
 from engine.sampling import SamplingParams
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
 from prefill.sink import KVSink, SinkResult

@@ -13,13 +13,14 @@ import grpc
 import pytest
 
 from protos import rpc
+from common.env import API_KEY
 from router.client import GenerationClient
 
 KEY = "router-key-0123456789"
 
 
 def test_key_sources_and_their_precedence(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv(rpc.API_KEY_ENV, "from-env")
+    monkeypatch.setenv(API_KEY, "from-env")
     path = tmp_path / "key"
     path.write_text("  from-file\n")
     path.chmod(0o600)
@@ -38,17 +39,17 @@ def test_key_sources_and_their_precedence(tmp_path, monkeypatch, caplog):
         rpc.api_key(path=str(path))
     with pytest.raises(OSError):
         rpc.api_key(path=str(tmp_path / "missing"))
-    monkeypatch.delenv(rpc.API_KEY_ENV)
+    monkeypatch.delenv(API_KEY)
     assert rpc.api_key() is None
 
 
 @pytest.mark.parametrize("source", ["env", "file"])
 def test_router_process_takes_its_key_from_the_environment_or_a_file(source, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != rpc.API_KEY_ENV}
+    env = {k: v for k, v in os.environ.items() if k != API_KEY}
     args = ["--port", "0", "--http-port", "-1", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9",
             "--startup-timeout-s", "0.5", "--health-timeout-s", "0.5"]
     if source == "env":
-        env[rpc.API_KEY_ENV] = KEY
+        env[API_KEY] = KEY
     else:
         (tmp_path / "key").write_text(KEY + "\n")
         (tmp_path / "key").chmod(0o600)

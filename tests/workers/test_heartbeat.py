@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from protos.worker_main import Heartbeat
+from worker.heartbeat import Heartbeat
 
 
 def test_heartbeat_flags_a_dead_thread_and_a_stall_with_work_only():

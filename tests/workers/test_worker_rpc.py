@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from engine.checkpoint import TINY_GLM5, init_random_model
-from engine.runtime import Engine, load_model
+from engine.load import load_model
+from engine.offline import Engine
 from engine.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
 from procs import Worker
-from protos.convert import sampling_from_proto
+from worker.convert import sampling_from_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 SECRET = "test-secret-0123456789abcdef"

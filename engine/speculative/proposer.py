@@ -1,6 +1,6 @@
 """Draft proposals from the model's MTP layer, chained EAGLE-style, and the draft extend.
 
-Drafting a step for a request at cached length ``C`` (see ``engine.spec.seq``):
+Drafting a step for a request at cached length ``C`` (see ``engine.speculative.seq``):
 
 * depth 1: the draft distribution is already known: LM head of ``draft_hidden`` (MTP pair ``C-1``);
 * depth ``d + 1`` (``d = 1 .. num_steps - 1``): one batched MTP forward over the depth-``d``
@@ -32,9 +32,9 @@ from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, draw, probs_from_logits
-from engine.spec.config import SpecConfig
-from engine.spec.seq import SpecSeq
-from engine.spec.tree import DraftTree
+from engine.speculative.config import SpecConfig
+from engine.speculative.seq import SpecSeq
+from engine.speculative.tree import DraftTree
 
 MTP_LAYER = 0
 """GLM checkpoints carry one MTP layer; it is chained for every draft depth."""

@@ -31,7 +31,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from engine.defaults import default_model_dir
     from engine.headers import checkpoint_tensors
     from engine.precision import resolve_dtype
-    from engine.runtime import Engine, load_model, resolve_device
+    from engine.load import load_model, resolve_device
+    from engine.offline import Engine
     from engine.sampling import SamplingParams
     from engine.tokenizer import Tokenizer
     from cluster.local import resolve_decode_weights
@@ -65,8 +66,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     spec_stats = None
     if spec:
-        from engine.spec.config import SpecConfig
-        from engine.spec.generate import run_speculative
+        from engine.speculative.config import SpecConfig
+        from engine.speculative.generate import run_speculative
         spec = SpecConfig.parse(spec)
         run = run_speculative(model, cfg, [ids], params, spec, kv_dtype=args.kv_dtype or args.dtype,
                               page_size=args.page_size)
@@ -79,7 +80,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = {"token_ids": res.token_ids, "finish_reason": res.finish_reason, "prompt_tokens": len(ids),
            "elapsed_s": round(elapsed, 4), "model": model_dir, "speculative": str(spec) if spec else "off",
            "weights": weights_dir, **expert_status(model)}
-    if spec_stats is not None:  # rates per draft depth 1..num_steps: see engine.spec.metrics
+    if spec_stats is not None:  # rates per draft depth 1..num_steps: see engine.speculative.metrics
         out["accept_len"] = round(spec_stats.accept_len, 4)
         out["verify_steps"] = spec_stats.num_verify_steps
         out["accept_rate_per_position"] = [round(r, 4) for r in spec_stats.accept_rate_per_position]
@@ -150,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands owned by other parts of the project register themselves here.
     import importlib
-    for mod in ("cluster.cli_quant", "cluster.cli_serve", "cluster.cli_bench", "cluster.cli_ray"):
+    for mod in ("cli.quant", "cli.serve", "cli.bench", "cli.launch"):
         try:
             importlib.import_module(mod).register(sub)
         except ModuleNotFoundError as e:

@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 
-from cluster import flags
+from common import flags
 
 
 class _Shutdown(Exception):
@@ -198,7 +198,7 @@ def _watch(cluster) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import grpc
-    from cluster.cli import _parse_ids
+    from cli.main import _parse_ids
     from protos import rpc
     from router.client import Completion, GenerationClient
     ids = _parse_ids(args.token_ids)

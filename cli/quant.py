@@ -1,4 +1,4 @@
-"""``pdserve quantize``, ``pdserve tune-moe`` and ``pdserve eval-quant`` (registered by cluster.cli).
+"""``pdserve quantize``, ``pdserve tune-moe`` and ``pdserve eval-quant`` (registered by cli.main).
 
     pdserve quantize --model IN_DIR --out OUT_DIR --format mxfp4 [--scale-mode even|floor]
     pdserve tune-moe [--shapes glm5 glm5-s4 tiny peer 6144,2048,256,8 ...] [--tokens 1,16,4096]
@@ -39,27 +39,27 @@ def _fits(shape, device) -> tuple[bool, str]:
 
 def cmd_tune_moe(args: argparse.Namespace) -> int:
     import torch
-    from engine.moe import tuning
-    from engine.runtime import DTYPES, resolve_device
+    from engine.moe import tune, tuned_table
+    from engine.load import DTYPES, resolve_device
     device = resolve_device(args.device)
     dtype = DTYPES[args.compute_dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(tuning.DEFAULT_TOKEN_COUNTS)
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(tune.DEFAULT_TOKEN_COUNTS)
     impls = args.impls.split(",") if args.impls else None
-    out_dir = args.out or tuning.TUNED_DIR
+    out_dir = args.out or tuned_table.TUNED_DIR
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     summary = []
     for text in args.shapes:
-        shape = tuning.parse_shape(text, args.dtype)
+        shape = tuned_table.parse_shape(text, args.dtype)
         ok, why = _fits(shape, device)
         if not ok:
             print(f"skip {text} ({shape.describe()}): {why}; tune a scaled variant (e.g. glm5-s4) here")
             summary.append({"shape": text, "skipped": why})
             continue
         log = (lambda msg: print("  " + msg, flush=True)) if args.verbose_timings else None
-        res = tuning.tune_shape(shape, tokens, impls, device, dtype, args.max_run_s, log)
-        path = tuning.write_table(res, out_dir)
+        res = tune.tune_shape(shape, tokens, impls, device, dtype, args.max_run_s, log)
+        path = tune.write_table(res, out_dir)
         print(f"{shape.key(res.device)} -> {path}")
         for t, row in res.timings_s.items():
             best = min(row, key=row.get)

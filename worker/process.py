@@ -1,5 +1,6 @@
-"""Shared start-up of a server process (the workers; the router uses ``freeze_startup_heap``): flags, model
-loading, serving until SIGTERM/SIGINT. Stdlib only at import time."""
+"""The start-up of a worker process shared by prefill and decode (the router uses ``freeze_startup_heap`` and
+``run`` too): flags, threads, the model contract, serving until SIGTERM/SIGINT. Stdlib only at import time
+(the router imports it and must not load torch)."""
 from __future__ import annotations
 
 import argparse
@@ -8,17 +9,15 @@ import gc
 import logging
 import os
 import signal
-import threading
 import time
 
-from protos import logs
+from common import env, logs
 
 logger = logging.getLogger(__name__)
 
 
 def model_info(cfg, model_dir: str, page_size: int) -> dict[str, str]:
     """What the router needs to validate requests without loading the model (WorkerStatus.info)."""
-    import os
     import socket
     return {"pid": str(os.getpid()), "host": socket.gethostname(), "vocab_size": str(cfg.vocab_size), "max_context": str(cfg.max_position_embeddings),
             "page_size": str(page_size), "eos_token_ids": ",".join(map(str, cfg.eos_token_ids)),
@@ -37,37 +36,13 @@ def freeze_startup_heap() -> int:
     cost ~20 ms per collection on its event loop. Only cyclic garbage made of
     start-up objects is never reclaimed (refcounting still frees the rest). ``PDSERVE_GC_FREEZE=0``
     disables it. Returns how many objects are frozen."""
-    if os.environ.get("PDSERVE_GC_FREEZE", "1") == "0":
+    if not env.gc_freeze():
         return 0
     gc.collect()
     gc.freeze()
     n = gc.get_freeze_count()
     logger.info("froze the start-up heap: %d objects are out of the garbage collector's reach", n)
     return n
-
-
-class Heartbeat:
-    """When a scheduler thread last made progress. A worker whose scheduler thread died, or that has work
-    and has not finished a step for ``stall_after_s``, reports itself unhealthy in ``GetStatus``: the
-    router takes it out of rotation (its health poll still answers: gRPC runs on the event loop)."""
-
-    def __init__(self, stall_after_s: float = 60.0) -> None:
-        if not stall_after_s > 0:
-            raise ValueError(f"stall_after_s must be > 0, got {stall_after_s}")
-        self.stall_after_s = stall_after_s
-        self.beat_s = time.monotonic()
-
-    def beat(self) -> None:
-        self.beat_s = time.monotonic()
-
-    def problem(self, thread: threading.Thread | None, busy: bool) -> str:
-        """Why the scheduler is not healthy, or ""."""
-        if thread is not None and not thread.is_alive():
-            return "scheduler thread is not running"
-        quiet = time.monotonic() - self.beat_s
-        if busy and quiet > self.stall_after_s:
-            return f"no scheduler step finished for {quiet:.0f}s with work pending (stall limit {self.stall_after_s:g}s)"
-        return ""
 
 
 def common_args(p: argparse.ArgumentParser) -> None:
@@ -108,7 +83,7 @@ def start_plan(args: argparse.Namespace, weights_dir: str, role: str):
     """The worker's dtype, KV layout and pool size (``engine.sizing.plan_start``), checked before the model
     is loaded or the pool allocated; a pool that cannot fit ends the process with one line naming the
     numbers."""
-    from engine.runtime import resolve_device  # torch: this module stays stdlib-only at import (the router's)
+    from engine.load import resolve_device  # torch: this module stays stdlib-only at import (the router's)
     from engine.sizing import plan_start, pool_sizing
     try:
         return plan_start(weights_dir, args.dtype, args.kv_dtype, resolve_device(args.device), args.page_size,

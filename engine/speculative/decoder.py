@@ -5,9 +5,9 @@
     reserve pages   cached_len + spec.num_step_slots tokens per request (``ensure_pages`` callback);
                     a request the pool cannot serve that far, or without draft state yet (its
                     ``draft_hidden`` is None), verifies its root alone: a plain decode step
-    propose         num_steps - 1 MTP forwards -> a DraftTree per request (engine.spec.proposer)
+    propose         num_steps - 1 MTP forwards -> a DraftTree per request (engine.speculative.proposer)
     verify forward  ONE target forward: root + drafts per request, tree mask, depth positions
-    accept          greedy / Leviathan / recursive rejection per request (engine.spec.verify)
+    accept          greedy / Leviathan / recursive rejection per request (engine.speculative.verify)
     commit KV       accepted tree nodes off the contiguous chain get their target KV moved to
                     slots C + depth; rejected slots are simply left behind (cached_len does not
                     cover them and the next step overwrites them: no copy, no free)
@@ -28,12 +28,12 @@ from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, apply_penalties, probs_from_logits
-from engine.spec.config import SpecConfig
-from engine.spec.metrics import SpecMetrics, step_depths
-from engine.spec.proposer import MTPProposer
-from engine.spec.seq import SpecSeq
-from engine.spec.tree import DraftTree
-from engine.spec.verify import VerifyResult, verify_chain_sampling, verify_greedy, verify_tree_sampling
+from engine.speculative.config import SpecConfig
+from engine.speculative.metrics import SpecMetrics, step_depths
+from engine.speculative.proposer import MTPProposer
+from engine.speculative.seq import SpecSeq
+from engine.speculative.tree import DraftTree
+from engine.speculative.verify import VerifyResult, verify_chain_sampling, verify_greedy, verify_tree_sampling
 
 EnsurePages = Callable[[SpecSeq, int], None]
 """``(seq, num_tokens)``: grow ``seq.pages`` in place to hold ``num_tokens``; raise ``PoolExhausted`` if

@@ -1,6 +1,6 @@
 """What a decode worker keeps per request to decode it speculatively.
 
-A request arrives from prefill (``engine.spec.prefill.prefill_forward``) with:
+A request arrives from prefill (``engine.speculative.prefill.prefill_forward``) with:
 
 * ``pages`` holding the target KV of positions ``0..C-1`` (``C = cached_len``, the prompt length)
   and, in the MTP layer's slot of the same pages, the MTP KV of pairs ``0..C-1`` (pair ``i`` =

@@ -5,14 +5,14 @@ local prefill and recompute, ``SpecEngine``) runs ``prefill_forward``: the targe
 a decode worker keeps a ``SpecSeq`` per request and calls ``SpecDecoder.step(seqs)`` (or uses ``make_speculator``, the decode scheduler's
 ``Speculator``); ``SpecEngine`` / ``run_speculative`` run both in-process.
 """
-from engine.spec.config import SpecConfig
-from engine.spec.decoder import SpecDecoder, SpecStepResult
-from engine.spec.generate import SpecEngine, SpecRunResult, run_speculative
-from engine.spec.metrics import SpecMetrics
-from engine.spec.prefill import (MTPChunk, MTPPrefillResult, PrefillChunk, PrefillChunkResult, mtp_prefill,
+from engine.speculative.config import SpecConfig
+from engine.speculative.decoder import SpecDecoder, SpecStepResult
+from engine.speculative.generate import SpecEngine, SpecRunResult, run_speculative
+from engine.speculative.metrics import SpecMetrics
+from engine.speculative.prefill import (MTPChunk, MTPPrefillResult, PrefillChunk, PrefillChunkResult, mtp_prefill,
                                  mtp_prefill_batch, prefill_forward)
-from engine.spec.seq import SpecSeq
-from engine.spec.worker import MTPSpeculator, make_speculator
+from engine.speculative.seq import SpecSeq
+from engine.speculative.worker import MTPSpeculator, make_speculator
 
 __all__ = ["MTPChunk", "MTPPrefillResult", "MTPSpeculator", "PrefillChunk", "PrefillChunkResult", "SpecConfig",
            "SpecDecoder", "SpecEngine", "SpecMetrics", "SpecRunResult", "SpecSeq", "SpecStepResult", "make_speculator", "mtp_prefill", "mtp_prefill_batch",

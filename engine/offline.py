@@ -1,4 +1,4 @@
-"""Build a model from a directory and generate in-process on a paged KV pool.
+"""Generate in-process on a paged KV pool (no servers: ``pdserve run``, benchmarks, tests).
 
 ``Engine`` is the smallest complete generation loop: chunked prefill of each new request,
 then one batched decode step per iteration over every running request, pages allocated as
@@ -7,8 +7,6 @@ schedulers from the same pieces (``GlmForCausalLM.forward``, ``KVPool``, ``sampl
 """
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -17,87 +15,8 @@ import torch
 from engine.batch import BatchRequest, ForwardBatch
 from engine.config import ModelConfig
 from engine.kvcache import KVLayout, KVPool
-from engine.loader import checkpoint_names, detect_mtp_layers, load_weights
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
-
-logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FP32_MODULES = ("mlp.gate", "indexer.weights_proj")
-"""Kept in fp32 whatever the model dtype (router logits and DSA weights, as the reference does)."""
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    """``auto`` -> ``cuda`` (NVIDIA or ROCm; both are ``cuda`` in torch) when available, else ``cpu``."""
-    if device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        logger.info("no CUDA/ROCm device available: running on CPU")
-        return torch.device("cpu")
-    return torch.device(device)
-
-
-def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                moe_impl: str = "auto") -> GlmForCausalLM:
-    with torch.device("meta"):
-        model = GlmForCausalLM(cfg, moe_impl)
-    model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    for name, mod in model.named_modules():
-        if name.endswith(FP32_MODULES):
-            mod.float()
-    return model.eval()
-
-
-def load_model(model_dir: str, dtype: str = "float32", device: str = "auto",
-               moe_impl: str = "auto") -> tuple[GlmForCausalLM, ModelConfig]:
-    cfg = ModelConfig.from_model_dir(model_dir)
-    cfg = detect_mtp_layers(cfg, checkpoint_names(model_dir))
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
-    model = build_model(cfg, DTYPES[dtype], resolve_device(device), moe_impl)
-    t0 = time.perf_counter()
-    from engine.quant import prepare_model_for_checkpoint  # quantized checkpoints: MX experts + rules
-    extra_rules = prepare_model_for_checkpoint(model, cfg, model_dir)
-    load_weights(model, model_dir, cfg, extra_rules)
-    logger.info("loaded %s (%s, %d layers + %d MTP) in %.2fs", model_dir, cfg.model_type,
-                cfg.num_hidden_layers, cfg.num_mtp_layers, time.perf_counter() - t0)
-    return model, cfg
-
-
-def warm_up_decode(model: GlmForCausalLM, cfg: ModelConfig, kv_dtype: str, page_size: int = 16,
-                   spec: str | None = None) -> float:
-    """Compile the decode graphs of ``model`` (``compile_decode``) for the shape classes a decode worker
-    meets, before it serves, so no request waits for a compile: one and several requests, one and several
-    tokens each (decode, verify, MTP extend) and mixed counts, a batch whose routed experts leave the
-    graph, short contexts (every key) and long ones (the DSA top-k); the MTP layer's draft steps too with
-    ``spec``; then a few real generations. Runs on a scratch pool; returns the seconds it took."""
-    t0 = time.perf_counter()
-    long = (cfg.index_topk if cfg.is_mla else 0) + 2 * page_size
-    shapes = [(1,), (1, 1), (2,), (2, 2), (1, 2), (1,) * 9]
-    per_req = -(-(long + 8) // page_size)
-    pool = KVPool(KVLayout.for_model(cfg, page_size, kv_dtype), per_req * 9 + 1,
-                  device=model.lm_head.weight.device)
-    for ctx in (4, long):
-        for qs in shapes:
-            reqs = [BatchRequest(list(range(i * per_req, (i + 1) * per_req)), ctx, [3] * q) for i, q in enumerate(qs)]
-            batch = ForwardBatch.build(reqs, page_size, pool.device)
-            out = model(batch, pool)
-            if spec and model.has_mtp:
-                model.forward_mtp(batch, pool, out.hidden)
-    n = cfg.index_topk + 2 * page_size if cfg.is_mla else 2 * page_size
-    prompts = [[2 + i % (cfg.vocab_size - 2) for i in range(n)], [3] * 4]
-    eng = Engine(model, cfg, kv_dtype=kv_dtype, page_size=page_size, num_pages=4 * (n // page_size + 4))
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    eng.generate(prompts, params)
-    eng.generate(prompts[:1], params)
-    if spec:
-        from engine.spec import SpecConfig, SpecEngine
-        for ps in (prompts, prompts[:1]):
-            SpecEngine(eng, SpecConfig.parse(spec)).generate(ps, params)
-    return time.perf_counter() - t0
 
 
 @dataclass(slots=True)

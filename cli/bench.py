@@ -7,7 +7,7 @@ import sys
 
 def register(sub) -> None:
     from bench.loadgen.config import add_config_args
-    from cluster.flags import add_api_key_file_arg
+    from common.flags import add_api_key_file_arg
     p = sub.add_parser("bench", help="benchmark a running router: sweep request rates, report TTFT/ITL/tok/s",
                        description="Sweep Poisson request rates (--rps LIST) or concurrencies against a running "
                                    "router, or search the knee (--rps auto: ramp until the SLO breaks, bisect to "

@@ -22,10 +22,10 @@ import torch
 from engine.config import ModelConfig
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
-from engine.spec.config import SpecConfig
-from engine.spec.decoder import SpecDecoder
-from engine.spec.metrics import SpecStats
-from engine.spec.seq import SpecSeq
+from engine.speculative.config import SpecConfig
+from engine.speculative.decoder import SpecDecoder
+from engine.speculative.metrics import SpecStats
+from engine.speculative.seq import SpecSeq
 
 logger = logging.getLogger(__name__)
 

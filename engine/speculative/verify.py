@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.spec.tree import DraftTree
+from engine.speculative.tree import DraftTree
 
 
 class VerifyResult(NamedTuple):

@@ -22,7 +22,7 @@ import sys
 
 def register(sub) -> None:
     from cluster.ray_launcher import RayLaunchConfig
-    from cluster.flags import add_api_key_file_arg, add_config_args
+    from common.flags import add_api_key_file_arg, add_config_args
 
     la = sub.add_parser("launch", help="start a router and workers as Ray actors on a running Ray cluster")
     add_config_args(la, cls=RayLaunchConfig, skip=("model_hash",))
@@ -57,7 +57,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from cluster.ray_launcher import LaunchError, PlacementError, RayLaunchConfig, launch
-    from cluster.flags import config_from_args
+    from common.flags import config_from_args
     from protos import rpc
     try:
         cfg = config_from_args(args, cls=RayLaunchConfig, api_key=rpc.api_key_from_args(args))

@@ -1,4 +1,4 @@
-"""In-process speculative generation over an ``engine.runtime.Engine``'s model and pool.
+"""In-process speculative generation over an ``engine.offline.Engine``'s model and pool.
 
 The smallest complete loop with MTP speculation, for tests, benchmarks and ``pdserve run``:
 chunked prefill of each request (``prefill_forward``: target forward, then the chunk's MTP pass), the first
@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple, Sequence
 
-from engine.runtime import Engine, GenerationResult
+from engine.offline import Engine, GenerationResult
 from engine.sampling import SamplerState, SamplingParams, sample
-from engine.spec.config import SpecConfig
-from engine.spec.decoder import SpecDecoder
-from engine.spec.metrics import SpecMetrics
-from engine.spec.prefill import PrefillChunk, prefill_forward
-from engine.spec.seq import SpecSeq
+from engine.speculative.config import SpecConfig
+from engine.speculative.decoder import SpecDecoder
+from engine.speculative.metrics import SpecMetrics
+from engine.speculative.prefill import PrefillChunk, prefill_forward
+from engine.speculative.seq import SpecSeq
 
 logger = logging.getLogger(__name__)
 

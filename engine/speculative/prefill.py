@@ -29,7 +29,7 @@ chunks, the next token sampled for the chunks that end what is known, then the M
 
 Disaggregation: the decode side needs the pages (the MTP layer's KV travels with the target's),
 the first token and, optionally, ``draft_hidden`` (``H`` values); without it the decode side's
-first step is a plain one (see ``engine.spec.seq``).
+first step is a plain one (see ``engine.speculative.seq``).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import torch
 from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool
 from engine.models.glm import GlmForCausalLM
-from engine.spec.proposer import MTP_LAYER
+from engine.speculative.proposer import MTP_LAYER
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from engine.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
-from engine.spec.metrics import SpecStats
+from engine.speculative.metrics import SpecStats
 from protos.pdserve.v1 import generation_pb2
 
 
@@ -38,7 +38,7 @@ def logprob_to_proto(entry: tuple[int, float, list[int], list[float]]) -> genera
 
 
 def spec_stats_to_proto(stats: SpecStats, config: str) -> generation_pb2.SpecStats:
-    """A decode worker's speculation counters and rates (``engine.spec.metrics``) for ``WorkerStatus.spec``."""
+    """A decode worker's speculation counters and rates (``engine.speculative.metrics``) for ``WorkerStatus.spec``."""
     return generation_pb2.SpecStats(
         config=config, verify_steps=stats.num_verify_steps, accepted_drafts=stats.num_accepted_drafts,
         draft_tokens=stats.num_draft_tokens, accept_len=stats.accept_len,

@@ -1,0 +1,6 @@
+"""``python -m cli ...`` is ``pdserve ...``."""
+import sys
+
+from cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,44 @@
+"""Every ``PDSERVE_*`` environment variable pdserve reads, read here and nowhere else (stdlib only).
+
+Each is read when its function is called (a test or a launcher may set it after import), never cached.
+
+    PDSERVE_HOME            scratch space for generated models and benchmark output (~/.cache/pdserve)
+    PDSERVE_CLUSTER_SECRET  the shared secret of the internal planes (worker gRPC, KV transfer); empty = unset
+    PDSERVE_API_KEY         the router's public API key when no flag gives one; empty = unset
+    PDSERVE_GC_FREEZE       0 turns off freezing a server's start-up heap out of the garbage collector
+    PDSERVE_TUNE_MALLOC     0 turns off a worker's fixed glibc malloc thresholds
+
+Launchers hand the secrets to their children through the environment (never argv: ``ps`` shows argv to
+every user), under the names ``CLUSTER_SECRET`` and ``API_KEY`` below.
+"""
+from __future__ import annotations
+
+import os
+
+HOME = "PDSERVE_HOME"
+CLUSTER_SECRET = "PDSERVE_CLUSTER_SECRET"
+API_KEY = "PDSERVE_API_KEY"
+GC_FREEZE = "PDSERVE_GC_FREEZE"
+TUNE_MALLOC = "PDSERVE_TUNE_MALLOC"
+
+
+def pdserve_home() -> str:
+    return os.environ.get(HOME, os.path.join(os.path.expanduser("~"), ".cache", "pdserve"))
+
+
+def cluster_secret() -> str | None:
+    """``$PDSERVE_CLUSTER_SECRET``, or None when unset or empty."""
+    return os.environ.get(CLUSTER_SECRET) or None
+
+
+def api_key() -> str | None:
+    """``$PDSERVE_API_KEY``, or None when unset or empty."""
+    return os.environ.get(API_KEY) or None
+
+
+def gc_freeze() -> bool:
+    return os.environ.get(GC_FREEZE, "1") != "0"
+
+
+def tune_malloc() -> bool:
+    return os.environ.get(TUNE_MALLOC, "1") != "0"

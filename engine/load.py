@@ -1,0 +1,60 @@
+"""Build a model from a directory: config, MTP layers, dtype, device, weights (quantized checkpoints too).
+
+``load_model(model_dir)`` is what every worker, benchmark and test calls; ``build_model`` makes the empty
+module on a device (``engine.checkpoint`` uses it to write random checkpoints).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.config import ModelConfig
+from engine.loader import checkpoint_names, detect_mtp_layers, load_weights
+from engine.models.glm import GlmForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FP32_MODULES = ("mlp.gate", "indexer.weights_proj")
+"""Kept in fp32 whatever the model dtype (router logits and DSA weights, as the reference does)."""
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` -> ``cuda`` (NVIDIA or ROCm; both are ``cuda`` in torch) when available, else ``cpu``."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        logger.info("no CUDA/ROCm device available: running on CPU")
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                moe_impl: str = "auto") -> GlmForCausalLM:
+    with torch.device("meta"):
+        model = GlmForCausalLM(cfg, moe_impl)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for name, mod in model.named_modules():
+        if name.endswith(FP32_MODULES):
+            mod.float()
+    return model.eval()
+
+
+def load_model(model_dir: str, dtype: str = "float32", device: str = "auto",
+               moe_impl: str = "auto") -> tuple[GlmForCausalLM, ModelConfig]:
+    cfg = ModelConfig.from_model_dir(model_dir)
+    cfg = detect_mtp_layers(cfg, checkpoint_names(model_dir))
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
+    model = build_model(cfg, DTYPES[dtype], resolve_device(device), moe_impl)
+    t0 = time.perf_counter()
+    from engine.quant import prepare_model_for_checkpoint  # quantized checkpoints: MX experts + rules
+    extra_rules = prepare_model_for_checkpoint(model, cfg, model_dir)
+    load_weights(model, model_dir, cfg, extra_rules)
+    logger.info("loaded %s (%s, %d layers + %d MTP) in %.2fs", model_dir, cfg.model_type,
+                cfg.num_hidden_layers, cfg.num_mtp_layers, time.perf_counter() - t0)
+    return model, cfg

@@ -1,0 +1,44 @@
+"""Warm-up of a decode worker's compiled graphs before it serves (``decode.server --compile``)."""
+from __future__ import annotations
+
+import time
+
+from engine.batch import BatchRequest, ForwardBatch
+from engine.config import ModelConfig
+from engine.kvcache import KVLayout, KVPool
+from engine.models.glm import GlmForCausalLM
+from engine.offline import Engine
+from engine.sampling import SamplingParams
+from engine.speculative import SpecConfig, SpecEngine
+
+
+def warm_up_decode(model: GlmForCausalLM, cfg: ModelConfig, kv_dtype: str, page_size: int = 16,
+                   spec: str | None = None) -> float:
+    """Compile the decode graphs of ``model`` (``compile_decode``) for the shape classes a decode worker
+    meets, before it serves, so no request waits for a compile: one and several requests, one and several
+    tokens each (decode, verify, MTP extend) and mixed counts, a batch whose routed experts leave the
+    graph, short contexts (every key) and long ones (the DSA top-k); the MTP layer's draft steps too with
+    ``spec``; then a few real generations. Runs on a scratch pool; returns the seconds it took."""
+    t0 = time.perf_counter()
+    long = (cfg.index_topk if cfg.is_mla else 0) + 2 * page_size
+    shapes = [(1,), (1, 1), (2,), (2, 2), (1, 2), (1,) * 9]
+    per_req = -(-(long + 8) // page_size)
+    pool = KVPool(KVLayout.for_model(cfg, page_size, kv_dtype), per_req * 9 + 1,
+                  device=model.lm_head.weight.device)
+    for ctx in (4, long):
+        for qs in shapes:
+            reqs = [BatchRequest(list(range(i * per_req, (i + 1) * per_req)), ctx, [3] * q) for i, q in enumerate(qs)]
+            batch = ForwardBatch.build(reqs, page_size, pool.device)
+            out = model(batch, pool)
+            if spec and model.has_mtp:
+                model.forward_mtp(batch, pool, out.hidden)
+    n = cfg.index_topk + 2 * page_size if cfg.is_mla else 2 * page_size
+    prompts = [[2 + i % (cfg.vocab_size - 2) for i in range(n)], [3] * 4]
+    eng = Engine(model, cfg, kv_dtype=kv_dtype, page_size=page_size, num_pages=4 * (n // page_size + 4))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    eng.generate(prompts, params)
+    eng.generate(prompts[:1], params)
+    if spec:
+        for ps in (prompts, prompts[:1]):
+            SpecEngine(eng, SpecConfig.parse(spec)).generate(ps, params)
+    return time.perf_counter() - t0
