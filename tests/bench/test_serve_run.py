@@ -12,7 +12,7 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HAS_SERVE = os.path.exists(os.path.join(REPO, "cluster", "cli_serve.py"))
+HAS_SERVE = os.path.exists(os.path.join(REPO, "cli", "serve.py"))
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(not HAS_SERVE, reason="cli/serve.py (pdserve serve) is not in this "
