@@ -20,9 +20,9 @@ from engine.config import ModelConfig
 from engine.headers import TensorInfo, checkpoint_tensors
 from engine.loader import CheckpointError
 from engine.memory import ACTIVATION_RESERVE_BYTES, device_memory, gib
-from engine.runtime import resolve_device
+from engine.load import resolve_device
 from engine.sizing import StartPlan, plan_start, pool_sizing
-from engine.spec.config import SpecConfig
+from engine.speculative.config import SpecConfig
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
