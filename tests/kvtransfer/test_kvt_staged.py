@@ -214,10 +214,15 @@ def test_staged_corrupt_payload_releases_its_stage():
 
 # --- units ---------------------------------------------------------------------------------------
 
-def test_write_back_touches_only_the_frames_tokens():
-    """A frame covering part of a page leaves the page's other tokens alone (another frame wrote them)."""
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch.cuda: NVIDIA or ROCm)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
+def test_write_back_touches_only_the_frames_tokens(device):
+    """A frame covering part of a page leaves the page's other tokens alone (another frame wrote them); on a
+    GPU the copy is asynchronous and ``release`` waits for it."""
     lay = make_layout(page_size=4)
-    pool = staged_pool(lay, 16)
+    pool = KVPool(lay, 16, device=device, force_staged=device == "cpu")
     stager = Stager(pool)
     pages = np.array([5, 2, 9], dtype=np.int64)
     before = pool.flat(0, "latent").clone()
@@ -232,6 +237,25 @@ def test_write_back_touches_only_the_frames_tokens():
     assert stager.buffers.num_outstanding == 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
+def test_stage_out_copies_whole_pages_after_the_forward(device):
+    """The D2H of a layer sees what the forward wrote on the compute stream before ``send_layer`` (the side
+    stream waits for it), and the stage holds the request's pages in order."""
+    lay = make_layout(page_size=4)
+    pool = KVPool(lay, 16, device=device, force_staged=device == "cpu")
+    stager = Stager(pool)
+    pages = np.array([7, 3, 11], dtype=np.int64)
+    flat = pool.flat(1, "rope")
+    values = torch.randn(12, *flat.shape[1:], device=device).to(flat.dtype)
+    slots = torch.tensor([p * 4 + i for p in pages.tolist() for i in range(4)], device=device)
+    flat.index_copy_(0, slots, values)  # "the forward", queued on the current stream
+    stage = stager.stage_out(1, pages, 2, 11)
+    stage.wait()
+    assert torch.equal(stage.flat(1, "rope").view(torch.uint8), values.cpu().view(torch.uint8))
+    stage.release()
+    assert stager.buffers.num_outstanding == 0 and stager.buffers.pin == (device == "cuda")
+
+
 def test_only_device_or_forced_pools_are_staged():
     lay = make_layout()
     assert not is_staged(KVPool(lay, 4)) and is_staged(KVPool(lay, 4, force_staged=True))
@@ -239,7 +263,7 @@ def test_only_device_or_forced_pools_are_staged():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch.cuda: NVIDIA or ROCm)")
+@GPU
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
 def test_device_pools_transfer_bit_identical(kv_dtype):
     """The real thing: both pools on the GPU, pinned stages, copies on a side stream ordered by events."""
