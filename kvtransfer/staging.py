@@ -202,6 +202,20 @@ def _page_rows(pool: KVPool, layer: int, name: str, is_scale: bool) -> torch.Ten
     return t.view(torch.uint8).reshape(t.shape[0], -1)
 
 
+def _records(rows: torch.Tensor) -> np.ndarray:
+    """CPU byte rows [n, width] as n opaque numpy records (a view): numpy gathers / scatters them with one
+    memcpy each, ~10x faster than torch's CPU ``index_select`` / ``index_copy_`` on byte rows."""
+    arr = rows.numpy()
+    return arr.view(np.dtype((np.void, arr.shape[1])))[:, 0]
+
+
+def _run_start(pages: np.ndarray) -> int | None:
+    """The first page when ``pages`` are one ascending run of consecutive ids (the common case), else None."""
+    if not len(pages) or int(pages[-1]) - int(pages[0]) != len(pages) - 1 or (np.diff(pages) != 1).any():
+        return None
+    return int(pages[0])
+
+
 def _slot_rows(pool: KVPool, layer: int, name: str, is_scale: bool) -> torch.Tensor:
     """A pool tensor as one byte row per slot: [num_slots, row_bytes] uint8 (a view)."""
     t = pool.flat_scale(layer, name) if is_scale else pool.flat(layer, name)
@@ -227,14 +241,17 @@ class Stager:
         stage = HostStage(self.buffers, self.pool.layout, layer, first, last - first, len(pages))
         try:
             idx = torch.from_numpy(np.array(pages[first:last], dtype=np.int64))  # a private, writable copy
+            run = _run_start(idx.numpy())
             with self.copies.active():
                 if self.pool.device.type != "cpu":
                     idx = idx.to(self.pool.device, non_blocking=True)
                 for (name, is_scale), dst in stage.sections.items():
                     src = _page_rows(self.pool, layer, name, is_scale)
                     host = dst.view(torch.uint8).view(last - first, -1)
-                    if self.pool.device.type == "cpu":
-                        torch.index_select(src, 0, idx, out=host)
+                    if self.pool.device.type == "cpu" and run is not None:  # one run of pages: one memcpy
+                        host.copy_(src[run:run + len(idx)])
+                    elif self.pool.device.type == "cpu":
+                        _records(host)[:] = _records(src)[idx.numpy()]
                     else:
                         gathered = src.index_select(0, idx)  # [k, page bytes] on the device
                         host.copy_(gathered, non_blocking=True)
@@ -286,8 +303,12 @@ class Stager:
                         stage.keep.append(rows)
                     if index is None:
                         dst.copy_(rows)
-                    else:
+                    elif on_device:
                         dst.index_copy_(0, index, rows)
+                    elif (run := _run_start(index.numpy())) is not None:
+                        dst[run:run + len(index)].copy_(rows)
+                    else:
+                        _records(dst)[index.numpy()] = _records(rows)
             stage.event = self.copies.record()
 
 
