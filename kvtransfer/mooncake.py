@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -128,7 +129,7 @@ class MooncakeOffer(NamedTuple):
         return {"s": self.session, "p": self.protocol, "np": self.num_pages, "r": [list(r) for r in self.regions]}
 
     @classmethod
-    def from_dict(cls, d: Any) -> "MooncakeOffer":
+    def from_dict(cls, d: Any) -> MooncakeOffer:
         if type(d) is not dict:
             raise ValueError("mooncake offer is not a map")
         regions = [(int(a), int(n)) for a, n in d["r"]]

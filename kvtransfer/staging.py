@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -129,7 +129,7 @@ class CopyStream:
         with torch.cuda.stream(self.stream):
             yield
 
-    def record(self) -> "torch.cuda.Event | None":
+    def record(self) -> torch.cuda.Event | None:
         if self.stream is None:
             return None
         event = torch.cuda.Event()

@@ -23,7 +23,7 @@ picks, and anything that cannot be set up falls back to TCP with one warning.
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

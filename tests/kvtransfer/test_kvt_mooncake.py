@@ -6,9 +6,26 @@ import logging
 
 import pytest
 import torch
+from kvt_helpers import (
+    SECRET,
+    RawPeer,
+    fragment,
+    make_layout,
+    make_pool,
+    receiver,
+    token_rows,
+    write_layer,
+)
 
-from kvt_helpers import SECRET, RawPeer, fragment, make_layout, make_pool, receiver, token_rows, write_layer
-from kvtransfer import FailReason, KVSender, KVSenderConfig, TransferError, TransferState, TransportKind, mooncake
+from kvtransfer import (
+    FailReason,
+    KVSender,
+    KVSenderConfig,
+    TransferError,
+    TransferState,
+    TransportKind,
+    mooncake,
+)
 from kvtransfer.protocol import FrameType, pack_u32, pages_digest
 
 pytestmark = [pytest.mark.timeout(180),

@@ -9,9 +9,18 @@ import time
 import numpy as np
 import pytest
 import torch
+from kvt_helpers import (
+    SECRET,
+    RawPeer,
+    fragment,
+    make_layout,
+    make_pool,
+    receiver,
+    token_rows,
+    write_layer,
+)
 
 from engine.kvcache.pool import KVPool
-from kvt_helpers import SECRET, RawPeer, fragment, make_layout, make_pool, receiver, token_rows, write_layer
 from kvtransfer import FailReason, KVSender, KVSenderConfig, TransferError
 from kvtransfer.config import ChecksumKind, TransportKind, WireDType
 from kvtransfer.payload import LayerCodec
