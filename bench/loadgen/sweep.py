@@ -24,7 +24,7 @@ import grpc
 
 from bench.loadgen.config import BenchConfig, Slo
 from bench.loadgen.fault import fault_stats, format_fault, inject
-from bench.loadgen.openai_backend import OpenAIGeneration, server_info
+from bench.loadgen.openai_backend import OpenAIGeneration, connector, server_info
 from bench.loadgen.report import (Result, format_compare, format_table, knee_fields, load_json, plot_png,
                                   run_label, write_json)
 from bench.loadgen.runner import LoadStep, StepRunner
@@ -65,7 +65,7 @@ async def fetch_cluster(channel: grpc.aio.Channel, metadata, timeout_s: float = 
 async def _connect(cfg: BenchConfig, metadata):
     """(gRPC channel or None, the Generate stub, what the server says it serves) for ``cfg.backend``."""
     if cfg.backend == "openai":
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             server = await server_info(session, cfg.base_url, cfg.api_key, cfg.model)
             yield None, OpenAIGeneration(session, cfg.base_url, server.get("model") or "", cfg.api_key), server
         return
