@@ -18,6 +18,7 @@ import grpc
 import msgpack
 import torch
 
+from decode.config import DecodeConfig
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
 from engine.kvcache import PoolExhausted
 from engine.loader import model_hash
@@ -214,10 +215,10 @@ async def amain(args: argparse.Namespace) -> None:
         took = warm_up_decode(model, cfg, plan.kv_dtype, args.page_size,
                               args.speculative if spec is not None else None)
         logger.info("decode graphs compiled and warmed up in %.1fs", took)
-    sched = DecodeScheduler(model, pool, cfg.eos_token_ids, max_running=args.max_running,
+    sched = DecodeScheduler(model, pool, cfg.eos_token_ids,
+                            DecodeConfig(max_running=args.max_running, spec_fallback=not args.no_spec_fallback),
                             stop_checker=stop_checker(Tokenizer.from_model_dir(model_dir)), spec=spec)
     sched.heartbeat = heartbeat.Heartbeat(args.stall_after)
-    sched.spec_fallback = not args.no_spec_fallback
     server = rpc.make_server(secret)
     port = process.bind(server, args, "decode")
     address = f"{args.host}:{port}"
@@ -229,7 +230,7 @@ async def amain(args: argparse.Namespace) -> None:
     info["decode_graphs"] = "compiled" if args.compile else "eager"
     mx = sorted({m.spec.fmt.name for m in quantized_experts(model).values()})
     info["routed_experts"] = ",".join(mx) if mx else plan.dtype.dtype
-    info["spec_fallback"] = "on" if spec is not None and sched.spec_fallback else "off"
+    info["spec_fallback"] = "on" if spec is not None and sched.config.spec_fallback else "off"
     servicer = DecodeServicer(sched, receiver, cfg, info, args.worker_id or f"decode-{port}", address, mhash, spec)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])

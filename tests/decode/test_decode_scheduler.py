@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from decode.config import DecodeConfig
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
 from engine.checkpoint import TINY_GLM5, init_random_model
 from engine.kvcache import KVLayout, KVPool
@@ -50,7 +51,8 @@ class CopySink(KVSink):
         pass
 
 
-def pd_generate(tiny, prompts, params, dec_pages=64, max_running=64, spec=None, recompute_chunk=None):
+def pd_generate(tiny, prompts, params, dec_pages=64, max_running=64, spec=None, recompute_chunk=None,
+                fallback=True):
     model, cfg = tiny
     layout = KVLayout.for_model(cfg, P, "float32")
     ppool, dpool = KVPool(layout, 64), KVPool(layout, dec_pages)
@@ -60,9 +62,9 @@ def pd_generate(tiny, prompts, params, dec_pages=64, max_running=64, spec=None, 
         from engine.speculative import SpecConfig
         from engine.speculative.worker import MTPSpeculator
         speculator = MTPSpeculator(model, cfg, dpool, SpecConfig.parse(spec))
-    dec = DecodeScheduler(model, dpool, cfg.eos_token_ids, max_running=max_running, spec=speculator)
-    if recompute_chunk:
-        dec.recompute_chunk = recompute_chunk
+    dec = DecodeScheduler(model, dpool, cfg.eos_token_ids, DecodeConfig(max_running=max_running, spec_fallback=fallback,
+                                                                        recompute_chunk=recompute_chunk or 2048),
+                          spec=speculator)
     events = {}
     for i, ids in enumerate(prompts):
         rid = f"r{i}"
@@ -191,7 +193,7 @@ def test_preempted_request_can_be_aborted(tiny):
                                  0, emit=evs[k].append))
     while dec.num_preempted == 0:
         assert dec.step()
-    victim = dec._preempted[0].req_id
+    victim = dec.preemption.preempted[0].req_id
     assert victim == "b" and dec.abort(victim, "client went away")
     dec.step()
     assert evs[victim][-1].finish_reason == "abort" and dec.num_preempted == 0
@@ -210,25 +212,16 @@ def test_speculation_that_does_not_pay_falls_back_to_plain_losslessly(tiny, fall
     prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (40, 25)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     ref = Engine(model, cfg, page_size=P, num_pages=64).generate(prompts, params)
-    real_init = DecodeScheduler.__init__
-
-    def init(self, *a, **k):
-        real_init(self, *a, **k)
-        self.spec_fallback = fallback
-    DecodeScheduler.__init__ = init
-    try:
-        events, dpool = pd_generate(tiny, prompts, params, spec="3/1/4")
-    finally:
-        DecodeScheduler.__init__ = real_init
+    events, dpool = pd_generate(tiny, prompts, params, spec="3/1/4", fallback=fallback)
     dec = pd_generate.last
     for i, r in enumerate(ref):
         assert r.token_ids[1:] == tokens(events[f"r{i}"]) and events[f"r{i}"][-1].finish_reason == "length"
-    tasks_rounds = dec.spec.metrics.num_verify_steps
+    tasks_rounds = dec.speculation.speculator.metrics.num_verify_steps
     if fallback:
-        assert dec.spec_fallbacks == 2 and dec._round_cost > 1.5
-        assert tasks_rounds <= 2 * dec.spec_probe_rounds + 2  # speculation stopped after the probe rounds
+        assert dec.spec_fallbacks == 2 and dec.speculation.round_cost > 1.5
+        assert tasks_rounds <= 2 * dec.config.spec_probe_rounds + 2  # speculation stopped after the probe rounds
     else:
-        assert dec.spec_fallbacks == 0 and tasks_rounds > 2 * dec.spec_probe_rounds + 2
+        assert dec.spec_fallbacks == 0 and tasks_rounds > 2 * dec.config.spec_probe_rounds + 2
     assert dpool.allocator.num_used == 0
 
 
@@ -245,12 +238,11 @@ def test_recompute_rebuilds_the_kv_of_both_the_model_and_its_mtp_layer(tiny):
     pages = ref_pool.allocator.alloc(ref_pool.pages_for(n + 1), "ref")
     out = model(ForwardBatch.build([BatchRequest(pages, 0, seq[:n])], P), ref_pool)
     model.forward_mtp(ForwardBatch.build([BatchRequest(pages, 0, seq[1:n + 1])], P), ref_pool, out.hidden)
-    dec = DecodeScheduler(model, pool, cfg.eos_token_ids)
-    dec.recompute_chunk = 32  # 3 chunks
+    dec = DecodeScheduler(model, pool, cfg.eos_token_ids, DecodeConfig(recompute_chunk=32))  # 3 chunks
     task = DecodeTask("r", prompt, output, SamplingParams(max_tokens=100), pool.allocator.alloc(len(pages), "r"), 0,
                       emit=lambda ev: None)
     assert task.pages == pages
-    dec._recompute(task, n)
+    dec.preemption.recompute(task, n)
     slots = torch.arange(n)
     for layer in range(layout.num_layers):  # the MTP layer is the last one
         for c in layout.components:
@@ -335,7 +327,7 @@ def test_only_a_request_bigger_than_the_whole_pool_ends_for_room(tiny):
 def test_refusal_counts_reservations_as_running(tiny):
     model, cfg = tiny
     pool = KVPool(KVLayout.for_model(cfg, P, "float32"), 16)
-    dec = DecodeScheduler(model, pool, cfg.eos_token_ids, max_running=2)
+    dec = DecodeScheduler(model, pool, cfg.eos_token_ids, DecodeConfig(max_running=2))
     assert dec.refusal(1) == ""
     assert "max_running=2" in dec.refusal(2)
     local_run(dec, "a", list(range(3, 20)), SamplingParams(max_tokens=4))

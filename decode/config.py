@@ -1,0 +1,24 @@
+"""The decode scheduler's settings (``decode.scheduler.DecodeScheduler``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    max_running: int = 64
+    """Requests running or on their way (reserved transfers, local prefills) at once; ``Reserve`` refuses past it."""
+    spec_fallback: bool = True
+    """Switch a request to plain decoding once its speculation costs more than it gains: after
+    ``spec_probe_rounds`` rounds, if its tokens per round are below the round's cost in plain steps (round time
+    / its verify forward's time, both measured by the worker). Greedy output is unchanged; the request's MTP KV
+    is no longer kept, so the switch is for the rest of the request."""
+    spec_probe_rounds: int = 8
+    """Speculative rounds a request runs before ``spec_fallback`` judges it."""
+    recompute_chunk: int = 2048
+    """Tokens per forward when a preempted request's KV is recomputed."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "spec_probe_rounds", "recompute_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

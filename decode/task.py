@@ -1,0 +1,75 @@
+"""What the decode scheduler keeps per request, and what a request's ``emit`` receives."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine.kvcache.pool import KVPool
+from engine.sampling import SamplerState, SamplingParams
+
+
+class State(enum.Enum):
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """What a request's ``emit`` receives: new tokens and, on the last event, why it ended."""
+    token_ids: list[int]
+    finish_reason: str = ""
+    """``stop``, ``length``, ``abort`` or ``error``; empty while running."""
+    message: str = ""
+    logprobs: list[tuple[int, float, list[int], list[float]]] = field(default_factory=list)
+    accept_len: float = 0.0
+
+
+@dataclass(eq=False)
+class DecodeTask:
+    req_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    """Tokens already produced (at least the first token, sampled by prefill)."""
+    params: SamplingParams
+    pages: list[int]
+    """Pages holding the KV of ``cached_len`` tokens (reserved at transfer time, owned by this task)."""
+    cached_len: int
+    emit: Callable[[TokenEvent], None]
+    deadline: float | None = None
+    state: State = State.RUNNING
+    abort_reason: str = ""
+    sampler: SamplerState | None = None
+    steps: int = 0
+    emitted: int = 0
+    arrival: int = 0
+    """Admission order: the youngest (largest) is preempted first."""
+    preemptions: int = 0
+    spec_rounds: int = 0
+    spec_tokens: int = 0
+    spec_off: bool = False
+    """Speculation stopped paying for this request (``DecodeConfig.spec_fallback``): plain steps."""
+    draft_hidden: torch.Tensor | None = None
+    """``[H]`` the MTP draft state shipped with the KV (``engine.spec.seq.SpecSeq.draft_hidden``): the first
+    round speculates. None: it verifies the last token alone and its draft extend creates the state."""
+
+    def __post_init__(self) -> None:
+        if self.sampler is None:
+            self.sampler = SamplerState(self.params, self.prompt_ids, list(self.output_ids))
+
+
+def ensure_pages(pool: KVPool, task: DecodeTask, num_tokens: int) -> None:
+    """Grow ``task.pages`` to hold ``num_tokens`` tokens (``PoolExhausted`` when the pool cannot)."""
+    need = pool.pages_for(num_tokens) - len(task.pages)
+    if need > 0:
+        task.pages += pool.allocator.alloc(need, task.req_id)
+
+
+def release_pages(pool: KVPool, task: DecodeTask) -> None:
+    """Give ``task``'s pages back to the pool."""
+    if task.pages:
+        pool.allocator.decref(task.pages)
+        task.pages = []
