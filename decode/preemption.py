@@ -4,7 +4,7 @@ how a preempted request comes back.
 When the pool runs out, the youngest running request is preempted: its pages are freed, its tokens so far are
 kept, and once enough pages are free again (plus a page of headroom per running request, so it is not
 preempted again at once) its KV is recomputed from the prompt and the tokens it already produced, chunked,
-with the MTP layer's KV as a prefill worker ships it (``engine.spec.prefill.prefill_forward``); it continues
+with the MTP layer's KV as a prefill worker ships it (``engine.speculative.prefill.prefill_forward``); it continues
 as if nothing happened: the client sees a pause, not an error. A request that cannot fit even alone in the
 whole pool ends with a clear error. A running request is never ended or starved for room that reservations
 of incoming transfers hold: when it is the only one left to run it waits for them, keeping its pages
@@ -15,13 +15,14 @@ Every method but ``recompute`` runs under the scheduler's lock; it owns the runn
 from __future__ import annotations
 
 import logging
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from decode.config import DecodeConfig
 from decode.task import DecodeTask, ensure_pages, release_pages
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
-from engine.spec.prefill import PrefillChunk, prefill_forward
+from engine.speculative.prefill import PrefillChunk, prefill_forward
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -53,7 +53,7 @@ class DecodeTask:
     spec_off: bool = False
     """Speculation stopped paying for this request (``DecodeConfig.spec_fallback``): plain steps."""
     draft_hidden: torch.Tensor | None = None
-    """``[H]`` the MTP draft state shipped with the KV (``engine.spec.seq.SpecSeq.draft_hidden``): the first
+    """``[H]`` the MTP draft state shipped with the KV (``engine.speculative.seq.SpecSeq.draft_hidden``): the first
     round speculates. None: it verifies the last token alone and its draft extend creates the state."""
 
     def __post_init__(self) -> None:
