@@ -30,7 +30,7 @@ from kvtransfer.config import add_transport_args, receiver_mooncake_protocol
 from common import logs
 from protos import rpc
 from common.net import check_bind
-from worker import heartbeat, process
+from worker import convert, heartbeat, process
 from worker.metrics import serve_metrics
 from worker.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
@@ -41,8 +41,10 @@ SERVICE = "pdserve.v1.DecodeWorker"
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, sched: DecodeScheduler, receiver: KVReceiver, cfg, info: dict[str, str], worker_id: str,
-                 address: str, mhash: str, speculator=None) -> None:
+                 address: str, mhash: str, speculator=None, model: generation_pb2.ModelInfo | None = None) -> None:
         self.sched, self.receiver, self.cfg = sched, receiver, cfg
+        self.model = model
+        """The model contract (``WorkerStatus.model``)."""
         self.info, self.worker_id, self.address, self.mhash = info, worker_id, address, mhash
         self.speculator = speculator
         """``engine.speculative.worker.MTPSpeculator`` when this worker speculates: its stats go in ``WorkerStatus.spec``."""
@@ -144,7 +146,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             healthy=not problem, running=self.sched.num_running,
             queued=self.sched.num_pending + self.receiver.stats().num_active,  # admitted, KV on its way
             pages_total=st.num_pages, pages_free=st.num_free,
-            tokens_per_s=tps, model_hash=self.mhash,
+            tokens_per_s=tps, model_hash=self.mhash, model=self.model,
             spec=spec_stats_to_proto(spec.stats(), str(spec.spec)) if spec is not None else None,
             info={**self.info, "preempted": str(self.sched.num_preempted), "preemptions": str(self.sched.preemptions),
                   "spec_fallbacks": str(self.sched.spec_fallbacks), **expert_status(self.sched.model),
@@ -222,7 +224,8 @@ async def amain(args: argparse.Namespace) -> None:
     server = rpc.make_server(secret)
     port = process.bind(server, args, "decode")
     address = f"{args.host}:{port}"
-    info = process.model_info(cfg, model_dir, args.page_size)
+    model_info = convert.model_info(cfg, model_dir, args.page_size)
+    info = convert.model_info_strings(model_info)
     info.update(dtype=plan.dtype.dtype, kv_pool_bytes=str(plan.pool.pool_bytes))
     info["gc_frozen_objects"] = str(process.freeze_startup_heap())  # everything is loaded: full collections skip it
     info["speculative"] = args.speculative if spec is not None else "off"
@@ -231,7 +234,8 @@ async def amain(args: argparse.Namespace) -> None:
     mx = sorted({m.spec.fmt.name for m in quantized_experts(model).values()})
     info["routed_experts"] = ",".join(mx) if mx else plan.dtype.dtype
     info["spec_fallback"] = "on" if spec is not None and sched.config.spec_fallback else "off"
-    servicer = DecodeServicer(sched, receiver, cfg, info, args.worker_id or f"decode-{port}", address, mhash, spec)
+    servicer = DecodeServicer(sched, receiver, cfg, info, args.worker_id or f"decode-{port}", address, mhash, spec,
+                              model_info)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])
     sched.start()

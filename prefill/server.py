@@ -27,7 +27,7 @@ from prefill.transfer import TransferSink
 from common import logs
 from protos import rpc
 from common.net import check_bind
-from worker import heartbeat, process
+from worker import convert, heartbeat, process
 from worker.metrics import serve_metrics
 from worker.convert import sampling_from_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
@@ -40,8 +40,11 @@ MAX_FAULTS = 1000
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, sched: PrefillScheduler, sender: KVSender, cfg, info: dict[str, str], worker_id: str,
-                 address: str, mhash: str, fault_injection: bool = False) -> None:
+                 address: str, mhash: str, fault_injection: bool = False,
+                 model: generation_pb2.ModelInfo | None = None) -> None:
         self.sched, self.sender, self.cfg, self.fault_injection = sched, sender, cfg, fault_injection
+        self.model = model
+        """The model contract (``WorkerStatus.model``)."""
         self.info, self.worker_id, self.address, self.mhash = info, worker_id, address, mhash
         self.loop = asyncio.get_running_loop()
         self.subscribers: set[asyncio.Queue] = set()
@@ -122,10 +125,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             worker_id=self.worker_id, role="prefill", address=self.address, healthy=not problem,
             running=self.sched.num_running, queued=self.sched.num_queued, pages_total=st.num_pages,
             pages_free=st.num_free, pages_cached=c.num_pages, cache_hit_rate=rate, tokens_per_s=tps,
-            model_hash=self.mhash, info={**self.info, "pages_owned_by_requests": str(st.num_used - c.num_pages),
-                                         "kv_drops_armed": str(self.sender.drops_armed),
-                                         "kv_drops_fired": str(self.sender.drops_fired),
-                                         **({"unhealthy": problem} if problem else {})})
+            model_hash=self.mhash, model=self.model,
+            info={**self.info, "pages_owned_by_requests": str(st.num_used - c.num_pages),
+                  "kv_drops_armed": str(self.sender.drops_armed), "kv_drops_fired": str(self.sender.drops_fired),
+                  **({"unhealthy": problem} if problem else {})})
 
     def counters(self) -> dict[str, tuple[float, str]]:
         """Monotonic totals for /metrics (``worker.metrics``)."""
@@ -215,11 +218,12 @@ async def amain(args: argparse.Namespace) -> None:
     server = rpc.make_server(secret)
     port = process.bind(server, args, "prefill")
     address = f"{args.host}:{port}"
-    info = process.model_info(cfg, model_dir, args.page_size)
+    model_info = convert.model_info(cfg, model_dir, args.page_size)
+    info = convert.model_info_strings(model_info)
     info.update(dtype=plan.dtype.dtype, kv_pool_bytes=str(plan.pool.pool_bytes))
     info["gc_frozen_objects"] = str(process.freeze_startup_heap())  # everything is loaded: full collections skip it
     servicer = PrefillServicer(sched, sender, cfg, info,
-                               args.worker_id or f"prefill-{port}", address, mhash, args.fault_injection)
+                               args.worker_id or f"prefill-{port}", address, mhash, args.fault_injection, model_info)
     sched.cache.on_event = servicer.publish
     sched.heartbeat = heartbeat.Heartbeat(args.stall_after)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)

@@ -216,7 +216,7 @@ class Registry:
                 if self._info_src is w.status:
                     return self._info
                 try:
-                    info = ModelInfo.from_info(w.status.info, w.status.model_hash)
+                    info = ModelInfo.from_status(w.status)
                 except ValueError as e:
                     if w.key not in self._info_warned:
                         self._info_warned.add(w.key)

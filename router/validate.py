@@ -84,7 +84,20 @@ class ModelInfo:
     model_hash: str = ""
 
     @classmethod
-    def from_info(cls, info: Mapping[str, str], model_hash: str = "") -> "ModelInfo":
+    def from_status(cls, st: generation_pb2.WorkerStatus) -> ModelInfo:
+        """The worker's typed ``WorkerStatus.model``; a worker that predates it: the same fields parsed from
+        ``WorkerStatus.info`` (``from_info``). Raises ValueError when neither holds a usable contract."""
+        if not st.HasField("model"):
+            return cls.from_info(st.info, st.model_hash)
+        m = st.model
+        if not (m.vocab_size and m.max_context and m.page_size):
+            raise ValueError(f"worker status model lacks vocab_size, max_context or page_size: {m}")
+        return cls(vocab_size=m.vocab_size, max_context=m.max_context, page_size=m.page_size,
+                   eos_token_ids=tuple(m.eos_token_ids), model_dir=m.model_dir, has_tokenizer=m.has_tokenizer,
+                   model_hash=st.model_hash)
+
+    @classmethod
+    def from_info(cls, info: Mapping[str, str], model_hash: str = "") -> ModelInfo:
         """Parse ``WorkerStatus.info``; raises ValueError naming a missing or malformed key."""
         try:
             eos = tuple(int(x) for x in info.get("eos_token_ids", "").split(",") if x.strip())

@@ -2,10 +2,30 @@
 from __future__ import annotations
 
 import math
+import os
+import socket
 
 from engine.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
 from engine.speculative.metrics import SpecStats
 from protos.pdserve.v1 import generation_pb2
+
+
+def model_info(cfg, model_dir: str, page_size: int) -> generation_pb2.ModelInfo:
+    """The model contract a worker reports in ``WorkerStatus.model`` (``cfg``: the engine's ``ModelConfig``)."""
+    return generation_pb2.ModelInfo(
+        vocab_size=cfg.vocab_size, max_context=cfg.max_position_embeddings, page_size=page_size,
+        eos_token_ids=list(cfg.eos_token_ids), model_dir=os.path.abspath(model_dir), model_type=cfg.model_type,
+        has_tokenizer=os.path.exists(os.path.join(model_dir, "tokenizer.json")),
+        num_mtp_layers=cfg.num_mtp_layers, pid=os.getpid(), host=socket.gethostname())
+
+
+def model_info_strings(m: generation_pb2.ModelInfo) -> dict[str, str]:
+    """``m`` as the ``WorkerStatus.info`` keys a router that predates ``WorkerStatus.model`` parses (the same
+    keys and formats as before the typed message)."""
+    return {"pid": str(m.pid), "host": m.host, "vocab_size": str(m.vocab_size), "max_context": str(m.max_context),
+            "page_size": str(m.page_size), "eos_token_ids": ",".join(map(str, m.eos_token_ids)),
+            "model_dir": m.model_dir, "model_type": m.model_type, "has_tokenizer": "1" if m.has_tokenizer else "0",
+            "num_mtp_layers": str(m.num_mtp_layers)}
 
 
 def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:

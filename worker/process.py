@@ -7,23 +7,12 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 import signal
 import time
 
 from common import env, logs
 
 logger = logging.getLogger(__name__)
-
-
-def model_info(cfg, model_dir: str, page_size: int) -> dict[str, str]:
-    """What the router needs to validate requests without loading the model (WorkerStatus.info)."""
-    import socket
-    return {"pid": str(os.getpid()), "host": socket.gethostname(), "vocab_size": str(cfg.vocab_size), "max_context": str(cfg.max_position_embeddings),
-            "page_size": str(page_size), "eos_token_ids": ",".join(map(str, cfg.eos_token_ids)),
-            "model_dir": os.path.abspath(model_dir), "model_type": cfg.model_type,
-            "has_tokenizer": "1" if os.path.exists(os.path.join(model_dir, "tokenizer.json")) else "0",
-            "num_mtp_layers": str(cfg.num_mtp_layers)}
 
 
 def freeze_startup_heap() -> int:

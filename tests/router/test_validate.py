@@ -110,6 +110,18 @@ def test_model_info_from_worker_info():
         ModelInfo.from_info({"max_context": "1"})
 
 
+def test_model_info_from_status_reads_the_typed_contract_and_falls_back_to_the_strings():
+    model = generation_pb2.ModelInfo(vocab_size=128, max_context=4096, page_size=16, eos_token_ids=[1, 2],
+                                     model_dir="/m", has_tokenizer=True)
+    legacy = {"vocab_size": "64", "max_context": "512", "page_size": "8", "eos_token_ids": "3"}
+    typed = ModelInfo.from_status(generation_pb2.WorkerStatus(model=model, info=legacy, model_hash="h"))
+    assert typed == ModelInfo(128, 4096, 16, (1, 2), "/m", True, "h")  # the typed message wins
+    old_worker = ModelInfo.from_status(generation_pb2.WorkerStatus(info=legacy))  # a worker before ModelInfo
+    assert (old_worker.vocab_size, old_worker.page_size, old_worker.eos_token_ids) == (64, 8, (3,))
+    with pytest.raises(ValueError, match="page_size"):
+        ModelInfo.from_status(generation_pb2.WorkerStatus(model=generation_pb2.ModelInfo(vocab_size=1)))
+
+
 def test_config_validation_and_generated_flags():
     with pytest.raises(ValueError, match="routing"):
         RouterConfig(routing="fastest")

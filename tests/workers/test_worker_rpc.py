@@ -12,7 +12,7 @@ from engine.load import load_model
 from engine.offline import Engine
 from engine.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
 from procs import Worker
-from worker.convert import sampling_from_proto
+from worker.convert import model_info_strings, sampling_from_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 SECRET = "test-secret-0123456789abcdef"
@@ -78,6 +78,12 @@ def test_pd_over_real_workers_matches_in_process_engine(cluster):
     assert ps.info["pages_owned_by_requests"] == "0" and ps.pages_cached > 0
     # both froze their start-up heap (modules, model, tables) out of the garbage collector's full passes
     assert int(ps.info["gc_frozen_objects"]) > 20000 and int(ds.info["gc_frozen_objects"]) > 20000
+    # the model contract travels typed, and as the same strings for routers that predate it
+    for st in (ps, ds):
+        assert (st.model.vocab_size, st.model.max_context, st.model.page_size) == \
+            (cfg.vocab_size, cfg.max_position_embeddings, 16)
+        assert list(st.model.eos_token_ids) == list(cfg.eos_token_ids) and st.model.num_mtp_layers == cfg.num_mtp_layers
+        assert model_info_strings(st.model).items() <= dict(st.info).items()
 
 
 def test_internal_services_require_the_cluster_secret(cluster):

@@ -127,7 +127,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "kv_address", "healthy", "running", "queued", "pages_total", "pages_free", "pages_cached", "cache_hit_rate", "tokens_per_s", "model_hash", "info", "spec")
+    __slots__ = ("worker_id", "role", "address", "kv_address", "healthy", "running", "queued", "pages_total", "pages_free", "pages_cached", "cache_hit_rate", "tokens_per_s", "model_hash", "info", "spec", "model")
     class InfoEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class WorkerStatus(_message.Message):
     MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -165,7 +166,32 @@ class WorkerStatus(_message.Message):
     model_hash: str
     info: _containers.ScalarMap[str, str]
     spec: SpecStats
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., healthy: _Optional[bool] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., pages_cached: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., model_hash: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ...) -> None: ...
+    model: ModelInfo
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., healthy: _Optional[bool] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., pages_cached: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., model_hash: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("vocab_size", "max_context", "page_size", "eos_token_ids", "model_dir", "model_type", "has_tokenizer", "num_mtp_layers", "pid", "host")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    NUM_MTP_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    max_context: int
+    page_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    model_dir: str
+    model_type: str
+    has_tokenizer: bool
+    num_mtp_layers: int
+    pid: int
+    host: str
+    def __init__(self, vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., page_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_dir: _Optional[str] = ..., model_type: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., num_mtp_layers: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
 
 class SpecStats(_message.Message):
     __slots__ = ("config", "verify_steps", "accepted_drafts", "draft_tokens", "accept_len", "accept_rate_per_position", "accept_rate_at_least", "drafted_at_depth", "reached_at_depth", "accepted_at_depth")
