@@ -3,6 +3,7 @@ peer SIGKILL, aborts from either side mid-transfer, expiry and stalls, a cut con
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -24,9 +25,16 @@ from kvtransfer import (
     TransferError,
     TransferState,
     TransportKind,
+    auth,
     mooncake,
 )
-from kvtransfer.protocol import FrameType, pack_u32, pages_digest
+from kvtransfer.protocol import (
+    PDSERVE_KV_PROTOCOL_VERSION,
+    FrameType,
+    pack_u32,
+    pages_digest,
+    peer_info,
+)
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(mooncake.available() is not None, reason=str(mooncake.available()))]
@@ -214,3 +222,28 @@ def test_one_sided_frames_need_an_offer():
         assert peer.expect(FrameType.ABORT)["reason"] == FailReason.BAD_FRAME.value
         peer.close()
         h.wait_until(lambda: pool.allocator.num_used == 0)
+
+
+def test_a_lost_remote_writer_keeps_its_pages_for_the_grace_period():
+    """A Mooncake writer on another host (its pid cannot be checked here) loses its connection holding a
+    lease: the pages stay reserved for ``remote_writer_grace_s`` (a write may still be in flight), then go."""
+    pool = make_pool(make_layout(), 16)
+    with receiver(pool, remote_writer_grace_s=1.0, **MC) as h:
+        t = h.rx.reserve("w", 8)
+        peer = RawPeer(h.rx.address)
+        nonce = auth.new_nonce()
+        peer.frame(FrameType.HELLO, {"v": PDSERVE_KV_PROTOCOL_VERSION, "n": nonce})
+        ch = peer.expect(FrameType.CHALLENGE)
+        info = peer_info(pool.layout.to_dict(), host_id="elsewhere", pid=1 << 30, pid_start=1, wire="native",
+                         ck="xxh3", mc=True)  # a pid that runs nowhere here: another host's process
+        peer.frame(FrameType.AUTH, {"p": auth.make_proof(SECRET, auth.Role.SENDER, nonce, ch["n"]), "info": info})
+        assert peer.expect(FrameType.READY)["info"]["mc"]["s"] == h.rx.mooncake.session
+        peer.frame(FrameType.SHM_OPEN, {"rid": "w", "tid": t.ticket_id,
+                                        "dg": pages_digest(pack_u32(t.page_ids), pack_u32(t.generations))})
+        peer.expect(FrameType.SHM_OPENED)
+        peer.close()
+        expect_failure(h, "w", FailReason.PEER_DIED)
+        lost = time.monotonic()
+        h.wait_until(lambda: pool.allocator.num_used == 0, timeout_s=10)
+        assert time.monotonic() - lost >= 0.8, "freed before the grace period"
+        assert h.rx.stats().num_draining == 0
