@@ -68,8 +68,17 @@ def kernel() -> ModuleType | None:
         return None
 
 
+_disabled: list[str] = []
+
+
+def disable(reason: str) -> None:
+    """Switch the fused strategies off in this process (benchmarks comparing against the torch path)."""
+    logger.warning("MX fused CPU kernel disabled: %s", reason)
+    _disabled.append(reason)
+
+
 def available() -> bool:
-    return kernel() is not None
+    return not _disabled and kernel() is not None
 
 
 @functools.cache

@@ -182,6 +182,17 @@ def test_tune_moe_cli_writes_a_table(tmp_path):
         assert set(table) == {"1", "8"} and set(table.values()) <= {"mx_gather", "mx_sorted", "cached_dense"}
 
 
+def test_tune_moe_times_the_fused_strategies(tmp_path):
+    if not mx_cpu_kernel.available():
+        pytest.skip("no C++ compiler")
+    from cluster.cli import main
+    rc = main(["tune-moe", "--shapes", "64,64,8,2", "--tokens", "1,64", "--impls", "fused_gather,fused_sorted,triton",
+               "--out", str(tmp_path), "--max-run-s", "2"])
+    assert rc == 0
+    table = json.loads((tmp_path / MoEShape(64, 64, 8, 2).file_name(tuning.device_name("cpu"))).read_text())
+    assert set(table) == {"1", "64"} and set(table.values()) <= {"fused_gather", "fused_sorted"}  # triton: no cuda
+
+
 def test_shipped_tables_name_registered_impls():
     files = [f for f in os.listdir(tuned_table.TUNED_DIR) if f.endswith(".json")]
     assert files, "no tuned tables shipped"
