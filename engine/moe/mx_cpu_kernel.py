@@ -62,7 +62,7 @@ def kernel() -> ModuleType | None:
     try:
         return cpp_extension.load(name=name, sources=[SOURCE], build_directory=build_dir,
                                   extra_cflags=["-O3", "-march=native", "-std=c++17"], verbose=False)
-    except Exception as e:  # any build/load failure: one loud fallback, never a crash
+    except Exception as e:  # noqa: BLE001 - any build/load failure: one loud fallback, never a crash
         logger.warning("MX fused CPU kernel unavailable: building %s failed (%s); MX experts run the torch "
                        "strategies (dequantize, then GEMM): slower decode, more memory", SOURCE, e)
         return None

@@ -135,7 +135,7 @@ print(json.dumps(err))
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_kernel_under_interpreter_matches_reference():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", TRITON_CHECK], capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run([sys.executable, "-c", TRITON_CHECK], capture_output=True, text=True, timeout=300, env=env, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     err = json.loads(out.stdout.strip().splitlines()[-1])
     for key, e in err.items():

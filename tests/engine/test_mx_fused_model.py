@@ -43,7 +43,7 @@ def test_run_decode_weights_reports_fused_and_mx_bytes_only():
             "8", "--ignore-eos", "--no-speculative", "--dtype", "float32", "--json"]
     got = {}
     for weights in ("model", "mxfp4"):
-        out = subprocess.run(base + ["--decode-weights", weights], capture_output=True, text=True, timeout=300)
+        out = subprocess.run(base + ["--decode-weights", weights], capture_output=True, text=True, timeout=300, check=False)
         assert out.returncode == 0, out.stderr[-3000:]
         got[weights] = json.loads(out.stdout)
     dense, mx = got["model"], got["mxfp4"]

@@ -5,11 +5,11 @@ no dequantized copy of any layer."""
 import os
 
 import pytest
+from serve_helpers import ServeProcess, pages_all_free, wait_until
 
 from engine.defaults import SHIPPED_DEFAULT
 from engine.moe import mx_cpu_kernel
 from router.client import GenerationClient
-from serve_helpers import ServeProcess, pages_all_free, wait_until
 
 pytestmark = [pytest.mark.skipif(not os.path.exists(os.path.join(SHIPPED_DEFAULT, "config.json")),
                                  reason="no default model"),
