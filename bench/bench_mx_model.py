@@ -28,7 +28,8 @@ import torch
 
 from engine.moe import mx_cpu_kernel
 from engine.quant.prepare import expert_memory, quantized_experts
-from engine.runtime import Engine, Seq, load_model
+from engine.load import load_model
+from engine.offline import Engine, Seq
 from engine.sampling import SamplerState, SamplingParams
 
 VARIANTS = ("bf16", "mxfp4-fused", "mxfp4-dequant")

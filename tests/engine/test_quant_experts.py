@@ -7,9 +7,8 @@ import os
 import pytest
 import torch
 
-from engine.moe import tuned_table
+from engine.moe import mx_cpu_kernel, tuned_table
 from engine.moe.experts import moe_sorted
-from engine.moe import mx_cpu_kernel
 from engine.moe.mx_experts import MX_MOE_IMPLS, DequantCache, MXRoutedExperts
 from engine.moe.tune import random_routing
 from engine.moe.tuned_table import MoEShape
@@ -185,11 +184,11 @@ def test_tune_moe_cli_writes_a_table(tmp_path):
 def test_tune_moe_times_the_fused_strategies(tmp_path):
     if not mx_cpu_kernel.available():
         pytest.skip("no C++ compiler")
-    from cluster.cli import main
+    from cli.main import main
     rc = main(["tune-moe", "--shapes", "64,64,8,2", "--tokens", "1,64", "--impls", "fused_gather,fused_sorted,triton",
                "--out", str(tmp_path), "--max-run-s", "2"])
     assert rc == 0
-    table = json.loads((tmp_path / MoEShape(64, 64, 8, 2).file_name(tuning.device_name("cpu"))).read_text())
+    table = json.loads((tmp_path / MoEShape(64, 64, 8, 2).file_name(tuned_table.device_name("cpu"))).read_text())
     assert set(table) == {"1", "64"} and set(table.values()) <= {"fused_gather", "fused_sorted"}  # triton: no cuda
 
 
