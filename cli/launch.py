@@ -32,7 +32,7 @@ def register(sub) -> None:
 
     st = sub.add_parser("status", help="show the pdserve actors on a Ray cluster: addresses, nodes, restarts")
     _common(st)
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="print one JSON object")
     st.set_defaults(fn=cmd_status)
 
     sp = sub.add_parser("stop", help="stop every pdserve actor and remove its placement groups")
@@ -46,7 +46,7 @@ def register(sub) -> None:
     sc.add_argument("--decode", type=int, default=None, help="decode workers wanted (default: unchanged)")
     sc.add_argument("--drain-timeout-s", type=float, default=600.0,
                     help="how long a removed worker may finish its requests before it is stopped")
-    sc.add_argument("--json", action="store_true")
+    sc.add_argument("--json", action="store_true", help="print one JSON object")
     sc.set_defaults(fn=cmd_scale)
 
 

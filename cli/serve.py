@@ -31,15 +31,15 @@ def register(sub) -> None:
                    help="router and worker logs as text lines or one JSON object per line")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (auto: the checkpoint's where the device computes it fast, else float32)")
-    s.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp8_e4m3"])
-    s.add_argument("--page-size", type=int, default=16)
+    s.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp8_e4m3"], help="KV cache dtype (default: the compute dtype; alias --kv-cache-dtype)")
+    s.add_argument("--page-size", type=int, default=16, help="KV page size in tokens")
     s.add_argument("--num-pages", type=int, default=None, help="KV pages per worker (default: sized from memory)")
     s.add_argument("--kv-cache-memory", default=None, metavar="BYTES", help="KV pool bytes per worker (8GiB, 512MB)")
     s.add_argument("--mem-fraction", type=float, default=None,
                    help="fraction of this host's (or GPU's) memory for all workers together (weights, activations, "
                         "KV pools), split equally (default: 0.9 on a GPU; on a CPU at most 4096 pages per worker)")
     s.add_argument("--speculative", default="5/1/6", help="MTP speculation STEPS/TOPK/DRAFT_TOKENS")
-    s.add_argument("--no-speculative", action="store_true")
+    s.add_argument("--no-speculative", action="store_true", help="no MTP speculation (same as --speculative off)")
     s.add_argument("--no-spec-fallback", action="store_true",
                    help="decode workers keep speculating for every request, even when its drafts are rarely "
                         "accepted (default: such a request switches to plain decoding)")
@@ -59,9 +59,13 @@ def register(sub) -> None:
     s.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
     s.add_argument("--tls-ca", default=None, metavar="PEM",
                    help="CA bundle for mutual TLS between the router and the workers (default: trust --tls-cert)")
-    s.add_argument("--routing", default="cache_aware", choices=["cache_aware", "round_robin", "least_load", "random"])
+    s.add_argument("--routing", default="cache_aware", choices=["cache_aware", "round_robin", "least_load", "random"], help="router prefill policy")
     s.add_argument("--local-prefill-below", type=int, default=0,
                    help="prefill prompts shorter than this on the decode worker (0: always disaggregate)")
+    s.add_argument("--max-inflight", type=int, default=256,
+                   help="router: requests in flight at once (more get RESOURCE_EXHAUSTED)")
+    s.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="router: the longest a request may take (a client's shorter deadline wins)")
     s.add_argument("--max-failovers", type=int, default=2,
                    help="times a request may resume on another decode worker after its own died mid-stream")
     s.add_argument("--decode-stall-timeout", type=float, default=30.0,
@@ -97,16 +101,16 @@ def register(sub) -> None:
     flags.add_api_key_file_arg(g)
     g.add_argument("--tls-ca", default=None, metavar="PEM",
                    help="dial the router over TLS, trusting this CA bundle (or its self-signed certificate)")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's, greedy)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the smallest set of tokens whose probability reaches this")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the most likely one")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stop-token-ids", default=None, help="comma-separated token ids")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--priority", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    g.add_argument("--priority", type=int, default=0, help="request priority (higher first when workers queue)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds before the request is abandoned")
     g.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     g.set_defaults(fn=cmd_generate)
@@ -134,6 +138,7 @@ def serve_config(args: argparse.Namespace):
         compile_decode=args.compile,
         api_key=api_key, routing=args.routing, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         local_prefill_below=args.local_prefill_below, max_failovers=args.max_failovers,
+        max_inflight=args.max_inflight, request_timeout_s=args.request_timeout_s,
         decode_stall_timeout_s=args.decode_stall_timeout, fault_injection=args.fault_injection, shm=not args.no_shm,
         stall_after_s=args.stall_after,
         threads_per_worker=args.threads_per_worker,
@@ -145,8 +150,10 @@ def serve_config(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from cluster.local import ClusterStartError, LocalCluster
+    from cluster.preflight import check_serve
     try:
         cfg = serve_config(args)
+        check_serve(cfg)  # everything checkable before a process is spawned
     except (ValueError, OSError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

@@ -130,6 +130,10 @@ class LocalClusterConfig:
     """Router prefill policy."""
     local_prefill_below: int = 0
     """Router: prefill prompts shorter than this on the decode worker (0: off)."""
+    max_inflight: int = 256
+    """Router: requests in flight at once; more are refused with RESOURCE_EXHAUSTED."""
+    request_timeout_s: float = 600.0
+    """Router: the longest a request may take (a client's shorter deadline wins)."""
     max_failovers: int = 2
     """Router: times a request may resume on another decode worker after its own died mid-stream."""
     decode_stall_timeout_s: float = 30.0
@@ -326,7 +330,8 @@ class LocalCluster:
                "--decode", dec, "--routing", c.routing, "--model", self.model,
                "--local-prefill-below", str(c.local_prefill_below), "--max-failovers", str(c.max_failovers),
                "--decode-stall-timeout-s", str(c.decode_stall_timeout_s),
-               "--startup-timeout-s", str(c.startup_timeout_s), "--grace-s", repr(c.grace_s)]
+               "--startup-timeout-s", str(c.startup_timeout_s), "--grace-s", repr(c.grace_s),
+               "--max-inflight", str(c.max_inflight), "--request-timeout-s", repr(c.request_timeout_s)]
         cmd += ["--served-model-name", c.served_model_name] if c.served_model_name else []
         cmd += logs.log_args(c.log_level, c.log_format) + self._tls_args()
         return cmd + (["--fault-injection"] if c.fault_injection else [])

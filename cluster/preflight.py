@@ -17,10 +17,12 @@ from typing import NamedTuple
 import torch
 
 from engine.config import ModelConfig
+from engine.defaults import default_model_dir
 from engine.headers import TensorInfo, checkpoint_tensors
+from engine.load import resolve_device
 from engine.loader import CheckpointError
 from engine.memory import ACTIVATION_RESERVE_BYTES, device_memory, gib
-from engine.load import resolve_device
+from engine.quant.mx import MX_FORMATS
 from engine.sizing import StartPlan, plan_start, pool_sizing
 from engine.speculative.config import SpecConfig
 
@@ -122,3 +124,19 @@ def check_memory(roles: list[tuple[str, str]], dtype: str, kv_dtype: str | None,
                              f"activations each) but {gib(mem.available_bytes)} is available on {mem.device}: "
                              f"lower --num-pages / --kv-cache-memory / --mem-fraction or run fewer workers")
     return needs
+
+
+def check_serve(cfg) -> None:
+    """Everything ``pdserve serve`` can check before it spawns a process (``cfg``: a ``LocalClusterConfig``,
+    whose own ``__post_init__`` already checked the flag values and TLS files)."""
+    model = cfg.model or default_model_dir()
+    check_model(model)
+    decode_weights = model
+    if cfg.decode_weights not in ("model", *MX_FORMATS):
+        decode_weights = check_model(cfg.decode_weights, "--decode-weights").model_dir
+    check_speculative(cfg.speculative)
+    check_port_free(cfg.host, cfg.port, "--port")
+    check_port_free(cfg.host, cfg.http_port, "--http-port")
+    roles = [("prefill", model)] * cfg.num_prefill + [("decode", decode_weights)] * cfg.num_decode
+    check_memory(roles, cfg.dtype, cfg.kv_dtype, cfg.page_size, cfg.num_pages, cfg.kv_cache_memory,
+                 cfg.mem_fraction)
