@@ -1,7 +1,10 @@
 """``pdserve serve`` when start-up fails or is interrupted: a clear error naming the worker, and no process left."""
+import json
 import os
+import shutil
 import signal
 
+from engine.checkpoint import TINY_GLM5, init_random_model
 from serve_helpers import ServeProcess, children_of, pid_alive, wait_until
 
 
@@ -14,13 +17,20 @@ def group_is_empty(pgid: int) -> bool:
 
 
 def test_startup_failure_names_the_worker_and_leaves_nothing_behind(tmp_path):
-    sp = ServeProcess(["--model", str(tmp_path / "no-such-model"), "--port", "0", "--run-dir", str(tmp_path / "run"),
-                       "--startup-timeout", "120"], str(tmp_path / "serve.out"))
+    """A failure only a worker can see (config.json's vocabulary disagrees with the weights' shapes: the
+    command's own checks read headers, not shapes) names the worker and its log tail."""
+    model = tmp_path / "model"
+    init_random_model(TINY_GLM5, str(tmp_path / "src"))
+    shutil.copytree(tmp_path / "src", model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] + 64}))
+    sp = ServeProcess(["--model", str(model), "--port", "0", "--run-dir", str(tmp_path / "run"),
+                       "--decode-weights", "model", "--startup-timeout", "120"], str(tmp_path / "serve.out"))
     assert sp.proc.wait(150) == 1
     out = sp.output()
     assert "pdserve: error:" in out and "exited with code" in out
     assert any(f"{name} (pid" in out for name in ("prefill-0", "decode-0"))
-    assert "no-such-model" in out.split("pdserve: error:")[1]  # the log tail says why
+    assert "shape mismatch for checkpoint tensor" in out.split("pdserve: error:")[1]  # the log tail says why
     assert group_is_empty(sp.proc.pid)
     sp.stop()
 
@@ -30,7 +40,7 @@ def test_ctrl_c_during_startup_stops_every_worker(tiny_dirs, tmp_path):
     sp = ServeProcess(["--model", tiny_dirs["gqa"], "--port", "0", "--prefill", "2", "--run-dir", str(run)],
                       str(tmp_path / "serve.out"))
     pids = wait_until(lambda: len(children_of(sp.proc.pid)) == 3 and children_of(sp.proc.pid),
-                      what="3 workers spawned")
+                      timeout_s=60, what="3 workers spawned")  # after the command's own checks
     os.killpg(sp.proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
     assert sp.proc.wait(60) == 0
     assert "SIGINT: shutting down" in sp.output()
