@@ -57,10 +57,17 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from cluster.ray_launcher import LaunchError, PlacementError, RayLaunchConfig, launch
+    from cluster.preflight import check_model, check_speculative
     from common.flags import config_from_args
+    from engine.defaults import default_model_dir
+    from engine.sizing import pool_sizing
     from protos import rpc
     try:
         cfg = config_from_args(args, cls=RayLaunchConfig, api_key=rpc.api_key_from_args(args))
+        # before Ray is contacted: the model (read here for its hash), the flags' syntax
+        check_model(cfg.model or default_model_dir())
+        check_speculative(cfg.speculative)
+        pool_sizing(cfg.num_pages, cfg.kv_cache_memory, cfg.mem_fraction)
     except (ValueError, OSError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

@@ -99,6 +99,14 @@ def test_run_needs_a_tokenizer_for_text_and_takes_v_after_the_subcommand(model, 
             "--prefill-tp / --decode-tp bundles for it)")
 
 
+def test_launch_checks_before_contacting_ray(model, tmp_path):
+    refused(pdserve("launch", "--address", "127.0.0.1:1", "--model", "/nonexistent", tmp_path=tmp_path),
+            "pdserve: error: --model /nonexistent: no such directory")
+    refused(pdserve("launch", "--address", "127.0.0.1:1", "--model", model, "--speculative", "5/1", tmp_path=tmp_path),
+            "pdserve: error: --speculative 5/1: speculative config must look like 'steps/topk/draft_tokens' "
+            "(e.g. '3/1/4'), got '5/1'")
+
+
 def test_version_help_defaults_and_no_abbreviations():
     out = pdserve("--version")
     assert out.returncode == 0 and out.stdout.startswith("pdserve ")
