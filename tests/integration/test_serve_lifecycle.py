@@ -47,3 +47,13 @@ def test_ctrl_c_during_startup_stops_every_worker(tiny_dirs, tmp_path):
     wait_until(lambda: not any(pid_alive(p) for p in pids), timeout_s=30, what="workers gone")
     assert group_is_empty(sp.proc.pid)
     sp.stop()
+
+
+def test_a_clean_stop_leaves_no_temporary_run_directory(tiny_dirs, tmp_path):
+    """Without --run-dir the logs go to a temporary directory, removed when serve stops cleanly."""
+    sp = ServeProcess(["--model", tiny_dirs["gqa"], "--port", "0"], str(tmp_path / "serve.out"),
+                      env={"TMPDIR": str(tmp_path)})
+    sp.wait_listening()
+    assert [n for n in os.listdir(tmp_path) if n.startswith("pdserve-run-")]
+    assert sp.stop() == 0
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("pdserve-run-")]
