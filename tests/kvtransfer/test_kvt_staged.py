@@ -4,6 +4,7 @@ receives pages through host stages exactly as a GPU pool does, minus the device 
 Every test ends with every page and every staging buffer back."""
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -21,11 +22,11 @@ from kvt_helpers import (
 )
 
 from engine.kvcache.pool import KVPool
-from kvtransfer import FailReason, KVSender, KVSenderConfig, TransferError
+from kvtransfer import FailReason, KVSender, KVSenderConfig, SendState, TransferError
 from kvtransfer.config import ChecksumKind, TransportKind, WireDType
 from kvtransfer.payload import LayerCodec
 from kvtransfer.protocol import TRAILER, FrameType, checksum, pack_u32
-from kvtransfer.staging import Stager, is_staged
+from kvtransfer.staging import HostStage, Stager, is_staged
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -304,3 +305,48 @@ def test_device_pools_transfer_bit_identical(kv_dtype):
             _no_stage_out(sender, h.rx)
     finally:
         sender.close()
+
+
+def test_staged_layers_queued_behind_a_cut_connection_give_their_stages_back(monkeypatch):
+    """Layers staged and queued when the connection drops: the writer is held on the first layer's copy (as
+    on a GPU whose D2H has not finished), the receiver's end closes, and every queued layer -- dropped from
+    the queue, never written -- gives its stage back, as does the one being waited for."""
+    lay = make_layout(num_layers=6)
+    src, dst = staged_pool(lay, 64), staged_pool(lay, 64)
+    gate = threading.Event()
+    real_wait = HostStage.wait
+
+    def held_wait(self):
+        gate.wait(10)
+        real_wait(self)
+
+    monkeypatch.setattr(HostStage, "ready", property(lambda self: False))
+    monkeypatch.setattr(HostStage, "wait", held_wait)
+    sender = _sender(src)
+    try:
+        with receiver(dst) as h:
+            t = h.rx.reserve("q", 40)
+            pages = src.allocator.alloc(10, "req")
+            for layer in range(lay.num_layers):
+                sender.send_layer(t, layer, pages, 0, 40)
+            assert sender.stager.buffers.num_outstanding == lay.num_layers
+            h.wait_until(lambda: h.rx.stats().num_connections == 1)
+            for conn in list(h.rx.connections):
+                h.lt.call(conn.close)
+            deadline = time.monotonic() + 10
+            while sender.state(t) is not SendState.FAILED and time.monotonic() < deadline:
+                time.sleep(0.01)
+            gate.set()
+            with pytest.raises(TransferError) as exc:
+                sender.finish(t).result(timeout=30)
+            assert exc.value.reason is FailReason.PEER_DIED, exc.value
+            while sender.stager.buffers.num_outstanding and time.monotonic() < deadline:
+                time.sleep(0.02)
+            h.rx.cancel("q")  # no frame ever arrived: the reservation is not bound to the lost connection
+            h.wait_until(lambda: dst.allocator.num_used == 0)
+            _no_stage_out(sender, h.rx)
+            src.allocator.decref(pages)
+    finally:
+        gate.set()
+        sender.close()
+    assert src.allocator.num_used == 0
