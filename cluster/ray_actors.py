@@ -159,7 +159,7 @@ class RouterActor(ServerProcess):
     def workers_seen(self, timeout_s: float = 5.0) -> list[dict]:
         """The router's own view (Admin.GetClusterStatus): address, role, healthy, in-flight calls."""
         from router.client import GenerationClient
-        with GenerationClient(self._local_address(), api_key=self.spec_.get("api_key")) as c:
+        with GenerationClient(self._local_address(), api_key=self.spec_.get("api_key"), tls_ca=self._tls_root()) as c:
             st = c.cluster_status(timeout_s)
         return [{"address": w.address, "role": w.role, "healthy": w.healthy,
                  "inflight": int(w.info.get("router_inflight", "0")), "excluded": w.info.get("router_excluded", "")}
@@ -169,12 +169,19 @@ class RouterActor(ServerProcess):
         """The router's gRPC health: SERVING once a prefill and a decode worker are in rotation."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
-        with grpc.insecure_channel(self._local_address()) as ch:
+        root = self._tls_root()
+        ch = grpc.insecure_channel(self._local_address()) if root is None else \
+            grpc.secure_channel(self._local_address(), grpc.ssl_channel_credentials(_read(root)))
+        with ch:
             try:
                 r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
             except grpc.RpcError:
                 return False
         return r.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _tls_root(self) -> str | None:
+        """What a client of this router trusts: the CA, or the self-signed certificate (None: no TLS)."""
+        return self.spec_.get("tls_ca") or self.spec_.get("tls_cert")
 
     def _local_address(self) -> str:
         host, _, port = self.child.address.rpartition(":")
@@ -224,3 +231,8 @@ class WorkerListPublisher:
         listed = [i for _, i in sorted(self.known.items()) if not i["draining"] and i["alive"] and i["address"]]
         return WorkerList(tuple(i["address"] for i in listed if i["role"] == "prefill"),
                           tuple(i["address"] for i in listed if i["role"] == "decode"))
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()

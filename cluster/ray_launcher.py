@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from common.flags import DEFAULT_HTTP_PORT
 from cluster.local import ClusterStartError
 from cluster.ray_placement import PLACEMENTS, PlacementError, demands_for
+from protos import tls
 
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -73,6 +74,13 @@ class RayLaunchConfig:
     """text or json (one object per line) for the router and every worker."""
     api_key: str | None = None
     """Require this bearer token on the router's public port."""
+    tls_cert: str | None = None
+    """PEM certificate, at a path every node can read: the router's gRPC and HTTP ports and every worker's gRPC
+    port serve TLS (protos/tls.py; the KV data plane stays HMAC-authenticated)."""
+    tls_key: str | None = None
+    """PEM private key of --tls-cert (same path on every node)."""
+    tls_ca: str | None = None
+    """PEM CA bundle: mutual TLS between the router and the workers (default: trust --tls-cert itself)."""
     routing: str = "cache_aware"
     """Router prefill policy."""
     dtype: str = "auto"
@@ -140,6 +148,7 @@ class RayLaunchConfig:
         self.bundle  # validates the JSON
         from common.net import check_bind
         check_bind(self.host, self.api_key, "the router (give --api-key)")
+        tls.tls_config(self.tls_cert, self.tls_key, self.tls_ca)  # ValueError for a half-given pair or a bad file
 
     @property
     def bundle(self) -> dict[str, float]:
@@ -245,7 +254,8 @@ def _make_spec(cfg: RayLaunchConfig) -> dict:
         decode_weights = resolve_decode_weights(model, os.path.abspath(cfg.decode_weights))
     notes = [f"tensor parallelism is not implemented in the engine yet: each {role} worker reserves "
              f"{cfg.tp(role)} bundles on one node and runs on the first" for role in ROLES if cfg.tp(role) > 1]
-    return {**dataclasses.asdict(cfg), "model": model, "model_hash": mhash, "notes": notes,
+    tls_paths = {k: os.path.abspath(v) for k in ("tls_cert", "tls_key", "tls_ca") if (v := getattr(cfg, k))}
+    return {**dataclasses.asdict(cfg), **tls_paths, "model": model, "model_hash": mhash, "notes": notes,
             "decode_weights": decode_weights,
             "secret": rpc.cluster_secret() or secrets.token_hex(16)}
 
@@ -275,7 +285,7 @@ def _worker_args(spec: dict, role: str, name: str) -> list[str]:
         args += ["--no-spec-fallback"] if spec.get("no_spec_fallback") else []
         args += ["--quantized-model", spec["decode_weights"]] if spec.get("decode_weights") else []
         args += [] if spec["no_shm"] else ["--shm"]  # used by prefill workers on the same node
-    return args
+    return args + _tls_args(spec)
 
 
 def _router_args(spec: dict) -> list[str]:
@@ -285,7 +295,12 @@ def _router_args(spec: dict) -> list[str]:
             "--max-failovers", str(spec["max_failovers"]),
             "--decode-stall-timeout-s", str(spec["decode_stall_timeout_s"]),
             "--log-level", spec.get("log_level", "INFO"), "--log-format", spec.get("log_format", "text")]
-    return args  # the API key reaches the router through its environment (RouterActor), never argv
+    return args + _tls_args(spec)  # the API key reaches the router through its environment, never argv
+
+
+def _tls_args(spec: dict) -> list[str]:
+    return [a for flag in ("tls_cert", "tls_key", "tls_ca") if spec.get(flag)
+            for a in ("--" + flag.replace("_", "-"), spec[flag])]
 
 
 class _QuietPlacementWarning(logging.Filter):

@@ -6,6 +6,7 @@ in file order: refusals first (nothing may be left behind), then launch + serve 
 worker actor, scaling, and stop last.
 """
 import os
+import subprocess
 import time
 
 import grpc
@@ -269,3 +270,26 @@ def test_model_hash_mismatch_is_refused(ray_cluster, model_dir, tmp_path_factory
     assert "Traceback" not in msg and "^^^" not in msg  # the server's words, not Ray's traceback
     assert_nothing_left()
     assert os.path.isdir(model_dir)
+
+
+# -- TLS (after the main deployment stopped) -------------------------------------------------------------
+def test_launch_over_tls(ray_cluster, model_dir, tmp_path_factory):
+    """--tls-cert / --tls-key on Ray: the router's port and the workers' ports serve TLS; the router actor's
+    own health checks and a TLS client get through, a plaintext client does not."""
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d / "key.pem"),
+                    "-out", str(d / "cert.pem"), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True, timeout=60)
+    cert = str(d / "cert.pem")
+    st = launch(cfg(ray_cluster, model_dir, tmp_path_factory, prefill=1, decode=1, tls_cert=cert,
+                    tls_key=str(d / "key.pem")))
+    try:
+        with GenerationClient(st.router_address, timeout_s=60, tls_ca=cert) as c:
+            out = c.generate(token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True)
+        assert out.finish_reason == "length" and len(out.token_ids) == 4
+        with GenerationClient(st.router_address, timeout_s=10) as c, pytest.raises(grpc.RpcError) as e:
+            c.generate(token_ids=[5, 6], max_tokens=2)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        stop(ray_cluster.address, NS, grace_s=2.0)
+    assert_nothing_left()
