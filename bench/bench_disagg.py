@@ -50,18 +50,19 @@ def measure(cluster, lens: list[int], requests: int, rng: random.Random) -> dict
         def one(ids: list[int], ship: bool) -> float:
             nonlocal k
             k += 1
-            rid = f"b{k}"
+            req_id = f"b{k}"
             t0 = time.perf_counter()
             ticket = None
             if ship:
-                ticket = dec.Reserve(worker_pb2.ReserveRequest(request_id=rid, num_tokens=len(ids), max_new_tokens=1),
+                ticket = dec.Reserve(worker_pb2.ReserveRequest(request_id=req_id, num_tokens=len(ids),
+                                                               max_new_tokens=1),
                                      metadata=md, timeout=60).ticket
-            r = pre.Prefill(worker_pb2.PrefillRequest(request_id=rid, token_ids=ids, sampling=sp, ticket=ticket),
+            r = pre.Prefill(worker_pb2.PrefillRequest(request_id=req_id, token_ids=ids, sampling=sp, ticket=ticket),
                             metadata=md, timeout=600)
             t = time.perf_counter() - t0
             assert r.cached_tokens == 0 and (r.transfer_bytes > 0) == ship, r
             if ship:
-                dec.Abort(worker_pb2.AbortRequest(request_id=rid), metadata=md, timeout=60)
+                dec.Abort(worker_pb2.AbortRequest(request_id=req_id), metadata=md, timeout=60)
             return t
 
         for n in lens:

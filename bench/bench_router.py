@@ -97,16 +97,17 @@ class BareProxy(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         self.n += 1
-        rid, ids, sp = f"b{self.n}", list(request.token_ids.ids), request.sampling
-        t = (await self.dec.Reserve(worker_pb2.ReserveRequest(request_id=rid, num_tokens=len(ids),
+        req_id, ids, sp = f"b{self.n}", list(request.token_ids.ids), request.sampling
+        t = (await self.dec.Reserve(worker_pb2.ReserveRequest(request_id=req_id, num_tokens=len(ids),
                                                               max_new_tokens=sp.max_tokens), metadata=self.md)).ticket
-        r = await self.pre.Prefill(worker_pb2.PrefillRequest(request_id=rid, token_ids=ids, sampling=sp, ticket=t),
+        r = await self.pre.Prefill(worker_pb2.PrefillRequest(request_id=req_id, token_ids=ids, sampling=sp, ticket=t),
                                    metadata=self.md)
-        yield generation_pb2.GenerateResponse(request_id=rid, token_ids=[r.first_token])
-        async for c in self.dec.Decode(worker_pb2.DecodeRequest(request_id=rid, prompt_ids=ids,
+        yield generation_pb2.GenerateResponse(request_id=req_id, token_ids=[r.first_token])
+        async for c in self.dec.Decode(worker_pb2.DecodeRequest(request_id=req_id, prompt_ids=ids,
                                                                 output_prefix=[r.first_token], sampling=sp),
                                        metadata=self.md):
-            yield generation_pb2.GenerateResponse(request_id=rid, token_ids=c.token_ids, finish_reason=c.finish_reason)
+            yield generation_pb2.GenerateResponse(request_id=req_id, token_ids=c.token_ids,
+                                                  finish_reason=c.finish_reason)
 
 
 def bare_proxy_main(worker_addr: str, port_q) -> None:
@@ -143,13 +144,13 @@ async def time_requests(router_addr: str, router_pid: int, worker_addr: str, bar
         req = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=ids), sampling=sp)
 
         async def one_direct(i):
-            rid = f"d{i}"
+            req_id = f"d{i}"
             t0 = time.perf_counter()
-            t = (await dec.Reserve(worker_pb2.ReserveRequest(request_id=rid, num_tokens=len(ids),
+            t = (await dec.Reserve(worker_pb2.ReserveRequest(request_id=req_id, num_tokens=len(ids),
                                                              max_new_tokens=max_tokens), metadata=md, timeout=5)).ticket
-            r = await pre.Prefill(worker_pb2.PrefillRequest(request_id=rid, token_ids=ids, sampling=sp, ticket=t),
+            r = await pre.Prefill(worker_pb2.PrefillRequest(request_id=req_id, token_ids=ids, sampling=sp, ticket=t),
                                   metadata=md, timeout=5)
-            async for _ in dec.Decode(worker_pb2.DecodeRequest(request_id=rid, prompt_ids=ids,
+            async for _ in dec.Decode(worker_pb2.DecodeRequest(request_id=req_id, prompt_ids=ids,
                                                                output_prefix=[r.first_token], sampling=sp),
                                       metadata=md, timeout=5):
                 pass

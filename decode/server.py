@@ -71,11 +71,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             ticket=msgpack.packb(ticket.to_dict(), use_bin_type=True)))
 
     async def Decode(self, request, context):
-        rid = request.request_id
+        req_id = request.request_id
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as e:
-            self.receiver.cancel(rid, "invalid sampling parameters")
+            self.receiver.cancel(req_id, "invalid sampling parameters")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         prompt = list(request.prompt_ids)
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -86,7 +86,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             bad = [t for t in prompt if t >= self.cfg.vocab_size]
             if not prompt or bad:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "local prefill needs a valid, non-empty prompt")
-            task = DecodeTask(rid, prompt, [], params, [], 0, emit=emit, deadline=deadline)
+            task = DecodeTask(req_id, prompt, [], params, [], 0, emit=emit, deadline=deadline)
             try:
                 self.sched.add_local(task)
             except PoolExhausted as e:
@@ -95,16 +95,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         else:
             if not request.output_prefix:
-                self.receiver.cancel(rid, "no first token")
+                self.receiver.cancel(req_id, "no first token")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "output_prefix must hold the first token")
             try:
-                res = await self.receiver.wait_complete(rid, request.transfer_timeout_s or 60.0)
+                res = await self.receiver.wait_complete(req_id, request.transfer_timeout_s or 60.0)
             except TransferError as e:
                 code = (grpc.StatusCode.DEADLINE_EXCEEDED if e.reason is FailReason.TIMEOUT
                         else grpc.StatusCode.UNAVAILABLE)
-                await context.abort(code, f"KV transfer for {rid} failed: {e}")
+                await context.abort(code, f"KV transfer for {req_id} failed: {e}")
             output = list(request.output_prefix)
-            task = DecodeTask(rid, prompt, output, params, list(res.page_ids),
+            task = DecodeTask(req_id, prompt, output, params, list(res.page_ids),
                               cached_len=len(prompt) + len(output) - 1, emit=emit, deadline=deadline,
                               draft_hidden=draft_state(res.draft, self.receiver.config.draft, self.sched.pool.device))
             try:
@@ -120,10 +120,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                              logprobs=[logprob_to_proto(x) for x in ev.logprobs])
                 if ev.finish_reason:
                     if ev.finish_reason == "error":
-                        logger.warning("request %s ended with an error: %s", rid, ev.message)
+                        logger.warning("request %s ended with an error: %s", req_id, ev.message)
                     return
         finally:
-            self.sched.abort(rid, "stream closed by the client")  # no-op when already finished
+            self.sched.abort(req_id, "stream closed by the client")  # no-op when already finished
 
     async def Abort(self, request, context):
         found = self.sched.abort(request.request_id, "aborted by the router")

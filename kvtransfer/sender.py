@@ -424,7 +424,7 @@ class KVSender:
         (leases of an earlier instance of that receiver died with it and are dropped)."""
         self._release_tries.pop(address, None)
         orphans = self._orphans.pop(address, {})
-        return [(rid, tid) for tid, (rid, rx) in orphans.items() if rx == receiver_id]
+        return [(req_id, tid) for tid, (req_id, rx) in orphans.items() if rx == receiver_id]
 
     async def _shutdown(self) -> None:
         with self._lock:

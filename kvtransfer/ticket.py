@@ -277,17 +277,17 @@ class ReservationManager:
         """Pages held by reservations not yet claimed (including DRAINING ones)."""
         return self._reserved_pages
 
-    def lookup(self, rid: str, tid: str) -> Reservation:
+    def lookup(self, req_id: str, tid: str) -> Reservation:
         """The reservation a frame names, or ``ProtocolError`` saying why there is none."""
-        res = self._active.get(rid)
+        res = self._active.get(req_id)
         if res is not None and res.ticket.ticket_id == tid:
             return res
         fate = self._tombstones.get(tid)
         if fate is not None:
             raise ProtocolError(fate, f"ticket {tid} already ended ({fate.value})")
         if res is not None:
-            raise ProtocolError(FailReason.STALE_PAGE, f"ticket {tid} is not the current reservation of {rid!r}")
-        raise ProtocolError(FailReason.UNKNOWN_REQUEST, f"no reservation for request {rid!r}")
+            raise ProtocolError(FailReason.STALE_PAGE, f"ticket {tid} is not the current reservation of {req_id!r}")
+        raise ProtocolError(FailReason.UNKNOWN_REQUEST, f"no reservation for request {req_id!r}")
 
     # --- transitions -----------------------------------------------------------------------------
     def fail(self, res: Reservation, err: TransferError) -> bool:

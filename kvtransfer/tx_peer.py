@@ -441,9 +441,9 @@ class TxPeer:
     async def _release_orphans(self) -> None:
         """Tell the receiver that shm transfers whose connection was lost get no more writes from us
         (the ABORT_ACK a live connection would have sent): it frees their pages now."""
-        for rid, tid in self.sender.take_orphans(self.address, self.receiver_id):
-            await self._send(encode_frame(FrameType.ABORT_ACK, {"rid": rid, "tid": tid}))
-            log.info("kvtransfer: released the shm lease of %s at %s:%d after a lost connection", rid, *self.address)
+        for req_id, tid in self.sender.take_orphans(self.address, self.receiver_id):
+            await self._send(encode_frame(FrameType.ABORT_ACK, {"rid": req_id, "tid": tid}))
+            log.info("kvtransfer: released the shm lease of %s at %s:%d after a lost connection", req_id, *self.address)
 
     async def _write_forever(self) -> None:
         while True:

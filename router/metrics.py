@@ -123,13 +123,13 @@ class Observed:
             m.e2e.observe(e2e)
             if self.num_tokens > 1:
                 m.tpot.observe((e2e - rm.ttft_s) / (self.num_tokens - 1))
-        f = {"request_id": run.client_id, "api": self.api, "status": code.name, "finish_reason": self.finish,
+        f = {"request_id": run.client_req_id, "api": self.api, "status": code.name, "finish_reason": self.finish,
              "prompt_tokens": prompt, "cached_tokens": run.cached_tokens, "completion_tokens": self.num_tokens,
              "ttft_ms": round(rm.ttft_s * 1e3, 1), "e2e_ms": round(e2e * 1e3, 1), "prefill_worker": rm.prefill_worker,
              "decode_worker": rm.decode_worker, "retries": rm.retries, "failovers": rm.failovers}
         access_log.info(
             "request %s api=%s status=%s finish=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
             "ttft_ms=%.1f e2e_ms=%.1f prefill=%s decode=%s retries=%d failovers=%d",
-            run.client_id, self.api, code.name, self.finish or "-", prompt, run.cached_tokens, self.num_tokens,
+            run.client_req_id, self.api, code.name, self.finish or "-", prompt, run.cached_tokens, self.num_tokens,
             rm.ttft_s * 1e3, e2e * 1e3, rm.prefill_worker or "-", rm.decode_worker or "-", rm.retries, rm.failovers,
             extra={"fields": f})

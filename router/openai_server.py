@@ -96,7 +96,7 @@ class OpenAIServer:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         """API key on /v1/*, ``x-request-id`` echoed, every error as OpenAI's error JSON."""
-        rid = request.headers.get(REQUEST_ID_HEADER, "")
+        req_id = request.headers.get(REQUEST_ID_HEADER, "")
         try:
             if request.path.startswith("/v1/") and self._token is not None:
                 got = request.headers.get("Authorization", "")
@@ -105,14 +105,14 @@ class OpenAIServer:
             resp = await handler(request)
         except ApiError as e:
             if not e.counted and request.method == "POST":
-                self.core.metrics.refused(rid, e.code, "http", e.message)
+                self.core.metrics.refused(req_id, e.code, "http", e.message)
             resp = web.json_response(e.body(), status=e.status)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
             resp = web.json_response(ApiError(e.status, e.reason or "error").body(), status=e.status)
-        if rid and not resp.prepared:
-            resp.headers[REQUEST_ID_HEADER] = rid
+        if req_id and not resp.prepared:
+            resp.headers[REQUEST_ID_HEADER] = req_id
         return resp
 
     async def _json(self, request: web.Request) -> dict:
@@ -198,9 +198,9 @@ class OpenAIServer:
         except RequestError as e:
             raise ApiError.from_grpc(e.code, e.message) from None
         info = core.registry.model_info()
-        answer = Answer(oreq, run.client_id, oreq.model or self._model_name(), int(time.time()), core.codec,
+        answer = Answer(oreq, run.client_req_id, oreq.model or self._model_name(), int(time.time()), core.codec,
                         info.eos_token_ids if info is not None else ())
-        headers = {REQUEST_ID_HEADER: run.client_id}
+        headers = {REQUEST_ID_HEADER: run.client_req_id}
         if not oreq.stream:
             try:
                 async with contextlib.aclosing(core.serve(run, "http")) as responses:

@@ -50,7 +50,7 @@ async def relay(run: GenerateRun, responses: AsyncIterator[generation_pb2.Genera
             last = e
         await buf.put(last)  # always the producer's last word (unless the writer cancelled it)
 
-    producer = asyncio.get_running_loop().create_task(produce(), name=f"produce {run.client_id}")
+    producer = asyncio.get_running_loop().create_task(produce(), name=f"produce {run.client_req_id}")
     try:
         pending = None
         while True:

@@ -55,20 +55,20 @@ class Phase(enum.Enum):
     ABORTED = "aborted"
 
 
-def new_req_id(client_id: str) -> str:
+def new_req_id(client_req_id: str) -> str:
     """Internal id: unique even when two clients reuse one request_id."""
     suffix = uuid.uuid4().hex
-    return f"{client_id}.{suffix[:8]}" if client_id else suffix[:16]
+    return f"{client_req_id}.{suffix[:8]}" if client_req_id else suffix[:16]
 
 
 class GenerateRun:
-    def __init__(self, core: "RouterCore", valid: ValidRequest, client_id: str, priority: int,
+    def __init__(self, core: "RouterCore", valid: ValidRequest, client_req_id: str, priority: int,
                  deadline: float, t_received: float) -> None:
         self.core, self.valid, self.priority = core, valid, priority
         self.original = valid
         """The client's request; ``valid`` becomes prompt + streamed tokens after a failover."""
-        self.client_id = client_id or new_req_id("")
-        self.req_id = new_req_id(client_id) if client_id else self.client_id
+        self.client_req_id = client_req_id or new_req_id("")
+        self.req_id = new_req_id(client_req_id) if client_req_id else self.client_req_id
         self._base_id = self.req_id
         self.emitted: list[int] = []
         """Token ids already streamed to the client (what a failover resumes after)."""
@@ -108,8 +108,8 @@ class GenerateRun:
         self.phase = Phase.ABORTED
         for call in self._live_calls:
             call.cancel()
-        for w, rid in self.touched:
-            self.core.spawn(self.core.abort_on(w, rid, why))
+        for w, req_id in self.touched:
+            self.core.spawn(self.core.abort_on(w, req_id, why))
 
     def cut_off(self, why: str) -> None:
         """End the request with UNAVAILABLE ``why``: its worker calls are cancelled and raise it where they
@@ -121,7 +121,7 @@ class GenerateRun:
     def _response(self, ids: list[int], finish: str = "", logprobs=(), message: str = ""
                   ) -> generation_pb2.GenerateResponse:
         text = self._detok.step(ids) if self._detok is not None and ids else ""
-        r = generation_pb2.GenerateResponse(request_id=self.client_id, token_ids=ids, text=text,
+        r = generation_pb2.GenerateResponse(request_id=self.client_req_id, token_ids=ids, text=text,
                                             finish_reason=finish, logprobs=logprobs, message=message)
         if finish:
             if self._detok is not None:
@@ -161,13 +161,13 @@ class GenerateRun:
         """One reservation + prefill + decode stream. The decode worker counts this request as in flight
         from its reservation to the end of its stream (``holds``), so a burst spreads over the workers."""
         with contextlib.ExitStack() as holds:
-            dw, rid, first = await self._first_token(holds)
+            dw, req_id, first = await self._first_token(holds)
             if first is not None:
                 self.emitted.append(self.first_token)
                 if self.metrics.ttft_s == 0:
                     self.metrics.ttft_s = time.monotonic() - self.t0
                 yield first
-            async with contextlib.aclosing(self._decode(dw, rid, local=first is None)) as chunks:
+            async with contextlib.aclosing(self._decode(dw, req_id, local=first is None)) as chunks:
                 async for resp in chunks:
                     yield resp
 
@@ -175,7 +175,7 @@ class GenerateRun:
         """Resume after a decode worker failed mid-stream: the next attempt prefills the prompt plus the
         tokens already streamed (the prefix cache holds most of it) and decodes the rest elsewhere.
         Greedy output is unchanged; a seeded sampled stream continues with fresh draws."""
-        self.core.spawn(self.core.abort_on(lost.worker, lost.rid, "failed over"))
+        self.core.spawn(self.core.abort_on(lost.worker, lost.req_id, "failed over"))
         done = self.metrics.failovers
         if done >= self.core.cfg.max_failovers:
             raise RequestError(grpc.StatusCode.UNAVAILABLE,
@@ -186,7 +186,7 @@ class GenerateRun:
         self.excluded.add(lost.worker.key)
         left = self.original.max_tokens - len(self.emitted)
         logger.warning("request %s: %s; failing over after %d streamed tokens (%d left, failover %d of %d)",
-                       self.client_id, lost.message, len(self.emitted), left, done + 1, self.core.cfg.max_failovers)
+                       self.client_req_id, lost.message, len(self.emitted), left, done + 1, self.core.cfg.max_failovers)
         if left <= 0:
             return self._response([], "length")
         sampling = generation_pb2.SamplingParams()
@@ -210,23 +210,23 @@ class GenerateRun:
             return local, self.req_id, None
         tried: set[str] = set()
         for attempt in range(2):
-            rid = self.req_id if attempt == 0 else f"{self.req_id}.retry{attempt}"
+            req_id = self.req_id if attempt == 0 else f"{self.req_id}.retry{attempt}"
             try_holds = contextlib.ExitStack()
             try:
                 with try_holds:  # a failed try releases its reservation's count
-                    dw, ticket = await self._reserve(rid, try_holds)
+                    dw, ticket = await self._reserve(req_id, try_holds)
                     pw = self._choose_prefill(tried)
-                    first = await self._prefill(pw, rid, ticket)
+                    first = await self._prefill(pw, req_id, ticket)
                     holds.enter_context(try_holds.pop_all())
-                    return dw, rid, first
+                    return dw, req_id, first
             except grpc.aio.AioRpcError as e:
-                self.core.spawn(self.core.abort_on(dw, rid, "prefill failed"))
-                self.core.spawn(self.core.abort_on(pw, rid, "prefill failed"))
+                self.core.spawn(self.core.abort_on(dw, req_id, "prefill failed"))
+                self.core.spawn(self.core.abort_on(pw, req_id, "prefill failed"))
                 code, msg = e.code(), f"prefill worker {pw.name}: {e.details()}"
                 if attempt == 0 and code in _RETRIABLE_PREFILL and self.deadline > time.monotonic():
                     if code is grpc.StatusCode.UNAVAILABLE:
                         await self.core.registry.confirm_failure(pw, msg)
-                    logger.warning("request %s: %s (%s); retrying once", self.client_id, msg, code.name)
+                    logger.warning("request %s: %s (%s); retrying once", self.client_req_id, msg, code.name)
                     tried.add(pw.key)
                     self.metrics.retries += 1
                     continue
@@ -251,7 +251,7 @@ class GenerateRun:
         now = time.monotonic()
         return [w for w in ws if w.suspended_until <= now] or ws  # a recently stalled one only as a last resort
 
-    async def _reserve(self, rid: str, holds: contextlib.ExitStack) -> tuple[Worker, worker_pb2.TransferTicket]:
+    async def _reserve(self, req_id: str, holds: contextlib.ExitStack) -> tuple[Worker, worker_pb2.TransferTicket]:
         """A reservation on the best decode worker that has room (the next one on RESOURCE_EXHAUSTED); the
         chosen worker counts the request from the moment it is asked (``holds``)."""
         reg = self.core.registry
@@ -263,9 +263,9 @@ class GenerateRun:
         full, failed = [], []
         for c in order:
             w = reg.workers[c.worker_id]
-            req = worker_pb2.ReserveRequest(request_id=rid, num_tokens=len(self.valid.prompt_ids),
+            req = worker_pb2.ReserveRequest(request_id=req_id, num_tokens=len(self.valid.prompt_ids),
                                             max_new_tokens=self.valid.max_tokens)
-            self.touched.append((w, rid))
+            self.touched.append((w, req_id))
             try:
                 with w.tracked():  # concurrent requests see this one while it is being reserved
                     resp = await w.stub.Reserve(req, metadata=reg.metadata, timeout=self.short_timeout())
@@ -299,10 +299,11 @@ class GenerateRun:
         choice = self.core.policy.choose([w.candidate() for w in pool], prompt, reg.index)
         return reg.workers[choice.worker_id]
 
-    async def _prefill(self, pw: Worker, rid: str, ticket) -> generation_pb2.GenerateResponse:
-        req = worker_pb2.PrefillRequest(request_id=rid, token_ids=self.valid.prompt_ids, sampling=self.valid.sampling,
+    async def _prefill(self, pw: Worker, req_id: str, ticket) -> generation_pb2.GenerateResponse:
+        req = worker_pb2.PrefillRequest(request_id=req_id, token_ids=self.valid.prompt_ids,
+                                        sampling=self.valid.sampling,
                                         ticket=ticket, priority=self.priority)
-        self.touched.append((pw, rid))
+        self.touched.append((pw, req_id))
         self.metrics.prefill_worker = pw.name
         with pw.tracked():
             call = pw.stub.Prefill(req, metadata=self.core.registry.metadata, timeout=self.remaining())
@@ -331,9 +332,9 @@ class GenerateRun:
         lps = [r.first_logprob] if self.valid.sampling.logprobs and r.HasField("first_logprob") else []
         return self._response([r.first_token], logprobs=lps)
 
-    async def _decode(self, dw: Worker, rid: str, local: bool) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def _decode(self, dw: Worker, req_id: str, local: bool) -> AsyncIterator[generation_pb2.GenerateResponse]:
         prefix = [] if local else [self.first_token]
-        req = worker_pb2.DecodeRequest(request_id=rid, prompt_ids=self.valid.prompt_ids, output_prefix=prefix,
+        req = worker_pb2.DecodeRequest(request_id=req_id, prompt_ids=self.valid.prompt_ids, output_prefix=prefix,
                                        sampling=self.valid.sampling, local_prefill=local,
                                        transfer_timeout_s=min(self.core.cfg.transfer_timeout_s, self.remaining()))
         call = dw.stub.Decode(req, metadata=self.core.registry.metadata, timeout=self.remaining())
@@ -359,7 +360,8 @@ class GenerateRun:
                     call.cancel()
                     self.core.registry.suspend(dw, f"a decode stream stalled {stall:g}s", seconds=stall)
                     self.core.spawn(self.core.registry.confirm_failure(dw, f"decode stream stalled {stall:g}s"))
-                    raise DecodeLost(dw, rid, f"decode worker {dw.name}: no token for {stall:g}s (stalled)") from None
+                    raise DecodeLost(dw, req_id,
+                                     f"decode worker {dw.name}: no token for {stall:g}s (stalled)") from None
                 ids = list(chunk.token_ids)
                 if ids and self.metrics.ttft_s == 0:  # local prefill: the decode worker's first token
                     self.metrics.ttft_s = time.monotonic() - self.t0
@@ -374,7 +376,7 @@ class GenerateRun:
             if e.code() in _FAILOVER_CODES:
                 if e.code() is grpc.StatusCode.UNAVAILABLE:
                     self.core.spawn(self.core.registry.confirm_failure(dw, e.details() or "UNAVAILABLE"))
-                raise DecodeLost(dw, rid, f"decode worker {dw.name}: {e.code().name} {e.details()}") from None
+                raise DecodeLost(dw, req_id, f"decode worker {dw.name}: {e.code().name} {e.details()}") from None
             raise RequestError(e.code(), f"decode worker {dw.name}: {e.details()}") from None
         except asyncio.CancelledError:
             if self.cutoff is None:
@@ -382,12 +384,12 @@ class GenerateRun:
             raise self.cutoff from None
         finally:
             self._live_calls.remove(call)
-        raise DecodeLost(dw, rid, f"decode worker {dw.name} ended the stream without a finish")
+        raise DecodeLost(dw, req_id, f"decode worker {dw.name} ended the stream without a finish")
 
 
 class DecodeLost(Exception):
     """A decode worker failed mid-stream (died, unreachable, or ended without a finish)."""
 
-    def __init__(self, worker: Worker, rid: str, message: str) -> None:
+    def __init__(self, worker: Worker, req_id: str, message: str) -> None:
         super().__init__(message)
-        self.worker, self.rid, self.message = worker, rid, message
+        self.worker, self.req_id, self.message = worker, req_id, message

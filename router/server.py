@@ -159,12 +159,12 @@ class RouterCore:
             await asyncio.sleep(0.05)
         return len(left)
 
-    async def abort_on(self, w: Worker, rid: str, why: str) -> None:
+    async def abort_on(self, w: Worker, req_id: str, why: str) -> None:
         try:
-            await w.stub.Abort(worker_pb2.AbortRequest(request_id=rid), metadata=self.registry.metadata,
+            await w.stub.Abort(worker_pb2.AbortRequest(request_id=req_id), metadata=self.registry.metadata,
                                timeout=self.cfg.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
-            logger.debug("abort of %s on %s failed (%s): %s", rid, w.address, why, e.code().name)
+            logger.debug("abort of %s on %s failed (%s): %s", req_id, w.address, why, e.code().name)
 
     async def close(self, timeout_s: float) -> None:
         if self._tasks:

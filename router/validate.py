@@ -127,10 +127,10 @@ def _check_unknown(msg, what: str) -> None:
                    "upgrade the server or drop them")
 
 
-def _check_request_id(rid: str) -> None:
-    if len(rid) > MAX_REQUEST_ID_LEN:
-        raise _bad(f"request_id is {len(rid)} characters long; at most {MAX_REQUEST_ID_LEN} are allowed")
-    if not _REQUEST_ID.fullmatch(rid):
+def _check_request_id(req_id: str) -> None:
+    if len(req_id) > MAX_REQUEST_ID_LEN:
+        raise _bad(f"request_id is {len(req_id)} characters long; at most {MAX_REQUEST_ID_LEN} are allowed")
+    if not _REQUEST_ID.fullmatch(req_id):
         raise _bad("request_id may hold printable ASCII characters only (no spaces or control characters)")
 
 

@@ -85,17 +85,17 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
                 yield resp
 
     async def _generate(self, request, context):
-        b, rid = self.b, request.request_id
+        b, req_id = self.b, request.request_id
         if b.api_key and dict(context.invocation_metadata()).get("authorization") != f"Bearer {b.api_key}":
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "fake: wrong API key")
-        self.log.seen.append(rid)
-        i = _index(rid)
+        self.log.seen.append(req_id)
+        i = _index(req_id)
         if b.fail_every and i % b.fail_every == b.fail_every - 1:
-            self.log.rejected.append(rid)
+            self.log.rejected.append(req_id)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake: queue full")
         ids = list(request.token_ids.ids) if request.HasField("token_ids") else \
             [hash(w) % b.vocab_size for w in request.text.split()]
-        self.log.prompts[rid] = ids
+        self.log.prompts[req_id] = ids
         cached = self.cache.match_and_insert(ids)
         await asyncio.sleep(b.ttft_s + b.prefill_s_per_token * (len(ids) - cached))
         n_out, sent = request.sampling.max_tokens, 0
@@ -103,9 +103,9 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         while sent < n_out:
             k = min(b.tokens_per_chunk, n_out - sent)
             sent += k
-            resp = generation_pb2.GenerateResponse(request_id=rid, token_ids=[7] * k)
+            resp = generation_pb2.GenerateResponse(request_id=req_id, token_ids=[7] * k)
             if errors and sent >= 2:
-                self.log.errored.append(rid)
+                self.log.errored.append(req_id)
                 resp.finish_reason = "error"
                 yield resp
                 return

@@ -67,18 +67,19 @@ def pd_generate(tiny, prompts, params, dec_pages=64, max_running=64, spec=None, 
                           spec=speculator)
     events = {}
     for i, ids in enumerate(prompts):
-        rid = f"r{i}"
-        reserved = dpool.allocator.alloc(dpool.pages_for(len(ids)), rid)
+        req_id = f"r{i}"
+        reserved = dpool.allocator.alloc(dpool.pages_for(len(ids)), req_id)
         firsts = {}
         sink = CopySink(ppool, dpool, reserved)
-        pre.submit(PrefillTask(rid, ids, params, on_done=lambda r, rid=rid: firsts.__setitem__(rid, r), sink=sink))
-        while rid not in firsts:
+        pre.submit(PrefillTask(req_id, ids, params, on_done=lambda r, req_id=req_id: firsts.__setitem__(req_id, r),
+                               sink=sink))
+        while req_id not in firsts:
             pre.step()
         pre._finisher.shutdown(wait=True)
         pre._finisher = type(pre._finisher)(max_workers=1)
-        events[rid] = []
-        dec.add(DecodeTask(rid, ids, [firsts[rid].first_token], params, reserved, len(ids),
-                           emit=events[rid].append, draft_hidden=sink.draft if spec else None))
+        events[req_id] = []
+        dec.add(DecodeTask(req_id, ids, [firsts[req_id].first_token], params, reserved, len(ids),
+                           emit=events[req_id].append, draft_hidden=sink.draft if spec else None))
     for _ in range(500):
         if not dec.step():
             break
@@ -273,9 +274,9 @@ def test_stream_coalesces_events_that_queued_behind_it():
     assert alone.token_ids == [7] and left == 1
 
 
-def local_run(dec, rid, prompt, params):
+def local_run(dec, req_id, prompt, params):
     evs = []
-    dec.add_local(DecodeTask(rid, prompt, [], params, [], 0, emit=evs.append))
+    dec.add_local(DecodeTask(req_id, prompt, [], params, [], 0, emit=evs.append))
     return evs
 
 

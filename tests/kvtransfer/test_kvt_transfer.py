@@ -125,15 +125,15 @@ def test_a_batch_multiplexes_one_connection():
     fragment(src, seed=5)
     start_src, start_dst = src.allocator.num_used, dst.allocator.num_used
     lengths = {"a": 30, "b": 17, "c": 41}
-    pages = {rid: src.allocator.alloc(src.pages_for(n), rid) for rid, n in lengths.items()}
+    pages = {req_id: src.allocator.alloc(src.pages_for(n), req_id) for req_id, n in lengths.items()}
     with receiver(dst) as h:
-        tickets = {rid: h.rx.reserve(rid, n) for rid, n in lengths.items()}
+        tickets = {req_id: h.rx.reserve(req_id, n) for req_id, n in lengths.items()}
         sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, transport=TransportKind.TCP))
         for chunk in range(2):
             sends = []
-            for rid, n in lengths.items():
+            for req_id, n in lengths.items():
                 ts, te = (0, n // 2) if chunk == 0 else (n // 2, n)
-                sends.append(LayerSend(tickets[rid], pages[rid], ts, te))
+                sends.append(LayerSend(tickets[req_id], pages[req_id], ts, te))
             hook = sender.hook(sends)
             for layer in range(lay.num_layers):
                 for s in sends:
@@ -141,12 +141,12 @@ def test_a_batch_multiplexes_one_connection():
                 hook(layer)
                 if chunk == 0 and layer == 1:
                     h.rx.cancel("b")
-        futures = {rid: sender.finish(t) for rid, t in tickets.items() if rid not in hook.errors}
-        for rid in ("a", "c"):
-            assert futures[rid].result(10).transport is TransportKind.TCP
-            res = h.wait(rid)
-            assert_same_rows(token_rows(dst, list(res.page_ids), lengths[rid]),
-                             token_rows(src, pages[rid], lengths[rid]))
+        futures = {req_id: sender.finish(t) for req_id, t in tickets.items() if req_id not in hook.errors}
+        for req_id in ("a", "c"):
+            assert futures[req_id].result(10).transport is TransportKind.TCP
+            res = h.wait(req_id)
+            assert_same_rows(token_rows(dst, list(res.page_ids), lengths[req_id]),
+                             token_rows(src, pages[req_id], lengths[req_id]))
             dst.allocator.decref(list(res.page_ids))
         with pytest.raises(TransferError) as exc:
             (futures.get("b") or sender.finish(tickets["b"])).result(10)

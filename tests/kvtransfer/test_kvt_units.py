@@ -112,9 +112,9 @@ def test_a_refused_reservation_holds_no_page(monkeypatch):
     """Issue 25: an id over the data plane's limit used to be refused by TransferTicket *after* the pages
     were allocated, and they never came back."""
     pool, m = make_manager()
-    for rid in ("x" * (MAX_REQ_ID_LEN + 1), ""):
+    for req_id in ("x" * (MAX_REQ_ID_LEN + 1), ""):
         with pytest.raises(ValueError, match="request id"):
-            m.reserve(rid, 10)
+            m.reserve(req_id, 10)
     m.reserve("a", 10)
     with pytest.raises(ValueError, match="already holds"):
         m.reserve("a", 10)

@@ -182,8 +182,8 @@ def test_threaded_loop_serves_concurrent_submissions(tiny):
     done = threading.Event()
     res = {}
 
-    def cb(r, rid):
-        res[rid] = r
+    def cb(r, req_id):
+        res[req_id] = r
         if len(res) == 3:
             done.set()
     for i in range(3):

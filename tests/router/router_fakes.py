@@ -228,20 +228,20 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
                                                                            target="fake", ticket=t))
 
     async def Decode(self, request, context):
-        rid, sp = request.request_id, request.sampling
+        req_id, sp = request.request_id, request.sampling
         out = list(request.output_prefix)
         if request.local_prefill:  # conditional disaggregation: no reservation, prefill here
-            self.local_prefills.append(rid)
-            self.reserved[rid] = math.ceil(len(request.prompt_ids) / PAGE)
+            self.local_prefills.append(req_id)
+            self.reserved[req_id] = math.ceil(len(request.prompt_ids) / PAGE)
             out = [first_token(list(request.prompt_ids))]
             yield worker_pb2.DecodeChunk(token_ids=out)
-        elif rid not in self.reserved:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no reservation for {rid}")
-        elif rid not in self.filled:
-            self.reserved.pop(rid, None)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV for {rid} never arrived")
+        elif req_id not in self.reserved:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no reservation for {req_id}")
+        elif req_id not in self.filled:
+            self.reserved.pop(req_id, None)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV for {req_id} never arrived")
         if self.b.decode_code is not None:
-            self.reserved.pop(rid, None)
+            self.reserved.pop(req_id, None)
             await context.abort(self.b.decode_code, f"fake decode {self.worker_id} refuses the stream")
         self.streams += 1
         try:
@@ -262,12 +262,12 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
                 while len(new) < 2 and len(out) < sp.max_tokens and out[-1] not in sp.stop_token_ids:
                     out.append(next_token(out[-1]))
                     new.append(out[-1])
-                self.reserved[rid] = math.ceil((len(request.prompt_ids) + len(out)) / PAGE)
+                self.reserved[req_id] = math.ceil((len(request.prompt_ids) + len(out)) / PAGE)
                 yield worker_pb2.DecodeChunk(token_ids=new, accept_len=float(len(new)))
         finally:
             self.streams -= 1
-            self.reserved.pop(rid, None)
-            self.filled.discard(rid)
+            self.reserved.pop(req_id, None)
+            self.filled.discard(req_id)
 
     async def Abort(self, request, context):
         self.aborts.append(request.request_id)

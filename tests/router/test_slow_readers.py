@@ -56,7 +56,7 @@ def test_slow_readers_lose_their_slots_after_the_write_timeout_and_are_not_decod
 class BufferedRun:
     """Unit-test stand-in for ``GenerateRun``: ``stream()`` yields ``n`` one-token responses and a finish."""
 
-    client_id = "unit"
+    client_req_id = "unit"
 
     def __init__(self, n: int) -> None:
         self.n, self.aborted = n, []

@@ -87,9 +87,9 @@ def test_valid_request_resolves_defaults_and_encodes_text():
 
 def test_the_longest_request_id_fits_the_kv_data_plane_with_every_suffix():
     """Issue 25: the router appends suffixes to the client's id; the decode worker refuses ids over 256."""
-    rid = "~" * MAX_REQUEST_ID_LEN
-    assert validate(req(request_id=rid), MODEL).prompt_ids == [5, 6, 7]
-    internal = f"{new_req_id(rid)}.f{MAX_FAILOVERS}.retry1"  # what router.request builds, at its longest
+    req_id = "~" * MAX_REQUEST_ID_LEN
+    assert validate(req(request_id=req_id), MODEL).prompt_ids == [5, 6, 7]
+    internal = f"{new_req_id(req_id)}.f{MAX_FAILOVERS}.retry1"  # what router.request builds, at its longest
     assert len(internal) == MAX_REQUEST_ID_LEN + MAX_ID_SUFFIX_LEN <= MAX_REQ_ID_LEN
 
 

@@ -35,17 +35,18 @@ def workers(tmp_path_factory):
         dec.stop()
 
 
-def reserve(d, rid: str, num_tokens: int):
-    return d.Reserve(worker_pb2.ReserveRequest(request_id=rid, num_tokens=num_tokens), metadata=MD, timeout=10).ticket
+def reserve(d, req_id: str, num_tokens: int):
+    return d.Reserve(worker_pb2.ReserveRequest(request_id=req_id, num_tokens=num_tokens), metadata=MD,
+                     timeout=10).ticket
 
 
 def status(d):
     return d.GetStatus(worker_pb2.StatusRequest(), metadata=MD, timeout=5)
 
 
-def refused(d, rid: str, num_tokens: int = 16) -> str:
+def refused(d, req_id: str, num_tokens: int = 16) -> str:
     with pytest.raises(grpc.RpcError) as e:
-        reserve(d, rid, num_tokens)
+        reserve(d, req_id, num_tokens)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
     return e.value.details()
 
@@ -62,16 +63,16 @@ def wait_all_back(d) -> None:
 
 def test_max_running_is_checked_at_reserve_before_any_prefill(workers):
     _, d = workers
-    for rid in ("m1", "m2", "m3"):
-        reserve(d, rid, 20)
+    for req_id in ("m1", "m2", "m3"):
+        reserve(d, req_id, 20)
     st = status(d)
     assert st.queued == 3  # reservations are load the router sees
     free = st.pages_free
     why = refused(d, "m4")
     assert "max_running=3" in why and "3 reserved" in why
     assert status(d).pages_free == free  # nothing allocated for the refused one
-    for rid in ("m1", "m2", "m3"):
-        assert d.Abort(worker_pb2.AbortRequest(request_id=rid), metadata=MD, timeout=5).found
+    for req_id in ("m1", "m2", "m3"):
+        assert d.Abort(worker_pb2.AbortRequest(request_id=req_id), metadata=MD, timeout=5).found
     wait_all_back(d)
 
 

@@ -38,15 +38,15 @@ def cluster(tmp_path_factory):
 MD = (("authorization", f"Bearer {SECRET}"),)
 
 
-def generate(pa, da, rid, ids, sampling):
+def generate(pa, da, req_id, ids, sampling):
     with grpc.insecure_channel(pa) as pch, grpc.insecure_channel(da) as dch:
         p, d = worker_pb2_grpc.PrefillWorkerStub(pch), worker_pb2_grpc.DecodeWorkerStub(dch)
-        t = d.Reserve(worker_pb2.ReserveRequest(request_id=rid, num_tokens=len(ids)), metadata=MD, timeout=10).ticket
-        r = p.Prefill(worker_pb2.PrefillRequest(request_id=rid, token_ids=ids, sampling=sampling, ticket=t),
+        t = d.Reserve(worker_pb2.ReserveRequest(request_id=req_id, num_tokens=len(ids)), metadata=MD, timeout=10).ticket
+        r = p.Prefill(worker_pb2.PrefillRequest(request_id=req_id, token_ids=ids, sampling=sampling, ticket=t),
                       metadata=MD, timeout=60)
         out = [r.first_token]
         reason = ""
-        for chunk in d.Decode(worker_pb2.DecodeRequest(request_id=rid, prompt_ids=ids, output_prefix=[r.first_token],
+        for chunk in d.Decode(worker_pb2.DecodeRequest(request_id=req_id, prompt_ids=ids, output_prefix=[r.first_token],
                                                        sampling=sampling), metadata=MD, timeout=60):
             out += list(chunk.token_ids)
             reason = chunk.finish_reason
@@ -149,9 +149,9 @@ def test_a_refused_reservation_leaves_the_decode_pool_untouched(cluster):
         free = lambda: d.GetStatus(worker_pb2.StatusRequest(), metadata=MD, timeout=5).pages_free  # noqa: E731
         before = free()
         d.Reserve(worker_pb2.ReserveRequest(request_id="dup", num_tokens=100), metadata=MD, timeout=5)
-        for rid, needle in (("x" * 257, "1..256 characters"), ("", "1..256 characters"), ("dup", "already holds")):
+        for req_id, needle in (("x" * 257, "1..256 characters"), ("", "1..256 characters"), ("dup", "already holds")):
             with pytest.raises(grpc.RpcError) as e:
-                d.Reserve(worker_pb2.ReserveRequest(request_id=rid, num_tokens=100), metadata=MD, timeout=5)
+                d.Reserve(worker_pb2.ReserveRequest(request_id=req_id, num_tokens=100), metadata=MD, timeout=5)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details(), e.value
             assert free() == before - 7
         assert d.Abort(worker_pb2.AbortRequest(request_id="dup"), metadata=MD, timeout=5).found
