@@ -34,7 +34,7 @@ import numpy as np
 
 from engine.kvcache.pool import KVPool, PageError
 from kvtransfer.admission import RateLimitedLog
-from kvtransfer.config import KVSenderConfig
+from kvtransfer.config import KVSenderConfig, TransportKind
 from kvtransfer.errors import FailReason, TransferError
 from kvtransfer.loop import LoopThread
 from kvtransfer.mooncake import MooncakeEngine
@@ -147,7 +147,8 @@ class KVSender:
             self._lt.call(self._abort, ticket, err)
             raise err
         stage = None
-        if self.stager is not None:  # the D2H starts now, while earlier layers are still on the wire
+        if self.stager is not None and not self._copies_direct(st):
+            # the D2H starts now, while earlier layers are still on the wire
             try:
                 stage = self.stager.stage_out(layer, src_arr, token_start, token_end)
             except BaseException:
@@ -233,6 +234,14 @@ class KVSender:
             self._lt.stop()
             if self._mooncake is not None:
                 self._mooncake.close()
+
+    def _copies_direct(self, st: OutgoingTransfer) -> bool:
+        """Caller thread: a staged pool's layer skips the host stage when the connection to its receiver is up
+        and copies into the receiver's shm pages: the device copy lands in them directly (zero staging,
+        ``ShmTransport``). A racy read of loop-thread state, on purpose: a wrong guess only costs a stage
+        (``TxPeer._restaged`` stages a layer whose connection turns out not to be shm)."""
+        peer = st.peer or self._peers.get(st.ticket.address)
+        return peer is not None and peer.ready and not peer.closed and peer.transport is TransportKind.SHM
 
     def mooncake_engine(self, host: str) -> MooncakeEngine:
         """Loop thread: this sender's Mooncake engine (one per process, made on first use, bound to the local

@@ -16,6 +16,10 @@ from / writes into it directly)::
               for every such event before the pages change hands, so no copy lands in a page after it was
               freed (sglang #24527, vllm #56104).
 
+Zero staging where both ends address the same memory: a staged sender whose receiver offers shm pages
+(same host) copies device rows straight into them (``ShmTransport``; ``KVSender._copies_direct`` decides
+per layer, before staging it).
+
 Every stage is taken from a ``StagingBuffers`` and given back exactly once (``HostStage.release`` is
 idempotent); ``num_outstanding`` is what the tests check after each failure path.
 

@@ -26,12 +26,20 @@ import abc
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from engine.kvcache.layout import KVLayout
 from engine.kvcache.pool import KVPool
 from kvtransfer.config import TransportKind, WireDType
-from kvtransfer.payload import LayerCodec
+from kvtransfer.payload import (
+    MAX_COPY_RUNS,
+    LayerCodec,
+    _breaks,
+    paired_runs,
+    scatter_rows,
+)
 from kvtransfer.shm import ShmAttachment
+from kvtransfer.staging import is_staged
 
 
 class KVTransport(abc.ABC):
@@ -84,5 +92,30 @@ class ShmTransport(KVTransport):
     def write_layer(self, src: KVPool, layer: int, src_pages: Sequence[int] | np.ndarray,
                     dst_pages: Sequence[int] | np.ndarray, token_start: int, token_end: int,
                     want_views: bool) -> list[memoryview]:
+        if is_staged(src):  # a device pool: its copies land in the shm pages directly, no host stage between
+            self._copy_from_device(src, layer, src_pages, dst_pages, token_start, token_end)
+            return self.codec.pool_views(self.attachment, layer, dst_pages,  # type: ignore[arg-type]
+                                         token_start, token_end) if want_views else []
         return self.codec.copy_layer(src, self.attachment, layer, src_pages, dst_pages,  # type: ignore[arg-type]
                                      token_start, token_end, want_views=want_views)
+
+    def _copy_from_device(self, src: KVPool, layer: int, src_pages: Sequence[int] | np.ndarray,
+                          dst_pages: Sequence[int] | np.ndarray, token_start: int, token_end: int) -> None:
+        """One ``copy_`` per run contiguous on both sides (device -> the mapped shm rows; on the calling
+        thread's current stream, after the forward that wrote the layer); fragmented pages are gathered on the
+        device in token order, copied once, and scattered page by page on the host."""
+        P = self.codec.layout.page_size
+        first, last = token_start // P, -(-token_end // P)
+        breaks = _breaks(src_pages, dst_pages, first=first, last=last)
+        for part in self.codec.parts:
+            s_rows = LayerCodec.rows(src, layer, part)
+            d_rows = LayerCodec.rows(self.attachment, layer, part)  # type: ignore[arg-type]
+            if len(breaks) < MAX_COPY_RUNS:
+                for r in paired_runs(src_pages, dst_pages, P, token_start, token_end, breaks):
+                    d_rows[r.dst_slot:r.dst_slot + r.num_slots].copy_(s_rows[r.src_slot:r.src_slot + r.num_slots])
+                continue
+            t = np.arange(token_start, token_end, dtype=np.int64)
+            slots = torch.from_numpy(np.asarray(src_pages, dtype=np.int64)[t // P] * P + t % P).to(s_rows.device)
+            rows = s_rows.index_select(0, slots).cpu().numpy()  # [n, row_bytes] in token order
+            scatter_rows(self.codec.byte_rows(self.attachment, layer, part), rows,  # type: ignore[arg-type]
+                         dst_pages, P, token_start, token_end)

@@ -460,6 +460,7 @@ class TxPeer:
                     self.sender.fail(st, TransferError(FailReason.UNKNOWN_REQUEST, "ticket was issued by another "
                                                        "receiver instance (restarted?)", st.ticket.req_id), False)
                 elif isinstance(item, LayerItem):
+                    item = self._restaged(item)
                     await self._write_layer(item)
                 elif isinstance(item, OpenItem):
                     if self.link.one_sided and st.lease is None:
@@ -500,10 +501,18 @@ class TxPeer:
         """The pool to read ``item`` from and its pages: the sender's pool, or the item's host stage once
         its device copy has finished (waited for off the loop)."""
         if item.stage is None:
-            return self.sender.pool, item.src_pages
+            return self.sender.pool, item.src_pages  # host memory, or a staged pool copying into shm pages
         if not item.stage.ready:
             await self.loop.run_in_executor(None, item.stage.wait)
         return item.stage, item.stage.page_map
+
+    def _restaged(self, item: LayerItem) -> LayerItem:
+        """A staged pool's layer queued unstaged (for direct copies into shm pages, ``KVSender._copies_direct``)
+        that this connection must send some other way: stage it now."""
+        stager = self.sender.stager
+        if item.stage is not None or stager is None or self.link.kind is TransportKind.SHM:
+            return item
+        return item._replace(stage=stager.stage_out(item.layer, item.src_pages, item.token_start, item.token_end))
 
     async def _write_layer(self, item: LayerItem) -> None:
         st = item.send

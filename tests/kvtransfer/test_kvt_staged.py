@@ -121,7 +121,7 @@ def test_staged_sender_to_a_plain_pool_and_back():
 def test_staged_sender_into_shm():
     """A staged prefill pool copies into a same-host decode worker's shm pages from its stages."""
     lay = make_layout("fp8_e4m3")
-    src, dst = staged_pool(lay, fragmented=True), make_pool(lay, 64, shm=True)
+    src, dst = staged_pool(lay, 128, fragmented=True), make_pool(lay, 128, shm=True)
     sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET, transport=TransportKind.AUTO))
     try:
         with receiver(dst) as h:
@@ -132,6 +132,21 @@ def test_staged_sender_into_shm():
             res = h.wait("r")
             got, want = token_rows(dst, list(res.page_ids), 37), token_rows(src, pages, 37)
             assert all(torch.equal(got[k], want[k]) for k in want)
+            # the first transfer's layers were staged (queued before the connection was up); once it is, layers
+            # copy into the shm pages with no stage between (zero staging)
+            staged_before = sender.stager.buffers.num_allocated
+            for n in (24, 300):  # a few runs: one copy each; > MAX_COPY_RUNS: gathered, then scattered
+                fragment(dst, seed=n)
+                t2 = h.rx.reserve(f"r{n}", n)
+                pages2 = src.allocator.alloc(n // 4, "req2")
+                _send_chunks(sender, src, t2, pages2, [(0, n)], seed=6)
+                sender.finish(t2).result(timeout=30)
+                res2 = h.wait(f"r{n}")
+                got, want = token_rows(dst, list(res2.page_ids), n), token_rows(src, pages2, n)
+                assert all(torch.equal(got[k], want[k]) for k in want)
+                src.allocator.decref(pages2)
+                dst.allocator.decref(list(res2.page_ids))
+            assert sender.stager.buffers.num_allocated == staged_before
             src.allocator.decref(pages)
             dst.allocator.decref(list(res.page_ids))
             _no_stage_out(sender)
