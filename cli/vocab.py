@@ -109,7 +109,8 @@ def config_argv(argv: list[str], sub: argparse._SubParsersAction) -> list[str]:
     except yaml.YAMLError as e:
         raise ValueError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+        # bad input, not a bug: ValueError is what the CLI turns into its one-line error
+        raise ValueError(f"--config {path}: expected a mapping of flags to values")  # noqa: TRY004
     flags: list[str] = []
     for key, value in data.items():
         flag = "--" + str(key).removeprefix("--").replace("_", "-")
