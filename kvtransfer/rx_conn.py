@@ -28,17 +28,19 @@ payloads are scattered into the pages only after their checksum passed.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
 
-from engine.kvcache.pool import PageError
+from engine.kvcache.pool import KVPool, PageError
 from kvtransfer import auth
-from kvtransfer.config import ChecksumKind, TransportKind, WireDType
+from kvtransfer.admission import ConnectionGate, RateLimitedLog
+from kvtransfer.config import ChecksumKind, KVReceiverConfig, TransportKind, WireDType
 from kvtransfer.errors import FailReason, ProtocolError, TransferError
 from kvtransfer.framing import FrameReader, PayloadSink, tune_socket
 from kvtransfer.payload import LayerCodec
@@ -46,11 +48,9 @@ from kvtransfer.protocol import (MAX_HEADER_BYTES, PDSERVE_KV_PROTOCOL_VERSION, 
                                  TRAILER, FrameType, Header, check_compatible, checksum, encode_frame,
                                  new_digest, pages_digest)
 from kvtransfer.shm import ShmKVPool, pid_alive
-from kvtransfer.staging import release_all
-from kvtransfer.ticket import Reservation, TransferState
-
-if TYPE_CHECKING:
-    from kvtransfer.receiver import KVReceiver
+from kvtransfer.mooncake import MooncakeOffer
+from kvtransfer.staging import Stager, release_all
+from kvtransfer.ticket import Reservation, ReservationManager, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,33 @@ class ConnState(enum.Enum):
     CLOSED = "closed"
 
 
+class ReceiverOwner(Protocol):
+    """What a connection reads and calls on the receiver that owns it (``kvtransfer.receiver.KVReceiver``):
+    a small contract instead of importing the owner back."""
+
+    config: KVReceiverConfig
+    pool: KVPool
+    stager: Stager | None
+    manager: ReservationManager
+    gate: ConnectionGate
+    prelog: RateLimitedLog
+    connections: set
+    local_info: dict[str, Any]
+    crc_pool: concurrent.futures.ThreadPoolExecutor
+    mooncake_offer: MooncakeOffer | None
+    num_rejected_frames: int
+
+    def fail(self, res: Reservation, err: TransferError, notify: bool = True) -> None: ...
+
+    def complete(self, res: Reservation) -> None: ...
+
+    def layer_received(self, res: Reservation, layer: int, token_end: int, nbytes: int) -> None: ...
+
+    def connection_lost(self, conn: RxConnection, exc: Exception | None) -> None: ...
+
+
 class RxConnection:
-    def __init__(self, rx: "KVReceiver") -> None:
+    def __init__(self, rx: ReceiverOwner) -> None:
         self.rx = rx
         self.cfg = rx.config
         self.state = ConnState.HELLO

@@ -21,25 +21,24 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
+from engine.kvcache.pool import KVPool
 from kvtransfer import auth
-from kvtransfer.config import ChecksumKind, TransportKind
+from kvtransfer.admission import RateLimitedLog
+from kvtransfer.config import ChecksumKind, KVSenderConfig, TransportKind
 from kvtransfer.errors import FailReason, ProtocolError, TransferError
 from kvtransfer.framing import read_frame, send_frame, tune_socket
 from kvtransfer.payload import LayerCodec, page_array
 from kvtransfer.protocol import (MAX_HEADER_BYTES, MAX_PAGES_PER_FRAME, PDSERVE_KV_PROTOCOL_VERSION, TRAILER,
                                  FrameType, check_compatible, checksum, encode_frame, new_digest, pack_u32,
                                  pages_digest, peer_info)
-from kvtransfer.mooncake import MooncakeOffer, MooncakeTransport
+from kvtransfer.mooncake import MooncakeEngine, MooncakeOffer, MooncakeTransport
 from kvtransfer.shm import ShmAttachment, host_id, process_start_time
 from kvtransfer.staging import HostStage, is_staged
 from kvtransfer.transport import KVTransport, ShmTransport, TcpTransport
 from kvtransfer.ticket import TransferTicket
-
-if TYPE_CHECKING:
-    from kvtransfer.sender import KVSender
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +165,33 @@ class AbortItem(NamedTuple):
     send: OutgoingTransfer
 
 
+class SenderOwner(Protocol):
+    """What a peer connection reads and calls on the sender that owns it (``kvtransfer.sender.KVSender``):
+    a small contract instead of importing the owner back."""
+
+    config: KVSenderConfig
+    pool: KVPool
+    retry_log: RateLimitedLog
+
+    def fail(self, st: OutgoingTransfer, err: TransferError, notify: bool = True) -> None: ...
+
+    def complete(self, st: OutgoingTransfer, num_bytes_received: int) -> None: ...
+
+    def finish_timed_out(self, st: OutgoingTransfer) -> None: ...
+
+    def release_slot(self) -> None: ...
+
+    def peer_closed(self, peer: TxPeer, orphans: dict[str, tuple[str, str]]) -> None: ...
+
+    def take_drop(self) -> bool: ...
+
+    def mooncake_engine(self, host: str) -> MooncakeEngine: ...
+
+    def take_orphans(self, address: tuple[str, int], receiver_id: str) -> list[tuple[str, str]]: ...
+
+
 class TxPeer:
-    def __init__(self, sender: "KVSender", address: tuple[str, int]) -> None:
+    def __init__(self, sender: SenderOwner, address: tuple[str, int]) -> None:
         self.sender = sender
         self.cfg = sender.config
         self.address = address

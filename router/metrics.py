@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from protos.pdserve.v1 import generation_pb2
-
-if TYPE_CHECKING:
-    from router.request import GenerateRun
+from router.validate import ValidRequest
 
 access_log = logging.getLogger("router.access")
 PREFIX = "pdserve:"
@@ -74,17 +72,28 @@ class RouterMetrics:
                         why, extra={"fields": {"request_id": req_id, "api": api, "status": code.name,
                                                "error": why}})
 
-    def start(self, run: "GenerateRun", api: str) -> "Observed":
+    def start(self, run: ObservedRun, api: str) -> "Observed":
         return Observed(self, run, api)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
+class ObservedRun(Protocol):
+    """What the metrics read of a served request (``router.request.GenerateRun``)."""
+
+    client_id: str
+    t0: float
+    """``time.monotonic()`` when the request arrived."""
+    cached_tokens: int
+    original: ValidRequest
+    metrics: generation_pb2.RequestMetrics
+
+
 class Observed:
     """One served request: chunk times while it streams, every figure once when it ends."""
 
-    def __init__(self, m: RouterMetrics, run: "GenerateRun", api: str) -> None:
+    def __init__(self, m: RouterMetrics, run: ObservedRun, api: str) -> None:
         self.m, self.run, self.api = m, run, api
         self.finish = ""
         self.last_chunk: float | None = None

@@ -25,19 +25,17 @@ import logging
 import math
 import time
 import uuid
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import Any, AsyncIterator, Coroutine, Protocol
 
 import grpc
 
 from protos.pdserve.v1 import generation_pb2, worker_pb2
-from router.policy import order_decode, use_local_prefill
+from router.config import RouterConfig
+from router.policy import PrefillPolicy, order_decode, use_local_prefill
 from router.prefix_index import PromptHashes
-from router.registry import Worker
-from router.text import Detokenizer
+from router.registry import Registry, Worker
+from router.text import Detokenizer, TextCodec
 from router.validate import RequestError, ValidRequest
-
-if TYPE_CHECKING:
-    from router.server import RouterCore
 
 logger = logging.getLogger(__name__)
 _RETRIABLE_PREFILL = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL)
@@ -61,8 +59,25 @@ def new_req_id(client_req_id: str) -> str:
     return f"{client_req_id}.{suffix[:8]}" if client_req_id else suffix[:16]
 
 
+class RunOwner(Protocol):
+    """What a run needs from the router that owns it (``router.core.RouterCore``), so this module never imports
+    its owner back."""
+
+    cfg: RouterConfig
+    registry: Registry
+    policy: PrefillPolicy
+    codec: TextCodec | None
+
+    def page_size(self) -> int: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` as a tracked background task (awaited or cancelled when the router closes)."""
+
+    async def abort_on(self, w: Worker, req_id: str, why: str) -> None: ...
+
+
 class GenerateRun:
-    def __init__(self, core: "RouterCore", valid: ValidRequest, client_req_id: str, priority: int,
+    def __init__(self, core: RunOwner, valid: ValidRequest, client_req_id: str, priority: int,
                  deadline: float, t_received: float) -> None:
         self.core, self.valid, self.priority = core, valid, priority
         self.original = valid

@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from engine.defaults import PDSERVE_HOME
+from common.env import pdserve_home
 from engine.quant.mx import MXFormat, code_values
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def kernel() -> ModuleType | None:
                        "torch strategies (dequantize, then GEMM): slower decode, more memory", compiler)
         return None
     name = build_name()
-    build_dir = os.path.join(PDSERVE_HOME, "torch_extensions", name)
+    build_dir = os.path.join(pdserve_home(), "torch_extensions", name)
     os.makedirs(build_dir, exist_ok=True)
     try:
         return cpp_extension.load(name=name, sources=[SOURCE], build_directory=build_dir,
