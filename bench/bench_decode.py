@@ -14,6 +14,9 @@ import time
 
 import torch
 
+from engine.defaults import default_model_dir, tune_malloc
+from engine.sampling import SamplingParams
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -25,14 +28,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per batch size (best of)")
     ap.add_argument("--no-compile", action="store_true", help="pdserve's decode steps eager (no compiled graphs)")
     args = ap.parse_args()
-    from engine.defaults import tune_malloc
     tune_malloc()  # both sides of the comparison run with it
     torch.set_num_threads(args.threads)
-    import transformers
-    from engine.defaults import default_model_dir
-    from engine.load import load_model
-    from engine.offline import Engine
-    from engine.sampling import SamplingParams
+    import transformers  # lazy: transformers
+
+    from engine.load import load_model  # lazy: numpy, safetensors
+    from engine.offline import Engine  # lazy: numpy
 
     model_dir = args.model or default_model_dir()
     model, cfg = load_model(model_dir, "float32", "cpu")

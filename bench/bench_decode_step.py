@@ -23,8 +23,8 @@ import torch  # noqa: E402
 
 
 def engine_steps(model, cfg, batch: int):
-    from engine.offline import Engine, Seq
-    from engine.sampling import SamplerState, SamplingParams
+    from engine.offline import Engine, Seq  # lazy: numpy
+    from engine.sampling import SamplerState, SamplingParams  # after the sys.path set-up above: the source tree under test
     prompts = torch.randint(2, cfg.vocab_size, (batch, 256), generator=torch.Generator().manual_seed(0)).tolist()
     eng = Engine(model, cfg, page_size=16, num_pages=batch * 40 + 8)
     seqs = [Seq(f"r{i}", p, SamplerState(SamplingParams(max_tokens=1000, ignore_eos=True), p))
@@ -36,16 +36,16 @@ def engine_steps(model, cfg, batch: int):
 
 
 def count_ops(step) -> int:
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile  # after the sys.path set-up above: the source tree under test
     with profile(activities=[ProfilerActivity.CPU]) as p:
         step()
     return sum(1 for e in p.events() if e.cpu_parent is None and e.name.startswith("aten::"))
 
 
 def scheduler_rate(model, cfg) -> float:
-    from decode.scheduler import DecodeScheduler, DecodeTask
-    from engine.kvcache import KVLayout, KVPool
-    from engine.sampling import SamplingParams
+    from decode.scheduler import DecodeScheduler, DecodeTask  # lazy: numpy
+    from engine.kvcache import KVLayout, KVPool  # lazy: numpy
+    from engine.sampling import SamplingParams  # after the sys.path set-up above: the source tree under test
     pool = KVPool(KVLayout.for_model(cfg, 16, "float32"), 4096)
     dec = DecodeScheduler(model, pool, cfg.eos_token_ids)
     ids = torch.randint(2, cfg.vocab_size, (400,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -67,17 +67,17 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="through the compiled decode graphs (compile_decode)")
     args = ap.parse_args()
     try:
-        from engine.defaults import tune_malloc
+        from engine.defaults import tune_malloc  # after the sys.path set-up above: the source tree under test
         tuned = tune_malloc()
     except ImportError:  # a source tree from before tune_malloc
         tuned = False
     torch.set_num_threads(args.threads)
-    from engine.defaults import default_model_dir
-    from engine.load import load_model
+    from engine.defaults import default_model_dir  # after the sys.path set-up above: the source tree under test
+    from engine.load import load_model  # lazy: numpy, safetensors
     model, cfg = load_model(args.model or default_model_dir(), "float32", "cpu")
     if args.compile:
         model.compile_decode()
-    import engine
+    import engine  # after the sys.path set-up above: the source tree under test
     print(f"source {os.path.dirname(os.path.dirname(engine.__file__))}, model {args.model or default_model_dir()}, "
           f"{args.threads} thread(s), malloc tuned: {tuned}, decode graphs {'compiled' if args.compile else 'eager'}")
     if args.scheduler:

@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def measure(cluster, lens: list[int], requests: int, rng: random.Random) -> dict:
-    import grpc
+    import grpc  # lazy: grpc
 
-    from protos import rpc
-    from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+    from protos import rpc  # lazy: grpc, grpc_health, grpc_reflection
+    from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc  # lazy: google, grpc
     addr = {ch.name: ch.address for ch in cluster.workers}
     md = rpc.auth_metadata(cluster.secret)
     out = {}
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     lens = [int(x) for x in args.lens.split(",")]
 
-    from cluster.local import LocalCluster, LocalClusterConfig
+    from cluster.local import LocalCluster, LocalClusterConfig  # lazy: grpc, grpc_health, grpc_reflection
     rng = random.Random(0)
     res: dict = {"transports": {}}
     for transport in args.transport.split(","):

@@ -13,6 +13,8 @@ import time
 import torch
 
 from bench.models import PEER_GLM4MOE, PEER_GLM5
+from engine.batch import BatchRequest, ForwardBatch
+from engine.defaults import tune_malloc
 
 
 def best_time(fn, repeats: int) -> float:
@@ -32,14 +34,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default="glm4_moe,glm_moe_dsa")
     args = ap.parse_args()
-    from engine.defaults import tune_malloc
     tune_malloc()  # both sides of the comparison run with it
     torch.set_num_threads(2)
-    import transformers
-    from engine.batch import BatchRequest, ForwardBatch
-    from engine.checkpoint import init_random_model
-    from engine.kvcache import KVLayout, KVPool
-    from engine.load import load_model
+    import transformers  # lazy: transformers
+
+    from engine.checkpoint import init_random_model  # lazy: numpy, safetensors
+    from engine.kvcache import KVLayout, KVPool  # lazy: numpy
+    from engine.load import load_model  # lazy: numpy, safetensors
 
     dtype = getattr(torch, args.dtype)
     print(f"{'model':>12} | {'tokens':>6} | {'engine tok/s':>12} | {'transformers tok/s':>18} | ratio")

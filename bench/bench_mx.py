@@ -35,9 +35,9 @@ def median_s(fn: Callable[[], object], reps: int) -> float:
 
 def torchao_fns(x: torch.Tensor, name: str, mode: str):
     """(quantize, dequantize) closures over torchao 0.18's to_mx / to_dtype."""
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.prototype.mx_formats.constants import DTYPE_FP6_E2M3, DTYPE_FP6_E3M2
-    from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode  # lazy: torchao
+    from torchao.prototype.mx_formats.constants import DTYPE_FP6_E2M3, DTYPE_FP6_E3M2  # lazy: torchao
+    from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx  # lazy: torchao
 
     elem = {
         "mxfp4": torch.float4_e2m1fn_x2,
@@ -69,7 +69,7 @@ def main() -> None:
     print(f"{'format':<11} {'op':<10} {'ours ms':>9} {'torchao ms':>11} {'torchao/ours':>13}")
     for name in args.formats:
         mx = quantize_mx(x, name, args.mode)
-        ours = (lambda: quantize_mx(x, name, args.mode)), (lambda: dequantize_mx(mx, x.dtype))
+        ours = (lambda name=name: quantize_mx(x, name, args.mode)), (lambda mx=mx: dequantize_mx(mx, x.dtype))
         try:
             theirs = torchao_fns(x, name, args.mode)
         except ImportError as exc:

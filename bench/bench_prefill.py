@@ -14,13 +14,16 @@ import time
 
 import torch
 
+from engine.defaults import default_model_dir, tune_malloc
+from engine.sampling import SamplingParams
+
 
 class IndexerClock:
     """Wall time spent in the DSA indexer's selection (query-key scores + top-k: the work that grows with
     queries x context) while active; ``take()`` returns and resets it."""
 
     def __enter__(self) -> "IndexerClock":
-        from engine.layers.attention import DSAIndexer
+        from engine.layers.attention import DSAIndexer  # lazy: numpy
         self.cls, self.orig, self.spent = DSAIndexer, DSAIndexer.select, 0.0
         clock = self
 
@@ -64,14 +67,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved pairs behind each ratio (medians)")
     args = ap.parse_args()
-    from engine.defaults import tune_malloc
     tune_malloc()  # both sides of the comparison run with it
     torch.set_num_threads(args.threads)
-    from engine.defaults import default_model_dir
-    from engine.kvcache import KVLayout, KVPool
-    from engine.load import load_model
-    from engine.sampling import SamplingParams
-    from prefill.scheduler import PrefillConfig, PrefillScheduler, PrefillTask
+    from engine.kvcache import KVLayout, KVPool  # lazy: numpy
+    from engine.load import load_model  # lazy: numpy, safetensors
+    from prefill.scheduler import PrefillConfig, PrefillScheduler, PrefillTask  # lazy: numpy
 
     model_dir = args.model or default_model_dir()
     model, cfg = load_model(model_dir, "float32", "cpu")
@@ -123,7 +123,7 @@ def main() -> None:
           f"median of {args.repeats} adjacent pairs: {', '.join(f'{r:.2f}' for r in ratios)})")
     print(indexer_bound(hits, colds, 0.45))
 
-    import transformers
+    import transformers  # lazy: transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     print(f"\n{'prompt':>7} | {'pdserve tok/s':>13} | {'transformers tok/s':>18} | ratio (goal >= 2x)")
     for n in [int(x) for x in args.hf_lens.split(",")]:

@@ -123,7 +123,7 @@ def bare_proxy_main(worker_addr: str, port_q) -> None:
 
 def _run(coro):
     try:
-        import uvloop
+        import uvloop  # lazy: uvloop
         uvloop.run(coro)
     except ImportError:
         asyncio.run(coro)
@@ -245,9 +245,9 @@ def bench_overhead(args) -> dict:
 
 # -- decisions/s ----------------------------------------------------------------------------------------------
 def bench_decisions(args) -> dict:
-    from router.config import RouterConfig
-    from router.policy import CacheAwarePolicy, Candidate, order_decode
-    from router.prefix_index import PrefixIndex, PromptHashes, prefix_block_hashes
+    from router.config import RouterConfig  # after the sys.path set-up above: the source tree under test
+    from router.policy import CacheAwarePolicy, Candidate, order_decode  # after the sys.path set-up above: the source tree under test
+    from router.prefix_index import PrefixIndex, PromptHashes, prefix_block_hashes  # after the sys.path set-up above: the source tree under test
     rng = random.Random(0)
     page, workers = 16, [f"p{i}" for i in range(args.prefill_workers)]
     index, prefixes = PrefixIndex(), []

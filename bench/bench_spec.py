@@ -19,6 +19,10 @@ import time
 
 import torch
 
+from engine.defaults import default_model_dir, tune_malloc
+from engine.sampling import SamplingParams
+from engine.tokenizer import Tokenizer
+
 
 def best_time(fn, repeats: int) -> float:
     times = []
@@ -30,7 +34,6 @@ def best_time(fn, repeats: int) -> float:
 
 
 def prompt_ids(args, model_dir: str, vocab_size: int) -> list[int]:
-    from engine.tokenizer import Tokenizer
     tok = Tokenizer.from_model_dir(model_dir)
     if tok is not None:
         ids = tok.encode(args.prompt)
@@ -55,15 +58,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-compile", action="store_true",
                     help="decode / verify / draft steps eager (no compiled graphs)")
     args = ap.parse_args(argv)
-    from engine.defaults import tune_malloc
     tune_malloc()  # both sides of the comparison run with it
     torch.set_num_threads(args.threads)
 
-    from engine.defaults import default_model_dir
-    from engine.load import load_model
-    from engine.offline import Engine
-    from engine.sampling import SamplingParams
-    from engine.speculative import SpecConfig, SpecEngine
+    from engine.load import load_model  # lazy: numpy, safetensors
+    from engine.offline import Engine  # lazy: numpy
+    from engine.speculative import SpecConfig, SpecEngine  # lazy: numpy
 
     model_dir = args.model or default_model_dir()
     model, cfg = load_model(model_dir, args.dtype, "cpu")

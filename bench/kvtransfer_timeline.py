@@ -57,9 +57,9 @@ def _wrap(cls: type, name: str, tag: str, label=None) -> None:
 
 
 def instrument_sender() -> None:
-    from kvtransfer.payload import LayerCodec
-    from kvtransfer.sender import KVSender
-    from kvtransfer.tx_peer import TxPeer
+    from kvtransfer.payload import LayerCodec  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
+    from kvtransfer.sender import KVSender  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
+    from kvtransfer.tx_peer import TxPeer  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
     for name in ("send_layer", "_pin", "_enqueue", "complete"):
         _wrap(KVSender, name, "send." + name.lstrip("_"))
     for name in ("_write_layer", "_write_finish", "_blocking_send"):
@@ -69,17 +69,17 @@ def instrument_sender() -> None:
 
 
 def instrument_receiver() -> None:
-    from kvtransfer.rx_conn import RxConnection
+    from kvtransfer.rx_conn import RxConnection  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
     _wrap(RxConnection, "_dispatch", "recv.", lambda a: a[1].name)
     _wrap(RxConnection, "send", "recv.send ", lambda a: a[1].name)
 
 
 def prefill_main(conn, layouts: dict, tokens: int) -> None:
-    from engine.defaults import tune_malloc
+    from engine.defaults import tune_malloc  # after the sys.path set-up above: the source tree under test
     tune_malloc()
     torch.set_num_threads(1)
     instrument_sender()
-    import bench_kvtransfer as bk
+    import bench_kvtransfer as bk  # after the sys.path set-up above: the source tree under test
     p = bk.Prefill(layouts, tokens)
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
@@ -111,12 +111,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=5, help="transfers run; the last one is shown")
     args = ap.parse_args()
-    from engine.defaults import tune_malloc
+    from engine.defaults import tune_malloc  # after the sys.path set-up above: the source tree under test
     tune_malloc()
     torch.set_num_threads(1)
     instrument_receiver()
-    import bench_kvtransfer as bk
-    from kvtransfer import ChecksumKind, LoopThread, TransportKind
+    import bench_kvtransfer as bk  # after the sys.path set-up above: the source tree under test
+    from kvtransfer import ChecksumKind, LoopThread, TransportKind  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
     layout = bk.layouts()[args.layout]
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()

@@ -17,12 +17,14 @@ variable turns on its loopback mode.)
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+
+from common.flags import add_api_key_file_arg, add_config_args, config_from_args
 
 
 def register(sub) -> None:
-    from cluster.ray_launcher import RayLaunchConfig
-    from common.flags import add_api_key_file_arg, add_config_args
+    from cluster.ray_launcher import RayLaunchConfig  # lazy: grpc, grpc_health, grpc_reflection
 
     la = sub.add_parser("launch", help="start a router and workers as Ray actors on a running Ray cluster")
     add_config_args(la, cls=RayLaunchConfig, skip=("model_hash",))
@@ -56,12 +58,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from cluster.ray_launcher import LaunchError, PlacementError, RayLaunchConfig, launch
-    from cluster.preflight import check_model, check_speculative
-    from common.flags import config_from_args
-    from engine.defaults import default_model_dir
-    from engine.sizing import pool_sizing
-    from protos import rpc
+    from cluster.preflight import check_model, check_speculative  # lazy: numpy, safetensors, torch
+    from cluster.ray_launcher import LaunchError, PlacementError, RayLaunchConfig, launch  # lazy: grpc, grpc_health, grpc_reflection
+    from engine.defaults import default_model_dir  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
+    from engine.sizing import pool_sizing  # lazy: numpy, safetensors, torch
+    from protos import rpc  # lazy: grpc, grpc_health, grpc_reflection
     try:
         cfg = config_from_args(args, cls=RayLaunchConfig, api_key=rpc.api_key_from_args(args))
         # before Ray is contacted: the model (read here for its hash), the flags' syntax
@@ -83,7 +84,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from cluster.ray_launcher import status
+    from cluster.ray_launcher import status  # lazy: grpc, grpc_health, grpc_reflection
     try:
         st = status(args.address, args.namespace)
     except ConnectionError as e:
@@ -94,7 +95,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from cluster.ray_launcher import stop
+    from cluster.ray_launcher import stop  # lazy: grpc, grpc_health, grpc_reflection
     try:
         names = stop(args.address, args.namespace, args.grace_s)
     except ConnectionError as e:
@@ -106,8 +107,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from cluster.ray_launcher import LaunchError, PlacementError
-    from cluster.ray_scale import scale
+    from cluster.ray_launcher import LaunchError, PlacementError  # lazy: grpc, grpc_health, grpc_reflection
+    from cluster.ray_scale import scale  # lazy: grpc, grpc_health, grpc_reflection
     try:
         st = scale(args.address, args.namespace, args.prefill, args.decode, args.drain_timeout_s)
     except (LaunchError, PlacementError, ConnectionError) as e:
@@ -119,7 +120,6 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 def _print(st, as_json: bool) -> None:
     if as_json:
-        import json
         print(json.dumps({"namespace": st.namespace, "router": st.router, "workers": st.workers,
                           "errors": st.errors, "notes": st.notes,
                           "groups": {n: {"state": g.get("state"), "strategy": g.get("strategy"),

@@ -31,16 +31,16 @@ def _parse_ids(s: str | None) -> list[int] | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from cluster.local import resolve_decode_weights
-    from cluster.preflight import check_model, check_speculative
-    from engine.defaults import default_model_dir
-    from engine.headers import checkpoint_tensors
-    from engine.load import load_model, resolve_device
-    from engine.offline import Engine
-    from engine.precision import resolve_dtype
-    from engine.quant.prepare import expert_status
-    from engine.sampling import SamplingParams
-    from engine.tokenizer import Tokenizer
+    from cluster.local import resolve_decode_weights  # lazy: grpc, grpc_health, grpc_reflection
+    from cluster.preflight import check_model, check_speculative  # lazy: numpy, safetensors, torch
+    from engine.defaults import default_model_dir  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
+    from engine.headers import checkpoint_tensors  # lazy: safetensors, torch
+    from engine.load import load_model, resolve_device  # lazy: numpy, safetensors, torch
+    from engine.offline import Engine  # lazy: numpy, torch
+    from engine.precision import resolve_dtype  # lazy: safetensors, torch
+    from engine.quant.prepare import expert_status  # lazy: safetensors, torch, triton
+    from engine.sampling import SamplingParams  # lazy: torch
+    from engine.tokenizer import Tokenizer  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
     model_dir = args.model or default_model_dir()
     if (args.token_ids is None) == (args.prompt is None):
         raise ValueError("give exactly one of --prompt and --token-ids")
@@ -73,8 +73,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     spec_stats = None
     if spec:
-        from engine.speculative.config import SpecConfig
-        from engine.speculative.generate import run_speculative
+        from engine.speculative.config import SpecConfig  # lazy: numpy, torch
+        from engine.speculative.generate import run_speculative  # lazy: numpy, torch
         spec = SpecConfig.parse(spec)
         run = run_speculative(model, cfg, [ids], params, spec, kv_dtype=args.kv_dtype or args.dtype,
                               page_size=args.page_size)
@@ -102,7 +102,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
-    from engine.checkpoint import (
+    from engine.checkpoint import (  # lazy: numpy, safetensors, torch
         PRESETS,
         TINY_GLM5,
         init_random_model,
@@ -118,7 +118,7 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from bench.demo import main as demo_main
+    from bench.demo import main as demo_main  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
     return demo_main(args)
 
 
@@ -190,6 +190,7 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.defaults import tune_malloc  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     try:
@@ -202,7 +203,6 @@ def main(argv: list[str] | None = None) -> int:
             vocab.resolve_vocabulary(args, args.cmd)
         except ValueError as e:
             parser.error(str(e))
-    from engine.defaults import tune_malloc
     tune_malloc()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -15,7 +15,7 @@ MX_FORMAT_NAMES = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8")
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from engine.quant.quantize import quantize_checkpoint
+    from engine.quant.quantize import quantize_checkpoint  # lazy: safetensors, torch, tqdm
     res = quantize_checkpoint(args.model, args.out, args.format, args.scale_mode,
                               quantize_mtp=not args.keep_mtp_experts,
                               act_format=None if args.act_format == "none" else args.act_format,
@@ -28,7 +28,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _fits(shape, device) -> tuple[bool, str]:
-    from engine.moe.mx_experts import DequantCache
+    from engine.moe.mx_experts import DequantCache  # lazy: torch, triton
     need = shape.mx_weight_bytes()
     avail = DequantCache.default_budget(device) * 2  # half of free memory
     if need > avail:
@@ -38,9 +38,10 @@ def _fits(shape, device) -> tuple[bool, str]:
 
 
 def cmd_tune_moe(args: argparse.Namespace) -> int:
-    import torch
-    from engine.moe import tune, tuned_table
-    from engine.load import DTYPES, resolve_device
+    import torch  # lazy: torch
+
+    from engine.load import DTYPES, resolve_device  # lazy: numpy, safetensors, torch
+    from engine.moe import tune, tuned_table  # lazy: torch, triton
     device = resolve_device(args.device)
     dtype = DTYPES[args.compute_dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(tune.DEFAULT_TOKEN_COUNTS)
@@ -74,8 +75,8 @@ def cmd_tune_moe(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_quant(args: argparse.Namespace) -> int:
-    from engine.defaults import default_model_dir
-    from engine.quant.evaluate import evaluate_quant
+    from engine.defaults import default_model_dir  # lazy: engine (`pdserve bench` runs off-cluster and never imports it)
+    from engine.quant.evaluate import evaluate_quant  # lazy: torch
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     bad = [f for f in formats if f not in MX_FORMAT_NAMES]
     if bad:

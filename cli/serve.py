@@ -7,6 +7,8 @@ import signal
 import sys
 import time
 
+from cli.main import _parse_ids
+from cluster.supervisor import RestartPolicy, Supervisor
 from common import flags
 
 
@@ -124,8 +126,8 @@ def _raise_shutdown(signum, frame):
 
 def serve_config(args: argparse.Namespace):
     """``pdserve serve`` flags -> ``LocalClusterConfig`` (ValueError / OSError: a bad flag or key file)."""
-    from cluster.local import LocalClusterConfig
-    from protos import rpc
+    from cluster.local import LocalClusterConfig  # lazy: grpc, grpc_health, grpc_reflection
+    from protos import rpc  # lazy: grpc, grpc_health, grpc_reflection
     api_key = rpc.api_key_from_args(args)
     return LocalClusterConfig(
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
@@ -149,8 +151,8 @@ def serve_config(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from cluster.local import ClusterStartError, LocalCluster
-    from cluster.preflight import check_serve
+    from cluster.local import ClusterStartError, LocalCluster  # lazy: grpc, grpc_health, grpc_reflection
+    from cluster.preflight import check_serve  # lazy: numpy, safetensors, torch
     try:
         cfg = serve_config(args)
         check_serve(cfg)  # everything checkable before a process is spawned
@@ -191,7 +193,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _watch(cluster) -> int:
     """Serve until a signal: a dead worker is restarted (``cluster.supervisor``; the router routes around it
     meanwhile), a dead router ends it."""
-    from cluster.supervisor import RestartPolicy, Supervisor
     sup = Supervisor(cluster, RestartPolicy(max_restarts=cluster.cfg.max_restarts))
     while True:
         time.sleep(0.5)
@@ -204,10 +205,10 @@ def _watch(cluster) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import grpc
-    from cli.main import _parse_ids
-    from protos import rpc
-    from router.client import Completion, GenerationClient
+    import grpc  # lazy: grpc
+
+    from protos import rpc  # lazy: grpc, grpc_health, grpc_reflection
+    from router.client import Completion, GenerationClient  # lazy: google, grpc, grpc_health, grpc_reflection
     ids = _parse_ids(args.token_ids)
     if (ids is None) == (args.prompt is None):
         raise SystemExit("give exactly one of --prompt and --token-ids")

@@ -1,3 +1,4 @@
+# over 400 lines: the local launcher: child processes, ports, supervision and decode-weight resolution.
 """A whole pdserve cluster on this machine: N prefill + M decode worker processes and a router process.
 
     cluster = LocalCluster(LocalClusterConfig(model=DIR, num_prefill=1, num_decode=1, port=50051))
@@ -427,15 +428,15 @@ def resolve_decode_weights(model_dir: str, spec: str) -> str | None:
     """``LocalClusterConfig.decode_weights`` -> the checkpoint directory decode workers load, or None for
     ``model_dir`` itself. An MX format quantizes ``model_dir``'s routed experts once (``pdserve quantize``)
     into a cache keyed by the model's hash, so later starts reuse it."""
-    from engine.quant.mx import MX_FORMATS
-    from engine.quant.quark import QuarkConfig
+    from engine.quant.mx import MX_FORMATS  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
+    from engine.quant.quark import QuarkConfig  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
     if spec == "model" or not os.path.exists(os.path.join(model_dir, "config.json")):
         return None  # (no model there: the workers fail to start and say why)
     if spec not in MX_FORMATS:
         if not os.path.exists(os.path.join(spec, "config.json")):
             raise ValueError(f"decode weights {spec!r}: not 'model', one of {list(MX_FORMATS)}, or a checkpoint "
                              f"directory")
-        from engine.config import ModelConfig
+        from engine.config import ModelConfig  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
         a, b = ModelConfig.from_model_dir(model_dir), ModelConfig.from_model_dir(spec)
         if (a.model_type, a.num_hidden_layers, a.hidden_size, a.vocab_size) != \
                 (b.model_type, b.num_hidden_layers, b.hidden_size, b.vocab_size):
@@ -444,17 +445,17 @@ def resolve_decode_weights(model_dir: str, spec: str) -> str | None:
         return spec
     if QuarkConfig.for_model_dir(model_dir) is not None:
         return None  # already quantized: serve it as it is
-    from engine.config import ModelConfig
+    from engine.config import ModelConfig  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
     why = mx_unfit(ModelConfig.from_model_dir(model_dir))
     if why:
         logger.warning("decode weights: %s cannot be quantized to %s (%s): decode workers run the model's own "
                        "weights (--decode-weights model)", model_dir, spec, why)
         return None
-    from engine.defaults import PDSERVE_HOME
-    from engine.loader import model_hash
+    from engine.defaults import PDSERVE_HOME  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
+    from engine.loader import model_hash  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
     out = os.path.join(PDSERVE_HOME, "quantized", f"{model_hash(model_dir)}-{spec}")
     if not os.path.exists(os.path.join(out, ".complete")):
-        from engine.quant.quantize import quantize_checkpoint
+        from engine.quant.quantize import quantize_checkpoint  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
         logger.warning("decode weights: quantizing %s to %s once (cached at %s)", model_dir, spec, out)
         os.makedirs(os.path.dirname(out), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(out))
@@ -469,6 +470,6 @@ def resolve_decode_weights(model_dir: str, spec: str) -> str | None:
 
 
 def _default_model() -> str:
-    from engine.defaults import default_model_dir
+    from engine.defaults import default_model_dir  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
     return default_model_dir()
 

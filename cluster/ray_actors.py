@@ -27,11 +27,13 @@ import sys
 import threading
 import time
 
+import grpc
 import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.local import Child, ClusterStartError
 from common.env import API_KEY, CLUSTER_SECRET
-from router.discovery import ensure_private_dir
+from router.discovery import WorkerList, ensure_private_dir, write_worker_list
 
 logger = logging.getLogger(__name__)
 WORKER_NAME = re.compile(r"^(prefill|decode)-(\d+)$")
@@ -126,7 +128,6 @@ class RouterActor(ServerProcess):
 
     def __init__(self, args: list[str], secret: str, log_dir: str, startup_timeout_s: float, spec: dict,
                  poll_interval_s: float = 0.5) -> None:
-        from router.discovery import WorkerList, write_worker_list
         self.spec_ = spec
         ensure_private_dir(log_dir)
         self.list_path = list_path = os.path.join(log_dir, "workers.json")
@@ -139,7 +140,6 @@ class RouterActor(ServerProcess):
                                startup_timeout_s, bind_node_ip=False, api_key=spec.get("api_key"))
 
     def _publish_loop(self) -> None:
-        from router.discovery import write_worker_list
         while True:
             try:
                 workers = self._publisher.poll()
@@ -158,7 +158,7 @@ class RouterActor(ServerProcess):
 
     def workers_seen(self, timeout_s: float = 5.0) -> list[dict]:
         """The router's own view (Admin.GetClusterStatus): address, role, healthy, in-flight calls."""
-        from router.client import GenerationClient
+        from router.client import GenerationClient  # lazy: google
         with GenerationClient(self._local_address(), api_key=self.spec_.get("api_key"), tls_ca=self._tls_root()) as c:
             st = c.cluster_status(timeout_s)
         return [{"address": w.address, "role": w.role, "healthy": w.healthy,
@@ -167,8 +167,6 @@ class RouterActor(ServerProcess):
 
     def serving(self, timeout_s: float = 2.0) -> bool:
         """The router's gRPC health: SERVING once a prefill and a decode worker are in rotation."""
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
         root = self._tls_root()
         ch = grpc.insecure_channel(self._local_address()) if root is None else \
             grpc.secure_channel(self._local_address(), grpc.ssl_channel_credentials(_read(root)))
@@ -202,7 +200,6 @@ class WorkerListPublisher:
         self._handles: dict[str, object] = {}
 
     def poll(self):
-        from router.discovery import WorkerList
         names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["namespace"] == self.namespace and WORKER_NAME.match(a["name"])}
         for gone in set(self.known) | set(self._pending) | set(self._handles):

@@ -29,10 +29,11 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from cluster.local import ClusterStartError, resolve_decode_weights
+from cluster.ray_placement import PLACEMENTS, PlacementError, actor_resources, create_groups, demands_for, list_groups, plan_when_free, remove_groups
 from common.flags import DEFAULT_HTTP_PORT
-from cluster.local import ClusterStartError
-from cluster.ray_placement import PLACEMENTS, PlacementError, demands_for
-from protos import tls
+from common.net import check_bind
+from protos import rpc, tls
 
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -146,7 +147,6 @@ class RayLaunchConfig:
         if self.max_failovers < 0:
             raise ValueError(f"max_failovers must be >= 0, got {self.max_failovers}")
         self.bundle  # validates the JSON
-        from common.net import check_bind
         check_bind(self.host, self.api_key, "the router (give --api-key)")
         tls.tls_config(self.tls_cert, self.tls_key, self.tls_ca)  # ValueError for a half-given pair or a bad file
 
@@ -185,18 +185,18 @@ class DeploymentStatus:
 # -- connecting -------------------------------------------------------------------------------------
 def connect(address: str, namespace: str) -> None:
     """Join the Ray cluster as a driver (no-op when this process already did, e.g. in tests)."""
-    import ray
+    import ray  # lazy: ray
     if not ray.is_initialized():
         ray.init(address=address, namespace=namespace, logging_level=logging.WARNING, log_to_driver=False)
 
 
 def actor_names(namespace: str) -> list[str]:
-    import ray
+    import ray  # lazy: ray
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace)
 
 
 def worker_index(name: str) -> tuple[str, int] | None:
-    from cluster.ray_actors import WORKER_NAME
+    from cluster.ray_actors import WORKER_NAME  # lazy: ray
     m = WORKER_NAME.match(name)
     return (m.group(1), int(m.group(2))) if m else None
 
@@ -204,7 +204,7 @@ def worker_index(name: str) -> tuple[str, int] | None:
 # -- launch -----------------------------------------------------------------------------------------
 def launch(cfg: RayLaunchConfig) -> DeploymentStatus:
     """Place and start the deployment (see the module docstring); on any failure, remove what was created."""
-    import ray
+    import ray  # lazy: ray
     connect(cfg.address, cfg.namespace)
     existing = actor_names(cfg.namespace)
     if existing:
@@ -214,8 +214,9 @@ def launch(cfg: RayLaunchConfig) -> DeploymentStatus:
     names = [f"{r}-{i}" for r, n in (("prefill", cfg.prefill), ("decode", cfg.decode)) for i in range(n)]
     try:
         refs = start_workers(spec, names, existing_nodes={})
-        from cluster.ray_actors import ROUTER_NAME, RouterActor
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # lazy: ray
+
+        from cluster.ray_actors import ROUTER_NAME, RouterActor  # lazy: ray
         router = RouterActor.options(
             name=ROUTER_NAME, namespace=cfg.namespace, lifetime="detached", max_restarts=cfg.max_restarts,
             num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
@@ -234,20 +235,18 @@ def launch(cfg: RayLaunchConfig) -> DeploymentStatus:
 
 def _make_spec(cfg: RayLaunchConfig) -> dict:
     """Everything a new worker of this deployment needs (kept by the router actor for ``scale``)."""
-    from protos import rpc
+    from engine.defaults import default_model_dir  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
     if cfg.model is None:
-        from engine.defaults import default_model_dir
         model = default_model_dir()
     else:
         model = os.path.abspath(cfg.model)
     if cfg.model_hash is None:
-        from engine.loader import model_hash
+        from engine.loader import model_hash  # lazy: safetensors, torch
         mhash = model_hash(model)
     else:
         mhash = cfg.model_hash
     decode_weights = None
     if cfg.decode_weights:
-        from cluster.local import resolve_decode_weights
         if not os.path.isdir(cfg.decode_weights):
             raise ValueError(f"--decode-weights {cfg.decode_weights!r}: give a directory holding a quantized copy of "
                              f"the model that every node can read (make one with `pdserve quantize`)")
@@ -319,9 +318,9 @@ def _quiet_ray_warning() -> None:
 def start_workers(spec: dict, names: list[str], existing_nodes: dict[str, int]) -> dict:
     """Plan, place and create the worker actors ``names``; returns name -> ref of its first info()."""
     _quiet_ray_warning()
-    from cluster.ray_actors import WorkerActor
-    from cluster.ray_placement import actor_resources, create_groups, plan_when_free
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # lazy: ray
+
+    from cluster.ray_actors import WorkerActor  # lazy: ray
     cfg = RayLaunchConfig(**{f.name: spec[f.name] for f in dataclasses.fields(RayLaunchConfig)})
     demands = [d for role in ROLES for d in demands_for([n for n in names if n.startswith(role + "-")],
                                                         cfg.bundle, cfg.tp(role))]
@@ -342,7 +341,7 @@ def start_workers(spec: dict, names: list[str], existing_nodes: dict[str, int]) 
 
 def wait_started(refs: dict, timeout_s: float) -> dict[str, dict]:
     """Every actor's first info(), by name; raises LaunchError naming each actor that failed (with its log tail)."""
-    import ray
+    import ray  # lazy: ray
     by_ref = {r: n for n, r in refs.items()}
     ready, late = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=timeout_s)
     infos, errors = {}, []
@@ -371,7 +370,7 @@ def _short(e: BaseException | str, num_chars: int = 3000) -> str:
 
 def wait_in_rotation(router, addresses: list[str], timeout_s: float) -> None:
     """Until the router has every one of ``addresses`` in rotation (its own health polls say so)."""
-    import ray
+    import ray  # lazy: ray
     deadline = time.monotonic() + timeout_s
     seen: list[dict] = []
     while True:
@@ -390,9 +389,9 @@ def wait_in_rotation(router, addresses: list[str], timeout_s: float) -> None:
 
 # -- status / stop ----------------------------------------------------------------------------------
 def status(address: str, namespace: str = "pdserve", timeout_s: float = 5.0) -> DeploymentStatus:
-    import ray
-    from cluster.ray_actors import ROUTER_NAME
-    from cluster.ray_placement import list_groups
+    import ray  # lazy: ray
+
+    from cluster.ray_actors import ROUTER_NAME  # lazy: ray
     connect(address, namespace)
     st = DeploymentStatus(namespace, groups=list_groups(namespace))
     refs = {}
@@ -424,8 +423,7 @@ def status(address: str, namespace: str = "pdserve", timeout_s: float = 5.0) -> 
 def stop(address: str, namespace: str = "pdserve", grace_s: float = 10.0) -> list[str]:
     """Stop every pdserve actor of the namespace (its server gets SIGTERM first) and remove every placement
     group; returns the actor names stopped. Safe to repeat."""
-    import ray
-    from cluster.ray_placement import remove_groups
+    import ray  # lazy: ray
     connect(address, namespace)
     names = actor_names(namespace)
     handles = {}
@@ -443,7 +441,7 @@ def stop(address: str, namespace: str = "pdserve", grace_s: float = 10.0) -> lis
 
 
 def stop_actors(handles: dict, grace_s: float) -> None:
-    import ray
+    import ray  # lazy: ray
     refs = [h.stop.remote(grace_s) for h in handles.values()]
     if refs:
         ray.wait(refs, num_returns=len(refs), timeout=grace_s + 5)

@@ -14,6 +14,7 @@ that still does not come up (resources taken meanwhile, a node lost) is removed 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -131,10 +132,10 @@ def group_name(namespace: str, worker: str) -> str:
 
 def cluster_resources() -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
     """(free, total) resources of every alive node, by node id."""
-    import ray
+    import ray  # lazy: ray
     total = {n["NodeID"]: dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")}
     try:
-        from ray._private.state import available_resources_per_node
+        from ray._private.state import available_resources_per_node  # lazy: ray
         free = {n: dict(r) for n, r in available_resources_per_node().items() if n in total}
     except Exception:  # not available through Ray Client: plan on totals, pg.ready() still guards
         free = {n: dict(r) for n, r in total.items()}
@@ -148,7 +149,6 @@ def plan_when_free(demands: list[WorkerDemand], strategy: str, existing: Mapping
     """``plan_placement`` on the cluster's current free resources. A request the cluster could never hold
     fails at once; one that fits the nodes' totals is retried for ``settle_s`` (Ray's view of free
     resources lags a group or actor that was just removed) before its error is raised."""
-    import time
     free, total = cluster_resources()
     try:
         plan_placement(demands, total, strategy, existing, total)
@@ -168,8 +168,8 @@ def plan_when_free(demands: list[WorkerDemand], strategy: str, existing: Mapping
 def create_groups(demands: list[WorkerDemand], plan: Mapping[str, str], namespace: str, timeout_s: float) -> dict:
     """One detached STRICT_PACK group per worker on its planned node; waits until all are placed. On timeout
     the groups are removed and PlacementError says which were not placed."""
-    import ray
-    from ray.util import placement_group, remove_placement_group
+    import ray  # lazy: ray
+    from ray.util import placement_group, remove_placement_group  # lazy: ray
     groups = {d.name: placement_group(d.bundles, strategy="STRICT_PACK", name=group_name(namespace, d.name),
                                       lifetime="detached", _soft_target_node_id=plan[d.name]) for d in demands}
     refs = {g.ready(): name for name, g in groups.items()}
@@ -187,21 +187,21 @@ def create_groups(demands: list[WorkerDemand], plan: Mapping[str, str], namespac
 
 def list_groups(namespace: str) -> dict[str, dict]:
     """This namespace's live placement groups by worker name (Ray's placement_group_table entries)."""
-    import ray
+    import ray  # lazy: ray
     prefix = group_name(namespace, "")
     return {t["name"][len(prefix):]: t for t in ray.util.placement_group_table().values()
             if t.get("name", "").startswith(prefix) and t.get("state") != "REMOVED"}
 
 
 def get_group(namespace: str, worker: str):
-    import ray
+    import ray  # lazy: ray
     return ray.util.get_placement_group(group_name(namespace, worker))
 
 
 def remove_groups(namespace: str, workers: list[str] | None = None) -> list[str]:
     """Remove this namespace's groups (those of ``workers``, or all); returns the worker names removed."""
-    import ray
-    from ray.util.placement_group import PlacementGroup
+    import ray  # lazy: ray
+    from ray.util.placement_group import PlacementGroup  # lazy: ray
     removed = []
     for name, t in list_groups(namespace).items():
         if workers is None or name in workers:

@@ -10,8 +10,20 @@ from __future__ import annotations
 import logging
 import time
 
-from cluster.ray_launcher import (ROLES, DeploymentStatus, LaunchError, actor_names, connect, start_workers, status,
-                                  stop_actors, wait_in_rotation, wait_started, worker_index)
+from cluster.ray_launcher import (
+    ROLES,
+    DeploymentStatus,
+    LaunchError,
+    actor_names,
+    connect,
+    start_workers,
+    status,
+    stop_actors,
+    wait_in_rotation,
+    wait_started,
+    worker_index,
+)
+from cluster.ray_placement import remove_groups
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +32,9 @@ def scale(address: str, namespace: str = "pdserve", prefill: int | None = None, 
           drain_timeout_s: float = 600.0) -> DeploymentStatus:
     """Bring the worker counts to ``prefill`` / ``decode`` (None: unchanged). New workers are placed and
     started like launch's; removed ones (highest index first) are drained, then stopped."""
-    import ray
-    from cluster.ray_actors import ROUTER_NAME
+    import ray  # lazy: ray
+
+    from cluster.ray_actors import ROUTER_NAME  # lazy: ray
     connect(address, namespace)
     for what, n in (("prefill", prefill), ("decode", decode)):
         if n is not None and n < 1:
@@ -62,7 +75,7 @@ def scale(address: str, namespace: str = "pdserve", prefill: int | None = None, 
 def _drain(router, namespace: str, names: list[str], timeout_s: float) -> None:
     """Off the router's worker list; wait until the router has taken them out of rotation and has no calls at
     them (or ``timeout_s``). A worker that does not answer (restarting) is not waited for."""
-    import ray
+    import ray  # lazy: ray
     handles = [ray.get_actor(n, namespace=namespace) for n in names]
     refs = [h.info.remote() for h in handles]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
@@ -85,8 +98,7 @@ def _drain(router, namespace: str, names: list[str], timeout_s: float) -> None:
 
 
 def _remove_workers(namespace: str, names: list[str], grace_s: float) -> None:
-    import ray
-    from cluster.ray_placement import remove_groups
+    import ray  # lazy: ray
     handles = {}
     for n in names:
         try:

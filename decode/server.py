@@ -18,22 +18,24 @@ import grpc
 import msgpack
 import torch
 
+from common import logs
+from common.net import check_bind
 from decode.config import DecodeConfig
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
-from engine.kvcache import PoolExhausted
+from engine.defaults import default_model_dir
+from engine.kvcache import KVPool, PoolExhausted
+from engine.load import load_model
 from engine.loader import model_hash
 from engine.quant.prepare import expert_status, quantized_experts
-from engine.load import load_model
 from engine.tokenizer import Tokenizer
+from engine.warmup import warm_up_decode
 from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, ShmKVPool, TransferError
 from kvtransfer.config import add_transport_args, receiver_mooncake_protocol
-from common import logs
 from protos import rpc
-from common.net import check_bind
-from worker import convert, heartbeat, process
-from worker.metrics import serve_metrics
-from worker.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from worker import convert, heartbeat, process
+from worker.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
+from worker.metrics import serve_metrics
 
 logger = logging.getLogger("decode.server")
 SERVICE = "pdserve.v1.DecodeWorker"
@@ -193,7 +195,6 @@ def stop_checker(tok: Tokenizer | None):
 
 
 async def amain(args: argparse.Namespace) -> None:
-    from engine.defaults import default_model_dir
     process.apply_threads(args.threads)
     model_dir = args.model or default_model_dir()
     secret = rpc.cluster_secret(args.cluster_secret)
@@ -212,7 +213,6 @@ async def amain(args: argparse.Namespace) -> None:
                                                   mooncake_protocol=receiver_mooncake_protocol(args)))
     await receiver.start()
     if args.compile:
-        from engine.warmup import warm_up_decode
         model.compile_decode()
         took = warm_up_decode(model, cfg, plan.kv_dtype, args.page_size,
                               args.speculative if spec is not None else None)
@@ -263,7 +263,6 @@ def _make_pool(layout, num_pages: int, shm: bool):
         except OSError as e:
             logger.warning("KV pool in shared memory failed (%s): using a private pool; prefill workers on this "
                            "host will ship KV over TCP", e)
-    from engine.kvcache import KVPool
     return KVPool(layout, num_pages)
 
 
@@ -275,7 +274,7 @@ def build_speculator(args, model, cfg, pool):
         logger.warning("model has no MTP layer: running without speculative decoding")
         return None
     try:
-        from engine.speculative.worker import make_speculator
+        from engine.speculative.worker import make_speculator  # optional: a build without it serves without speculation
     except ImportError:
         logger.warning("speculative decoding is not available in this build: running without it")
         return None

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.config import ModelConfig
+from engine.load import build_model
 from engine.models.glm import GlmForCausalLM
 
 
@@ -97,7 +98,6 @@ def init_random_model(cfg_dict: dict, out_dir: str, seed: int = 0, std: float = 
                       dtype: torch.dtype | None = None) -> str:
     """Create a random-weight checkpoint for ``cfg_dict`` in ``out_dir`` (for tests and the demo), stored in
     ``dtype`` (None: fp32) as ``save_checkpoint`` stores it."""
-    from engine.load import build_model
     cfg = ModelConfig.from_dict(cfg_dict)
     gen = torch.Generator().manual_seed(seed)
     model = build_model(cfg, torch.float32, "cpu")

@@ -26,6 +26,7 @@ anything else                                         the same name
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -194,7 +195,6 @@ def _fmt(index: tuple) -> str:
 def model_hash(model_dir: str) -> str:
     """Fingerprint of a checkpoint: config.json plus every safetensors header and size (fast: no weights
     are read). Workers compare it at start so a cluster never mixes two different models."""
-    import hashlib
     h = hashlib.sha256()
     with open(os.path.join(model_dir, "config.json"), "rb") as f:
         h.update(f.read())

@@ -6,7 +6,7 @@ import os
 
 class Tokenizer:
     def __init__(self, path: str) -> None:
-        from tokenizers import Tokenizer as _Tok
+        from tokenizers import Tokenizer as _Tok  # lazy: tokenizers
         self._tok = _Tok.from_file(path)
 
     @classmethod

@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     try:
-        import uvloop
+        import uvloop  # lazy: uvloop
     except ImportError:  # optional dependency: the stdlib loop works, ~20% slower on the receive path
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()

@@ -32,7 +32,7 @@ from kvtransfer.framing import tune_socket
 from kvtransfer.protocol import peer_info
 from kvtransfer.mooncake import MooncakeEngine, MooncakeOffer, offer_for
 from kvtransfer.rx_conn import RxConnection
-from kvtransfer.shm import ShmKVPool, host_id, pid_alive
+from kvtransfer.shm import ShmKVPool, host_id
 from kvtransfer.staging import Stager, is_staged, release_all
 from kvtransfer.ticket import Reservation, ReservationManager, TransferResult, TransferState, TransferTicket
 

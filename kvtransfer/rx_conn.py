@@ -1,3 +1,4 @@
+# over 400 lines: one receiving connection: handshake, every frame handler and the checksum offload share its state.
 """One sender's connection on the decode side: handshake, then frame validation and placement.
 
 Connection states (``ConnState``)::

@@ -1,3 +1,4 @@
+# over 400 lines: the sender's public API and the bookkeeping of every outgoing transfer.
 """Prefill side of the data plane: push each layer's KV to the decode worker as soon as it exists.
 
 The prefill loop is synchronous; ``KVSender`` runs its connections on its own event loop

@@ -68,7 +68,7 @@ class KVTransport(abc.ABC):
         ``want_views`` return the source rows as byte views in payload order (for the checksum)."""
         raise NotImplementedError(f"{self.kind.value} sends payloads in frames")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a hook: transports without resources keep the no-op
         """Release what the transport holds (mappings, registrations)."""
 
 

@@ -1,3 +1,4 @@
+# over 400 lines: a peer connection's send state, frame writer and connection in one file; issue 26 splits it in three once the transport work in it has landed.
 """The prefill side's connection to one receiver: handshake, transport choice, frame writer and reader.
 
 One ``TxPeer`` per receiver address multiplexes every request going there. Handshake,

@@ -16,21 +16,22 @@ import time
 import grpc
 import msgpack
 
+from common import logs
+from common.net import check_bind
+from engine.defaults import default_model_dir
 from engine.kvcache import KVPool, PoolExhausted
-from engine.loader import model_hash
 from engine.load import load_model
+from engine.loader import model_hash
 from kvtransfer import KVSender, KVSenderConfig, TransferTicket, TransportKind
 from kvtransfer.config import add_transport_args
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
 from prefill.sink import LocalSink, TransferFailed
 from prefill.transfer import TransferSink
-from common import logs
 from protos import rpc
-from common.net import check_bind
-from worker import convert, heartbeat, process
-from worker.metrics import serve_metrics
-from worker.convert import sampling_from_proto
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from worker import convert, heartbeat, process
+from worker.convert import sampling_from_proto
+from worker.metrics import serve_metrics
 
 logger = logging.getLogger("prefill.server")
 SERVICE = "pdserve.v1.PrefillWorker"
@@ -198,7 +199,6 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 async def amain(args: argparse.Namespace) -> None:
-    from engine.defaults import default_model_dir
     process.apply_threads(args.threads)
     model_dir = args.model or default_model_dir()
     secret = rpc.cluster_secret(args.cluster_secret)

@@ -15,8 +15,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def generate(out_dir: str) -> list[str]:
-    from grpc_tools import protoc
-    import grpc_tools
+    import grpc_tools  # lazy: grpc_tools
+    from grpc_tools import protoc  # lazy: grpc_tools
     protos = sorted(glob.glob(os.path.join(HERE, "pdserve", "v1", "*.proto")))
     include = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
     args = ["protoc", f"-I{HERE}", f"-I{include}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",

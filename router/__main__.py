@@ -18,9 +18,10 @@ import sys
 
 from common import flags, logs
 from protos import rpc
-from worker import process
 from router.config import DEFAULT_HTTP_PORT, RouterConfig, add_config_args, config_from_args
 from router.server import RouterServer
+from worker import process
+from worker.process import run
 
 logger = logging.getLogger("router")
 
@@ -66,7 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.prefill or not cfg.decode:
         print("router: error: give at least one --prefill and one --decode worker address", file=sys.stderr)
         return 2
-    from worker.process import run
     run(amain(cfg))
     return 0
 

@@ -25,6 +25,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import stat
 import sys
 import tempfile
@@ -34,6 +35,7 @@ from typing import NamedTuple
 from common import flags, logs
 from protos import rpc
 from router.config import RouterConfig, add_config_args, config_from_args
+from worker.process import run
 
 logger = logging.getLogger("router.discovery")
 ROLES = ("prefill", "decode")
@@ -190,9 +192,8 @@ class FileDiscovery:
 
 
 async def amain(cfg: RouterConfig, dcfg: DiscoveryConfig) -> None:
-    import signal
 
-    from router.server import RouterServer
+    from router.server import RouterServer  # lazy: aiohttp, google, jinja2, prometheus_client
     srv = RouterServer(cfg)
     try:
         await srv.start()
@@ -232,7 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"router: error: {e}", file=sys.stderr)
         return 2
-    from worker.process import run
     run(amain(cfg, dcfg))
     return 0
 

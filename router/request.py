@@ -1,3 +1,4 @@
+# over 400 lines: one request's whole life in order: reservation, prefill, KV transfer, decode stream, retries, failover.
 """One ``Generate`` call through the cluster. Lifecycle::
 
     VALIDATED ──Reserve on a decode worker (next one on RESOURCE_EXHAUSTED)──> RESERVED
@@ -294,7 +295,7 @@ class GenerateRun:
                     failed.append(f"{w.name}: {e.code().name} {e.details()}")
                     self.core.spawn(reg.confirm_failure(w, e.details() or e.code().name))
                     continue
-                raise RequestError(e.code(), f"decode worker {w.name} refused the reservation: {e.details()}")
+                raise RequestError(e.code(), f"decode worker {w.name} refused the reservation: {e.details()}") from e
             self.phase = Phase.RESERVED
             self.metrics.decode_worker = w.name
             return w, resp.ticket

@@ -12,7 +12,7 @@ class TextCodec:
     """``tokenizer.json`` of the served model; encodes like ``engine.tokenizer.Tokenizer`` (no special tokens)."""
 
     def __init__(self, path: str) -> None:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: tokenizers
         self._tok = Tokenizer.from_file(path)
 
     @classmethod

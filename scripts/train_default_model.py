@@ -45,7 +45,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from engine.defaults import PDSERVE_HOME
+    from engine.defaults import PDSERVE_HOME  # after the sys.path set-up above: the source tree under test
     ap = argparse.ArgumentParser(description="Train pdserve's default glm_moe_dsa model on CPython stdlib sources.")
     a = ap.add_argument
     a("--out", default=os.path.join(REPO, "models", "glm5-tiny"), help="output model directory")
@@ -220,7 +220,7 @@ def main(argv=None) -> None:
     out = export(model, tokenizer, args.out)
     report["export_seconds_after_start"] = round(time.perf_counter() - t_start, 1)
     if not args.no_eval:
-        from scripts.default_model.evaluate import evaluate
+        from scripts.default_model.evaluate import evaluate  # after the sys.path set-up above: the source tree under test
         report["eval"] = evaluate(out, args.manifest, args.stdlib, spec=args.spec_eval)
         logger.info("eval: %s", json.dumps({k: v for k, v in report["eval"].items() if k != "sample"}))
         logger.info("greedy sample:\n%s", report["eval"]["sample"])

@@ -73,7 +73,7 @@ def start_plan(args: argparse.Namespace, weights_dir: str, role: str):
     is loaded or the pool allocated; a pool that cannot fit ends the process with one line naming the
     numbers."""
     from engine.load import resolve_device  # torch: this module stays stdlib-only at import (the router's)
-    from engine.sizing import plan_start, pool_sizing
+    from engine.sizing import plan_start, pool_sizing  # lazy: numpy, safetensors, torch
     try:
         return plan_start(weights_dir, args.dtype, args.kv_dtype, resolve_device(args.device), args.page_size,
                           pool_sizing(args.num_pages, args.kv_cache_memory, args.mem_fraction))
@@ -97,9 +97,10 @@ def bind(server, args: argparse.Namespace, role: str) -> int:
 
 def apply_threads(n: int) -> None:
     """Process-wide CPU settings of a worker: intra-op threads and the malloc thresholds."""
-    import torch
+    import torch  # lazy: torch
 
-    from engine.defaults import tune_malloc
+    from engine.defaults import tune_malloc  # lazy: engine (the router imports this module)
+
     tune_malloc()
     if n > 0:
         torch.set_num_threads(n)
@@ -129,7 +130,7 @@ async def serve_until_signal(server, on_stop, grace_s: float = 3.0, status=None,
 
 def run(main_coro) -> None:
     try:
-        import uvloop
+        import uvloop  # lazy: uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency, but stay runnable without it
         asyncio.run(main_coro)
         return

@@ -238,7 +238,7 @@ def plot_png(result: Result, path: str) -> str:
     the knee and the first rate that breaks the SLO marked on each."""
     import matplotlib  # heavy optional dependency: only the PNG needs it
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib
 
     fig = figure(result, plt)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

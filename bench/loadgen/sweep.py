@@ -25,8 +25,7 @@ import grpc
 from bench.loadgen.config import BenchConfig, Slo
 from bench.loadgen.fault import fault_stats, format_fault, inject
 from bench.loadgen.openai_backend import OpenAIGeneration, connector, server_info
-from bench.loadgen.report import (Result, format_compare, format_table, knee_fields, load_json, plot_png,
-                                  run_label, write_json)
+from bench.loadgen.report import Result, format_compare, format_table, knee_fields, load_json, plot_png, run_label, write_json
 from bench.loadgen.runner import LoadStep, StepRunner
 from bench.loadgen.search import KneeSearch, SearchConfig, StopReason
 from bench.loadgen.stats import StepStats, step_stats
@@ -101,7 +100,7 @@ class _Progress:
     """A tqdm bar per step: seconds of load, with sent/done/failed counts; draining shown past the end."""
 
     def __init__(self, label: str, total_s: float, enabled: bool) -> None:
-        from tqdm import tqdm
+        from tqdm import tqdm  # lazy: tqdm
         self.total_s = total_s
         self.bar = tqdm(total=round(total_s, 1), desc=f"{label:>10}", unit="s", disable=not enabled,
                         bar_format="{desc} |{bar}| {n:.0f}/{total:.0f}s{postfix}", leave=True)

@@ -17,8 +17,8 @@ def main() -> None:
     llama_dir, hf_dir, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
     sys.path.insert(0, llama_dir)
     import convert_hf_to_gguf  # the converter itself, importable from LLAMA_CPP_DIR
-    from conversion.base import TextModel
-    from conversion.glm import Glm4MoeModel
+    from conversion.base import TextModel  # after the sys.path set-up above: the source tree under test
+    from conversion.glm import Glm4MoeModel  # after the sys.path set-up above: the source tree under test
 
     TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
     Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()

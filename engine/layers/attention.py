@@ -1,3 +1,4 @@
+# over 400 lines: MLA and DSA attention: prefill, decode and the paged paths share the projections and the cache layout.
 """Attention over the paged KV cache: GQA (glm4_moe) and MLA + DSA (glm_moe_dsa)."""
 from __future__ import annotations
 

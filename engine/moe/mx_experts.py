@@ -1,3 +1,4 @@
+# over 400 lines: the MX routed experts and every implementation the tuned table chooses from.
 """Routed experts with OCP MX weights (MXFP4 / MXFP6 / MXFP8) and their execution strategies.
 
 Storage (buffers, filled by the loader from Quark-layout checkpoints; K = the reduced dim):

@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import os
+import platform
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -22,6 +23,7 @@ from typing import Sequence
 import torch
 
 from engine.moe.experts import GATHER_MAX_PAIRS
+from engine.quant.mx import get_mx_format
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +66,6 @@ class MoEShape:
         return f"model_dim {self.hidden}, moe_inter {self.inter}, E {self.num_experts}, top-{self.topk}, {self.dtype}"
 
     def mx_weight_bytes(self) -> int:
-        from engine.quant.mx import get_mx_format
         bits = get_mx_format(self.dtype).bits
         numel = 3 * self.num_experts * self.hidden * self.inter
         return numel * bits // 8 + numel // 32
@@ -116,7 +117,6 @@ def _cpu_model() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
     return platform.processor() or platform.machine() or "unknown"
 
 

@@ -35,5 +35,5 @@ def prepare_model_for_checkpoint(model, cfg, model_dir):
 
     Imported lazily: engine.quant.prepare needs engine.moe.mx_experts, which needs engine.quant.mx.
     """
-    from engine.quant.prepare import prepare_model_for_checkpoint as prepare
+    from engine.quant.prepare import prepare_model_for_checkpoint as prepare  # lazy: safetensors, triton
     return prepare(model, cfg, model_dir)

@@ -1,3 +1,4 @@
+# over 400 lines: the OCP MX v1.0 formats (element encodings, shared scales, quantize / dequantize) as one spec in one file.
 """OCP Microscaling (MX) v1.0 block formats: MXFP4, MXFP6 (E2M3, E3M2) and MXFP8 (E4M3).
 
 A block of `block_size` (32 in the spec) consecutive elements along the last dim shares one

@@ -195,7 +195,7 @@ def prepare_model_for_checkpoint(model: nn.Module, cfg: ModelConfig, model_dir: 
     for plan in plans:
         check_plan(plan, cfg, index)
     mx_prefixes = {p.ckpt: p.module for p in plans if p.quant is not None}
-    for name, info in index.items():
+    for name, _info in index.items():
         m = _EXPERT_TENSOR.match(name)
         if name.endswith(QUANT_SUFFIXES) and not (m and m["base"] in mx_prefixes):
             rule_quark_guard(name, cfg)

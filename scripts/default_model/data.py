@@ -17,7 +17,7 @@ BOS_ID, EOS_ID = 0, 1
 
 def train_tokenizer(texts: list[str], vocab_size: int):
     """A GPT-2-style byte-level BPE (``tokenizers``); deterministic for the same texts in the same order."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # lazy: tokenizers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

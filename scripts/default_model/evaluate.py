@@ -21,27 +21,27 @@ import time
 
 import torch
 
-from scripts.default_model.data import strided_windows
+from engine.batch import BatchRequest, ForwardBatch
+from engine.sampling import SamplingParams
+from scripts.default_model.corpus import load_corpus
+from scripts.default_model.data import encode_stream, strided_windows
 
 
 def heldout_stream(model_dir: str, manifest: str, stdlib_dir: str | None = None) -> torch.Tensor:
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # lazy: tokenizers
 
-    from scripts.default_model.corpus import load_corpus
-    from scripts.default_model.data import encode_stream
     tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
     return encode_stream(tok, [t for _, t in load_corpus(manifest, stdlib_dir)["heldout"]])
 
 
 def _pool(cfg, num_tokens: int):
-    from engine.kvcache import KVLayout, KVPool
+    from engine.kvcache import KVLayout, KVPool  # lazy: numpy
     return KVPool(KVLayout.for_model(cfg, 16, "float32"), num_tokens // 16 + 8)
 
 
 @torch.inference_mode()
 def pdserve_metrics(model, cfg, windows: torch.Tensor) -> dict:
     """Main NLL / t+1 accuracy, MTP t+2 and chained t+3 accuracy over ``windows`` [n, T + 3], one at a time."""
-    from engine.batch import BatchRequest, ForwardBatch
     T = windows.shape[1] - 3
     pool = _pool(cfg, T)
     pages = pool.allocator.alloc(pool.pages_for(T), "eval")
@@ -85,16 +85,14 @@ def transformers_ppl(hf, windows: torch.Tensor, topks: list[int]) -> dict[int, f
 
 
 def greedy_sample(model, cfg, tok, prompt_ids: list[int], max_tokens: int) -> str:
-    from engine.offline import Engine
-    from engine.sampling import SamplingParams
+    from engine.offline import Engine  # lazy: numpy
     res = Engine(model, cfg, num_pages=64).generate([prompt_ids], SamplingParams(max_tokens=max_tokens))
     return tok.decode(prompt_ids) + "⟨▶⟩" + tok.decode(res[0].token_ids)
 
 
 def accept_lengths(model, cfg, prompts: list[list[int]], max_tokens: int) -> dict:
     try:
-        from engine.sampling import SamplingParams
-        from engine.speculative import run_speculative
+        from engine.speculative import run_speculative  # lazy: numpy
     except ImportError as e:  # the speculative decoder lives in engine/spec (another issue)
         return {"skipped": f"engine.speculative not available: {e}"}
     out = {}
@@ -108,10 +106,10 @@ def accept_lengths(model, cfg, prompts: list[list[int]], max_tokens: int) -> dic
 
 def evaluate(model_dir: str, manifest: str = "corpus/manifest.json", stdlib_dir: str | None = None,
              num_windows: int = 48, window_len: int = 256, spec: bool = False, num_spec_prompts: int = 8) -> dict:
-    from tokenizers import Tokenizer
-    from transformers import GlmMoeDsaForCausalLM
+    from tokenizers import Tokenizer  # lazy: tokenizers
+    from transformers import GlmMoeDsaForCausalLM  # lazy: transformers
 
-    from engine.load import load_model
+    from engine.load import load_model  # lazy: numpy, safetensors
     tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
     stream = heldout_stream(model_dir, manifest, stdlib_dir)
     model, cfg = load_model(model_dir, "float32", "cpu")
@@ -121,7 +119,6 @@ def evaluate(model_dir: str, manifest: str = "corpus/manifest.json", stdlib_dir:
     # pdserve vs transformers on one window longer than index_topk (DSA active in both)
     L = max(window_len, cfg.index_topk + 64)
     ids = stream[1000:1000 + L]
-    from engine.batch import BatchRequest, ForwardBatch
     pool = _pool(cfg, L)
     with torch.inference_mode():
         ours = model(ForwardBatch.build([BatchRequest(pool.allocator.alloc(pool.pages_for(L), "x"), 0, ids.tolist())],

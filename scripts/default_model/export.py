@@ -21,6 +21,8 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
+from scripts.default_model.data import BOS, EOS
+
 KEEP_FP32 = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
 
 
@@ -90,7 +92,6 @@ def export(model, tokenizer, out_dir: str, dtype: torch.dtype = torch.bfloat16,
         json.dump(config_dict(model, dtype), f, indent=2, sort_keys=True)
         f.write("\n")
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
-    from scripts.default_model.data import BOS, EOS
     with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
                    "add_bos_token": False, "model_max_length": model.hf.config.max_position_embeddings,

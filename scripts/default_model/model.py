@@ -35,7 +35,7 @@ def glm_config(vocab_size: int, hidden: int = 128, num_layers: int = 4, num_head
                eos_id: int = 1):
     """A small ``glm_moe_dsa`` config: MLA, a DSA indexer in every layer, dense layer 0, MoE with a shared
     expert in the others, one MTP layer."""
-    from transformers import GlmMoeDsaConfig
+    from transformers import GlmMoeDsaConfig  # lazy: transformers
     return GlmMoeDsaConfig(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=dense_inter, moe_intermediate_size=moe_inter,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
@@ -54,7 +54,7 @@ class MTPModule(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer, GlmMoeDsaRMSNorm
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer, GlmMoeDsaRMSNorm  # lazy: transformers
         H, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = GlmMoeDsaRMSNorm(H, eps)
         self.hnorm = GlmMoeDsaRMSNorm(H, eps)
@@ -72,7 +72,7 @@ class Losses(NamedTuple):
 
 
 def _rope(q_rot, k_rot, cos, sin, unsqueeze_dim):
-    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave  # lazy: transformers
     return apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
@@ -150,7 +150,7 @@ class TrainModel(nn.Module):
 
     def __init__(self, config, seed: int = 0) -> None:
         super().__init__()
-        from transformers import GlmMoeDsaForCausalLM
+        from transformers import GlmMoeDsaForCausalLM  # lazy: transformers
         torch.manual_seed(seed)
         config._attn_implementation = "eager"
         self.hf = GlmMoeDsaForCausalLM(config)

@@ -2,7 +2,6 @@
 with a capacity (``slots``): the search finds the knee within its resolution, says "no knee" where the server
 never breaks, stays inside --max-duration, and never overwrites a previous run's folder."""
 import json
-import time
 
 import pytest
 

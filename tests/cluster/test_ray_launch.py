@@ -242,7 +242,7 @@ def test_scale_down_then_up(deployment, ray_cluster, node_names):
         first = next(long)
         short = c.generate(token_ids=[5], max_tokens=2)
         last = first
-        for last in long:
+        for last in long:  # noqa: B007 - the last chunk is read after the loop
             pass
     assert {last.metrics.decode_worker, short.metrics.decode_worker} == {"decode-0", "decode-1"}
     with pytest.raises(PlacementError, match="missing CPU 1"):

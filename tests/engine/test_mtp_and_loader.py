@@ -24,7 +24,7 @@ def add_mtp_layer(hf, model_dir, seed=7):
     torch.manual_seed(seed)
     block = GlmMoeDsaDecoderLayer(cfg, N - 1).eval()  # an MoE layer with its own indexer
     with torch.no_grad():
-        for n, p in block.named_parameters():
+        for _n, p in block.named_parameters():
             p.normal_(0, 0.08) if p.dim() >= 2 else p.uniform_(0.8, 1.2)
         block.mlp.gate.e_score_correction_bias.uniform_(-0.1, 0.1)
     extra = {"enorm.weight": torch.rand(H) + 0.5, "hnorm.weight": torch.rand(H) + 0.5,

@@ -34,7 +34,7 @@ def make_hf_model(kind: str, seed: int = 0, **overrides):
         cfg = Glm4MoeConfig(**{**GQA_CFG, **overrides})
         model = Glm4MoeForCausalLM(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
         for name, b in list(model.named_buffers()) + list(model.named_parameters()):

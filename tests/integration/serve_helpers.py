@@ -12,12 +12,7 @@ import time
 import grpc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from or had by "
-         "hot word but what some we can out other were all there when up use your how said an each she which do "
-         "their time if will way about many then them write would like so these her long make thing see him two "
-         "has look more day could go come did number sound no most people my over know water than call first who "
-         "may down side been now find any new work part take get place made live where after back little only "
-         "round man year came show every good me give our under name very through just form").split()
+WORDS = ["the", "a", "of", "to", "and", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are", "with", "as", "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by", "hot", "word", "but", "what", "some", "we", "can", "out", "other", "were", "all", "there", "when", "up", "use", "your", "how", "said", "an", "each", "she", "which", "do", "their", "time", "if", "will", "way", "about", "many", "then", "them", "write", "would", "like", "so", "these", "her", "long", "make", "thing", "see", "him", "two", "has", "look", "more", "day", "could", "go", "come", "did", "number", "sound", "no", "most", "people", "my", "over", "know", "water", "than", "call", "first", "who", "may", "down", "side", "been", "now", "find", "any", "new", "work", "part", "take", "get", "place", "made", "live", "where", "after", "back", "little", "only", "round", "man", "year", "came", "show", "every", "good", "me", "give", "our", "under", "name", "very", "through", "just", "form"]
 
 
 def model_with_tokenizer(src_dir: str, dst_dir: str, vocab_size: int) -> str:

@@ -136,7 +136,7 @@ def test_heldout_perplexity_far_below_uniform(shipped):
     except CorpusError as e:
         pytest.skip(f"stdlib is not the pinned CPython 3.11.7: {str(e)[:200]}")
     nll, n = 0.0, 0
-    for path, text in heldout[:4]:
+    for _path, text in heldout[:4]:
         ids = tok.encode(text)[:256]
         logits, _ = _pdserve_forward(model, cfg, ids)
         nll += torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum").item()

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router_fakes import EOS, EOS_TRIGGER, VOCAB, FakeCluster, expected_tokens, rpc_error, run_bounded, write_tokenizer
+from router_fakes import EOS_TRIGGER, VOCAB, FakeCluster, expected_tokens, rpc_error, run_bounded, write_tokenizer
 
 
 run = functools.partial(run_bounded, timeout_s=30.0)
@@ -34,7 +34,7 @@ def test_stream_order_usage_and_metrics():
             assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (5, 7)
             m = last.metrics
             assert m.prefill_worker == "p0" and m.decode_worker == "d0" and m.retries == 0
-            assert 0 < m.ttft_s and m.kv_transfer_bytes == 123 and m.accept_len == 2.0
+            assert m.ttft_s > 0 and m.kv_transfer_bytes == 123 and m.accept_len == 2.0
             assert not chunks[0].HasField("usage") or chunks[0].usage.completion_tokens == 0
             d = fc.decodes[0]
             await fc.wait_for(lambda: d.pages_free == d.pages_total, what="decode pages freed")

@@ -2,10 +2,8 @@
 with the KV shipped through kvtransfer on loopback."""
 import time
 
-import msgpack
 import grpc
 import pytest
-import torch
 
 from engine.checkpoint import TINY_GLM5, init_random_model
 from engine.load import load_model
