@@ -21,6 +21,7 @@ protos: install
 	$(PY) -m protos.build
 
 test: install
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
 demo: install

@@ -1,42 +1,258 @@
-"""Package boundaries from STYLE.md, checked by walking every module's imports."""
+"""Package boundaries from STYLE.md, checked by parsing every module's imports (ast; nothing is imported).
+
+Floors run one way: common -> protos -> engine -> worker / kvtransfer -> prefill / decode / router -> cluster
+-> bench -> cli. A module may import its own floor or lower ones; siblings on one floor that must not know each
+other (prefill, decode and router; engine and grpc) are listed in ``FORBIDDEN``. Every import counts, wherever
+it stands: at the top, inside a function, under ``if TYPE_CHECKING``. No two files may import each other,
+directly or round a longer circle. An import inside a function carries a comment saying why (a heavy optional
+dependency such as torch or ray that a light entry point must not load).
+
+``python tests/test_boundaries.py [ROOT]`` prints the figures (circles, upward imports, in-function imports of
+our own modules, largest files) for the tree at ROOT (default: this checkout).
+"""
+from __future__ import annotations
+
 import ast
+import importlib
 import os
+import sys
+from collections import defaultdict
+from typing import NamedTuple
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ["common", "protos", "engine", "worker", "kvtransfer", "prefill", "decode", "router", "cluster", "bench", "cli"]
+FLOORS = {"common": 0, "protos": 1, "engine": 2, "worker": 3, "kvtransfer": 3, "prefill": 4, "decode": 4,
+          "router": 4, "cluster": 5, "bench": 6, "cli": 7, "scripts": 7}
+"""Top-level package -> floor; a module may import packages whose floor is <= its own."""
+PACKAGES = [p for p in FLOORS if p != "scripts"]
 FORBIDDEN = {
-    "engine": {"prefill", "decode", "router", "kvtransfer", "protos", "grpc", "cluster", "bench"},
+    "common": {"grpc", "torch", "google", "numpy", "ray"},
+    "protos": {"torch"},
+    "engine": {"grpc", "ray"},
     "prefill": {"decode", "router"},
     "decode": {"prefill", "router"},
-    "router": {"torch", "engine", "prefill", "decode"},
-    "kvtransfer": {"prefill", "decode", "router", "grpc"},
+    "router": {"torch", "prefill", "decode", "kvtransfer", "engine"},
+    "kvtransfer": {"grpc", "worker"},
+    "worker": {"kvtransfer"},
 }
+"""Imports a package must not make even where the floors allow them (same floor, or a third-party module)."""
+MAX_LINES = 400
+"""A file longer than this says at its top (in its first 5 lines) why."""
 
 
-def imports_of(path):
-    tree = ast.parse(open(path).read(), path)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            yield from (a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module.split(".")[0]
+class Import(NamedTuple):
+    src: str
+    """Importing module, dotted."""
+    dst: str
+    """Imported module, dotted (the longest prefix that is one of our files, else the name as written)."""
+    line: int
+    in_function: bool
+    commented: bool
+    """A comment on the import's line or the line above it."""
 
 
-@pytest.mark.parametrize("pkg", sorted(FORBIDDEN))
-def test_no_forbidden_imports(pkg):
-    bad = []
-    for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
-        for f in files:
-            if f.endswith(".py") and not f.endswith("_pb2.py") and not f.endswith("_pb2_grpc.py"):
-                path = os.path.join(dirpath, f)
-                bad += [f"{os.path.relpath(path, ROOT)} imports {m}" for m in imports_of(path) if m in FORBIDDEN[pkg]]
-    assert not bad, bad
+def module_name(path: str, root: str) -> str:
+    rel = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+    return rel.removesuffix(".__init__")
+
+
+def our_files(root: str) -> dict[str, str]:
+    """Dotted module name -> path, for every .py of our packages (generated protobuf code included)."""
+    out = {}
+    for pkg in FLOORS:
+        for dirpath, dirs, files in os.walk(os.path.join(root, pkg)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    out[module_name(path, root)] = path
+    return out
+
+
+def _resolve(name: str, modules: dict[str, str]) -> str:
+    while name and name not in modules and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def imports_of(mod: str, path: str, modules: dict[str, str]) -> list[Import]:
+    text = open(path, encoding="utf-8").read()
+    lines = text.split("\n")
+    tree = ast.parse(text, path)
+    out: list[Import] = []
+    is_pkg = path.endswith("__init__.py")
+
+    def commented(node: ast.stmt) -> bool:
+        here = lines[node.lineno - 1]
+        above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+        return "#" in here or above.startswith("#")
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                for a in child.names:
+                    out.append(Import(mod, _resolve(a.name, modules), child.lineno, in_function, commented(child)))
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = mod.split(".")
+                    parts = parts[:len(parts) - child.level + (1 if is_pkg else 0)]
+                    base = ".".join(parts + ([base] if base else []))
+                for a in child.names:
+                    full = f"{base}.{a.name}"
+                    dst = full if full in modules else _resolve(base, modules)
+                    out.append(Import(mod, dst, child.lineno, in_function, commented(child)))
+            visit(child, inside)
+    visit(tree, False)
+    return out
+
+
+def all_imports(root: str = ROOT) -> tuple[dict[str, str], list[Import]]:
+    modules = our_files(root)
+    return modules, [i for mod, path in sorted(modules.items()) for i in imports_of(mod, path, modules)]
+
+
+def top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def upward_imports(imps: list[Import]) -> list[str]:
+    """One entry per (importing file, imported file) pair."""
+    return sorted({f"{i.src} imports {i.dst} (floor {FLOORS[top(i.dst)]} > {FLOORS[top(i.src)]})"
+                   for i in imps if top(i.dst) in FLOORS and FLOORS[top(i.dst)] > FLOORS[top(i.src)]})
+
+
+def forbidden_imports(imps: list[Import]) -> list[str]:
+    return sorted({f"{i.src} imports {i.dst}" for i in imps
+                   if top(i.dst) in FORBIDDEN.get(top(i.src), ()) and top(i.dst) != top(i.src)})
+
+
+def third_party_in_common(imps: list[Import]) -> list[str]:
+    return sorted({f"{i.src} imports {i.dst}" for i in imps if top(i.src) == "common"
+                   and top(i.dst) not in sys.stdlib_module_names and top(i.dst) not in ("common", "__future__")})
+
+
+def circles(modules: dict[str, str], imps: list[Import]) -> list[list[str]]:
+    """Strongly connected components of more than one file (Tarjan), each sorted."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for i in imps:
+        if i.dst in modules and i.dst != i.src:
+            graph[i.src].add(i.dst)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    sys.setrecursionlimit(max(10000, sys.getrecursionlimit()))
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(modules):
+        if v not in index:
+            strong(v)
+    return sorted(out)
+
+
+def function_imports(imps: list[Import], modules: dict[str, str], own_only: bool = True) -> list[Import]:
+    """Import statements inside functions (one per statement), of our own modules only by default."""
+    seen: dict[tuple[str, int], Import] = {}
+    for i in imps:
+        if i.in_function and (not own_only or top(i.dst) in FLOORS):
+            seen.setdefault((i.src, i.line), i)
+    return list(seen.values())
+
+
+def long_files(modules: dict[str, str], limit: int = MAX_LINES) -> list[tuple[int, str, bool]]:
+    """(lines, path, says why at its top) for every file over ``limit`` lines, generated code aside."""
+    out = []
+    for path in modules.values():
+        if "_pb2" in path:
+            continue
+        lines = open(path, encoding="utf-8").read().splitlines()
+        if len(lines) > limit:
+            head = "\n".join(lines[:5]).lower()
+            out.append((len(lines), os.path.relpath(path, ROOT), f"over {limit} lines" in head))
+    return sorted(out, reverse=True)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return all_imports()
+
+
+def test_every_package_has_a_floor():
+    dirs = {d for d in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, d, "__init__.py"))}
+    assert dirs <= set(FLOORS), f"packages without a floor in FLOORS: {sorted(dirs - set(FLOORS))}"
+
+
+def test_no_upward_imports(graph):
+    assert not upward_imports(graph[1])
+
+
+def test_no_forbidden_imports(graph):
+    assert not forbidden_imports(graph[1]) + third_party_in_common(graph[1])
+
+
+def test_no_import_circles(graph):
+    assert not circles(*graph)
+
+
+def test_function_imports_say_why(graph):
+    """An import inside a function is for a heavy optional dependency, with a comment saying which."""
+    bad = [f"{i.src}:{i.line} imports {i.dst}" for i in function_imports(graph[1], graph[0], own_only=False)
+           if not i.commented and top(i.dst) != "__future__"]
+    assert not bad
+
+
+def test_long_files_say_why(graph):
+    bad = [f"{path} ({n} lines)" for n, path, why in long_files(graph[0]) if not why]
+    assert not bad, f"files over {MAX_LINES} lines need '# over {MAX_LINES} lines: WHY' in their first 5 lines"
 
 
 def test_top_level_packages_are_ours():
-    import importlib
     for pkg in PACKAGES:
         mod = importlib.import_module(pkg)
         assert os.path.dirname(os.path.abspath(mod.__file__)) == os.path.join(ROOT, pkg), pkg
+
+
+def report(root: str) -> dict:
+    modules, imps = all_imports(root)
+    fn = function_imports(imps, modules)
+    return {"files": len(modules), "circles": circles(modules, imps), "upward": upward_imports(imps),
+            "forbidden": forbidden_imports(imps) + third_party_in_common(imps),
+            "function_imports_own": len(fn), "function_imports_own_uncommented": sum(not i.commented for i in fn),
+            "function_imports_all_uncommented": sum(not i.commented for i in function_imports(imps, modules, False)),
+            "largest": [f"{p} {n}" for n, p, _ in long_files(modules, 0)[:8]],
+            "over_400": [f"{p} {n}{' (says why)' if why else ''}" for n, p, why in long_files(modules)]}
+
+
+if __name__ == "__main__":
+    import json
+    ROOT = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else ROOT
+    r = report(ROOT)
+    print(json.dumps({k: (len(v) if isinstance(v, list) and k in ("circles", "upward", "forbidden") else v)
+                      for k, v in r.items()}, indent=1))
+    for c in r["circles"]:
+        print("circle:", " <-> ".join(c))
+    for u in r["upward"] + r["forbidden"]:
+        print("edge:", u)
