@@ -24,7 +24,6 @@ through ``decode.speculation.SpeculationAdapter``; settings are a frozen ``Decod
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Callable
 
@@ -39,7 +38,7 @@ from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import sample
 from engine.speculative.prefill import PrefillChunk, prefill_forward
-from worker.heartbeat import Heartbeat
+from worker.scheduler_thread import SchedulerThread
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +46,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["DecodeConfig", "DecodeScheduler", "DecodeTask", "Speculator", "State", "TokenEvent"]
 
 
-class DecodeScheduler:
+class DecodeScheduler(SchedulerThread):
     def __init__(self, model: GlmForCausalLM, pool: KVPool, eos_ids: tuple[int, ...] = (),
                  config: DecodeConfig | None = None, stop_checker: Callable[[DecodeTask], str | None] | None = None,
                  spec: Speculator | None = None) -> None:
+        super().__init__()  # the scheduler thread, its condition variable and heartbeat
         config = config or DecodeConfig()
         self.model, self.pool, self.eos_ids, self.config = model, pool, set(eos_ids), config
         self.stop_checker = stop_checker
@@ -61,10 +61,6 @@ class DecodeScheduler:
         self._arrivals = 0
         self._pending_prefill: list[DecodeTask] = []
         self._tasks: dict[str, DecodeTask] = {}
-        self._cv = threading.Condition()
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        self.heartbeat = Heartbeat()
         self.tokens_out = 0
         self.busy_s = 0.0
 
@@ -154,46 +150,22 @@ class DecodeScheduler:
         """Requests switched from speculation to plain decoding so far."""
         return 0 if self.speculation is None else self.speculation.num_fallbacks
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="decode-scheduler", daemon=True)
-        self._thread.start()
+    thread_name = "decode-scheduler"
+    idle_after_empty_step_s = 0.05  # only preempted requests, waiting for pages: no busy loop
 
-    def health_problem(self) -> str:
-        """Why this scheduler cannot serve (thread dead, or stalled with work pending), or ""."""
-        if self._thread is None or self._stop:
-            return ""
-        return self.heartbeat.problem(self._thread, bool(self._running or self._pending_prefill or
-                                                         self.preemption.preempted))
+    def has_work(self) -> bool:
+        return bool(self._running or self._pending_prefill or self.preemption.preempted)
+
+    def on_step_error(self) -> None:
+        for t in list(self._running):
+            self._finish(t, "error", "internal error in decode step")
 
     def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        if self._thread:
-            self._thread.join(timeout=30)
+        self.stop_thread()
         with self._cv:
             for t in self._running + self.preemption.preempted:
                 t.abort_reason = t.abort_reason or "shutdown"
             self._reap()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._stop or self._running or self._pending_prefill or self.preemption.preempted):
-                    self.heartbeat.beat()
-                    self._cv.wait(timeout=0.5)
-                if self._stop:
-                    return
-            try:
-                if not self.step():  # only preempted requests, waiting for pages: no busy loop
-                    with self._cv:
-                        self._cv.wait(timeout=0.05)
-                self.heartbeat.beat()
-            except Exception:  # noqa: BLE001 - end the batch with an error, keep the worker alive
-                logger.exception("decode step failed")
-                with self._cv:
-                    for t in list(self._running):
-                        self._finish(t, "error", "internal error in decode step")
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> bool:

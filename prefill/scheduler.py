@@ -25,7 +25,6 @@ import enum
 import heapq
 import itertools
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
 from engine.speculative.prefill import PrefillChunk, prefill_forward
-from worker.heartbeat import Heartbeat
+from worker.scheduler_thread import SchedulerThread
 from prefill.radix import Match, RadixCache
 from prefill.sink import KVSink, LocalSink, TransferFailed
 
@@ -122,21 +121,18 @@ class PrefillTask:
     t_forward_done: float = 0.0
 
 
-class PrefillScheduler:
+class PrefillScheduler(SchedulerThread):
     """Owns the model, the pool and the prefix cache of one prefill worker. Thread-safe API."""
 
     def __init__(self, model: GlmForCausalLM, pool: KVPool, config: PrefillConfig = PrefillConfig(),
                  on_cache_event: Callable[[list[int], list[int]], None] | None = None) -> None:
+        super().__init__()  # the scheduler thread, its condition variable and heartbeat
         self.model, self.pool, self.config = model, pool, config
         self.cache = RadixCache(pool.allocator, pool.page_size, on_cache_event)
         self._queue: list[tuple[int, int, PrefillTask]] = []
         self._seq = itertools.count()
         self._running: list[PrefillTask] = []
         self._tasks: dict[str, PrefillTask] = {}
-        self._cv = threading.Condition()
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        self.heartbeat = Heartbeat()
         self._finisher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefill-finish")
         self.tokens_done = 0
         self.busy_s = 0.0
@@ -178,22 +174,21 @@ class PrefillScheduler:
     def num_running(self) -> int:
         return len(self._running)
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="prefill-scheduler", daemon=True)
-        self._thread.start()
+    thread_name = "prefill-scheduler"
 
-    def health_problem(self) -> str:
-        """Why this scheduler cannot serve (thread dead, or stalled with work pending), or ""."""
-        if self._thread is None or self._stop:
-            return ""
-        return self.heartbeat.problem(self._thread, bool(self._queue or self._running))
+    def has_work(self) -> bool:
+        return bool(self._queue or self._running or self._has_aborts())
+
+    def busy(self) -> bool:
+        return bool(self._queue or self._running)
+
+    def on_step_error(self) -> None:
+        for t in self._running:
+            t.abort_reason = t.abort_reason or "internal error"
+        self._reap_aborted()
 
     def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        if self._thread:
-            self._thread.join(timeout=30)
+        self.stop_thread()
         with self._cv:
             for task in list(self._tasks.values()):
                 task.abort_reason = task.abort_reason or "shutdown"
@@ -201,24 +196,6 @@ class PrefillScheduler:
                     task.sink.abort("prefill worker shutting down")
             self._reap_aborted()
         self._finisher.shutdown(wait=True)
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stop and not self._queue and not self._running and not self._has_aborts():
-                    self.heartbeat.beat()
-                    self._cv.wait(timeout=0.5)
-                if self._stop:
-                    return
-            try:
-                self.step()
-                self.heartbeat.beat()
-            except Exception:  # a bug must not kill the worker silently: fail the batch, keep serving
-                logger.exception("prefill step failed")
-                with self._cv:
-                    for t in self._running:
-                        t.abort_reason = t.abort_reason or "internal error"
-                    self._reap_aborted()
 
     def _has_aborts(self) -> bool:
         return any(t.abort_reason for t in self._tasks.values() if t.state is not State.TRANSFERRING)
