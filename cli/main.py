@@ -27,7 +27,7 @@ def _parse_ids(s: str | None) -> list[int] | None:
     try:
         return [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"--token-ids must be comma-separated integers, got {s!r}")
+        raise SystemExit(f"--token-ids must be comma-separated integers, got {s!r}") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:

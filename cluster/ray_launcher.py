@@ -1,3 +1,4 @@
+# over 400 lines: the Ray launcher: its config, placement, start, status and stop.
 """Run pdserve on a running Ray cluster: the router and the workers as named, detached Ray actors.
 
     launch(RayLaunchConfig(address="auto", prefill=2, decode=1))   # -> DeploymentStatus (router address)
@@ -146,7 +147,7 @@ class RayLaunchConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_failovers < 0:
             raise ValueError(f"max_failovers must be >= 0, got {self.max_failovers}")
-        self.bundle  # validates the JSON
+        self.bundle  # noqa: B018 - the property validates the JSON
         check_bind(self.host, self.api_key, "the router (give --api-key)")
         tls.tls_config(self.tls_cert, self.tls_key, self.tls_ca)  # ValueError for a half-given pair or a bad file
 

@@ -1,4 +1,3 @@
-# over 400 lines: the decode step loop with local prefill, recompute and speculation; issue 26 moves preemption into its own manager.
 """The decode worker's continuous-batching scheduler.
 
 A request walks through::

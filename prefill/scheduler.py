@@ -1,4 +1,3 @@
-# over 400 lines: the prefill step loop with its chunking, prefix cache and transfer hooks.
 """The prefill worker's scheduler: chunked, batched prefill over a radix prefix cache.
 
 A request walks through::
