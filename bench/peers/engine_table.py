@@ -28,7 +28,7 @@ import torch
 import transformers
 
 from bench.peers.checkpoint import write_gguf, write_hf
-from bench.peers.paths import REPO, peer_paths, vllm_env
+from bench.peers.paths import REPO, default_cores, peer_paths, vllm_env
 from bench.peers.results import PeerTable, parse_batched_bench, parse_llama_bench, tokens_label
 from engine.defaults import tune_malloc
 from engine.load import load_model
@@ -49,7 +49,7 @@ class Workload:
         self.batches = [int(x) for x in args.batches.split(",") if x]
         self.prefill_lens = [int(x) for x in args.prefill_lens.split(",") if x]
         self.prompt_len, self.new, self.rounds, self.threads = args.prompt_len, args.new, args.rounds, args.threads
-        self.vllm_cores = args.vllm_cores or f"0-{args.threads - 1}"
+        self.vllm_cores = args.vllm_cores or default_cores(args.threads)
         self.rng = random.Random(0)
 
     def prompts(self, n: int, length: int) -> list[list[int]]:

@@ -54,6 +54,11 @@ def peer_paths(env: dict[str, str] | None = None) -> PeerPaths:
     return PeerPaths(os.path.abspath(env.get("PDSERVE_PEERS_DIR") or os.path.join(REPO, ".peers")))
 
 
+def default_cores(threads: int) -> str:
+    """vLLM's OpenMP binding for ``threads`` threads: cores 0..threads-1 (``0`` for one)."""
+    return "0" if threads == 1 else f"0-{threads - 1}"
+
+
 def vllm_env(threads: int, cores: str, kv_space_gib: int = 2) -> dict[str, str]:
     """The environment vLLM's CPU backend runs with here: its OpenMP threads bound to ``cores`` (both cores,
     not vLLM's default of leaving one for the front end), ``kv_space_gib`` GiB of KV cache."""

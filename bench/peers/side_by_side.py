@@ -29,7 +29,7 @@ import urllib.request
 from typing import Iterator
 
 from bench.peers.checkpoint import write_gguf, write_hf
-from bench.peers.paths import REPO, peer_paths, vllm_env
+from bench.peers.paths import REPO, default_cores, peer_paths, vllm_env
 from bench.peers.results import render_served, served_figures
 from bench.serve_proc import serve_endpoints
 
@@ -156,7 +156,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
-    args.vllm_cores = args.vllm_cores or f"0-{args.threads - 1}"
+    args.vllm_cores = args.vllm_cores or default_cores(args.threads)
     servers, clients = args.servers.split(","), args.clients.split(",")
     if bad := [s for s in servers if s not in SERVERS] + [c for c in clients if c not in CLIENTS]:
         raise SystemExit(f"unknown servers/clients {bad}: servers {list(SERVERS)}, clients {list(CLIENTS)}")

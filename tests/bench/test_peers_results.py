@@ -8,7 +8,7 @@ import pytest
 from safetensors import safe_open
 
 from bench.peers.checkpoint import write_hf
-from bench.peers.paths import peer_paths
+from bench.peers.paths import default_cores, peer_paths
 from bench.peers.results import (PeerTable, advantage, parse_batched_bench, parse_llama_bench, render_served,
                                  served_figures, tokens_label)
 
@@ -75,6 +75,7 @@ def test_tokens_label_and_peers_dir(tmp_path):
     assert p.root == str(tmp_path) and not p.has_vllm() and not p.has_llama()
     assert p.vllm_python == str(tmp_path / "vllm" / "bin" / "python")
     assert peer_paths({}).root.endswith("/.peers")
+    assert [default_cores(t) for t in (1, 2, 4)] == ["0", "0-1", "0-3"]
 
 
 def test_peer_checkpoint_is_bf16_with_the_default_tokenizer(tmp_path):
