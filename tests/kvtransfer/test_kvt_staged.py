@@ -342,10 +342,11 @@ def test_staged_layers_queued_behind_a_cut_connection_give_their_stages_back(mon
         with receiver(dst) as h:
             t = h.rx.reserve("q", 40)
             pages = src.allocator.alloc(10, "req")
+            # connected first: a connection closed mid-handshake would be retried, not lost
+            assert sender.open(t).result(timeout=10) is None
             for layer in range(lay.num_layers):
                 sender.send_layer(t, layer, pages, 0, 40)
             assert sender.stager.buffers.num_outstanding == lay.num_layers
-            h.wait_until(lambda: h.rx.stats().num_connections == 1)
             for conn in list(h.rx.connections):
                 h.lt.call(conn.close)
             deadline = time.monotonic() + 10
