@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
+from common.reasons import FinishReason
 from decode.config import DecodeConfig
 from decode.task import DecodeTask, ensure_pages, release_pages
 from engine.kvcache.pool import KVPool, PoolExhausted
@@ -70,8 +71,9 @@ class PreemptionManager:
                 except PoolExhausted as e:
                     need = self.pool.pages_for(task.cached_len + 1)
                     if need > self.pool.num_pages:
-                        self._finish(task, "error", f"decode KV pool exhausted: {e}; this request alone needs "
-                                                    f"{need} pages, more than the pool's {self.pool.num_pages}")
+                        self._finish(task, FinishReason.ERROR,
+                                     f"decode KV pool exhausted: {e}; this request alone needs {need} pages, more "
+                                     f"than the pool's {self.pool.num_pages}")
                         break
                     victim = max((t for t in running if t not in waiting), key=lambda t: t.arrival)
                     if victim is task and all(t is task or t in waiting for t in running):
@@ -101,8 +103,8 @@ class PreemptionManager:
         need = self.pool.pages_for(n + 1)
         if need > self.pool.num_pages:
             self.preempted.pop(0)
-            self._finish(task, "error", f"decode KV pool exhausted: this request needs {need} pages, the "
-                                        f"pool has {self.pool.num_pages}")
+            self._finish(task, FinishReason.ERROR,
+                         f"decode KV pool exhausted: this request needs {need} pages, the pool has {self.pool.num_pages}")
             return Resume(None, 0, True)
         if self.pool.allocator.num_free < need + num_running:
             return Resume(None, 0, False)

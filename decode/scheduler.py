@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from common.reasons import AbortReason, FinishReason
 from decode.config import DecodeConfig
 from decode.preemption import PreemptionManager
 from decode.speculation import SpeculationAdapter, Speculator
@@ -99,7 +100,7 @@ class DecodeScheduler(SchedulerThread):
             self._pending_prefill.append(task)
             self._cv.notify()
 
-    def abort(self, req_id: str, reason: str = "cancelled") -> bool:
+    def abort(self, req_id: str, reason: str = AbortReason.CANCELLED) -> bool:
         with self._cv:
             task = self._tasks.get(req_id)
             if task is None:
@@ -157,13 +158,13 @@ class DecodeScheduler(SchedulerThread):
 
     def on_step_error(self) -> None:
         for t in list(self._running):
-            self._finish(t, "error", "internal error in decode step")
+            self._finish(t, FinishReason.ERROR, "internal error in decode step")
 
     def stop(self) -> None:
         self.stop_thread()
         with self._cv:
             for t in self._running + self.preemption.preempted:
-                t.abort_reason = t.abort_reason or "shutdown"
+                t.abort_reason = t.abort_reason or AbortReason.SHUTDOWN
             self._reap()
 
     # -- the step --------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ class DecodeScheduler(SchedulerThread):
                 logger.exception("local prefill of %d requests failed", len(local))
                 with self._cv:
                     for t in local:
-                        self._finish(t, "error", "internal error in local prefill")
+                        self._finish(t, FinishReason.ERROR, "internal error in local prefill")
         resumed = self._resume_preempted()
         with self._cv:
             before = len(self._running)
@@ -232,7 +233,7 @@ class DecodeScheduler(SchedulerThread):
         except Exception:  # noqa: BLE001 - fail this request (pages freed, event sent), keep decoding
             logger.exception("recomputing the KV of preempted %s failed", task.req_id)
             with self._cv:
-                self._finish(task, "error", "internal error while resuming a preempted request")
+                self._finish(task, FinishReason.ERROR, "internal error while resuming a preempted request")
             return True
         with self._cv:
             task.cached_len = n
@@ -250,7 +251,7 @@ class DecodeScheduler(SchedulerThread):
                 live.append(t)
             except PoolExhausted as e:
                 with self._cv:
-                    self._finish(t, "error", f"decode KV pool exhausted: {e}")
+                    self._finish(t, FinishReason.ERROR, f"decode KV pool exhausted: {e}")
         if not live:
             return [[] for _ in tasks]
         reqs = [BatchRequest(t.pages, t.cached_len, [t.output_ids[-1]]) for t in live]
@@ -293,11 +294,11 @@ class DecodeScheduler(SchedulerThread):
         p = task.params
         for tok in new:
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
-                return "stop"
+                return FinishReason.STOP
         if len(task.output_ids) >= p.max_tokens:
-            return "length"
+            return FinishReason.LENGTH
         if p.stop and self.stop_checker is not None and self.stop_checker(task):
-            return "stop"
+            return FinishReason.STOP
         return ""
 
     # -- cleanup ---------------------------------------------------------------------------------
@@ -305,7 +306,7 @@ class DecodeScheduler(SchedulerThread):
                 logprobs=None, accept_len: float = 0.0) -> None:
         if task.state is not State.RUNNING:
             return
-        task.state = State.FINISHED if reason in ("stop", "length") else State.ABORTED
+        task.state = State.FINISHED if reason in (FinishReason.STOP, FinishReason.LENGTH) else State.ABORTED
         if task in self._running:
             self._running.remove(task)
         self._tasks.pop(task.req_id, None)
@@ -320,6 +321,6 @@ class DecodeScheduler(SchedulerThread):
             self._running.append(task)
         for task in list(self._running):
             if task.deadline is not None and now > task.deadline and not task.abort_reason:
-                task.abort_reason = "deadline exceeded"
+                task.abort_reason = AbortReason.DEADLINE
             if task.abort_reason:
-                self._finish(task, "abort", task.abort_reason)
+                self._finish(task, FinishReason.ABORT, task.abort_reason)

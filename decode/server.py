@@ -20,6 +20,7 @@ import torch
 
 from common import logs
 from common.net import check_bind
+from common.reasons import FinishReason, Role
 from decode.config import DecodeConfig
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
 from engine.defaults import default_model_dir
@@ -121,7 +122,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                              message=ev.message, accept_len=ev.accept_len,
                                              logprobs=[logprob_to_proto(x) for x in ev.logprobs])
                 if ev.finish_reason:
-                    if ev.finish_reason == "error":
+                    if ev.finish_reason == FinishReason.ERROR:
                         logger.warning("request %s ended with an error: %s", req_id, ev.message)
                     return
         finally:
@@ -144,7 +145,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         problem = self.sched.health_problem()
         spec = self.speculator
         return generation_pb2.WorkerStatus(
-            worker_id=self.worker_id, role="decode", address=self.address, kv_address=f"{host}:{port}",
+            worker_id=self.worker_id, role=Role.DECODE, address=self.address, kv_address=f"{host}:{port}",
             healthy=not problem, running=self.sched.num_running,
             queued=self.sched.num_pending + self.receiver.stats().num_active,  # admitted, KV on its way
             pages_total=st.num_pages, pages_free=st.num_free,
@@ -190,7 +191,7 @@ def stop_checker(tok: Tokenizer | None):
     def check(task: DecodeTask) -> str | None:
         window = max(len(s) for s in task.params.stop) + 16
         text = tok.decode(task.output_ids[-window:])
-        return "stop" if any(s in text for s in task.params.stop) else None
+        return FinishReason.STOP if any(s in text for s in task.params.stop) else None
     return check
 
 

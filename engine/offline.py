@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from common.reasons import FinishReason
 from engine.batch import BatchRequest, ForwardBatch
 from engine.config import ModelConfig
 from engine.kvcache import KVLayout, KVPool
@@ -74,9 +75,9 @@ class Engine:
     def _finished(self, seq: Seq, tok: int) -> str:
         p = seq.sampler.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.cfg.eos_token_ids):
-            return "stop"
+            return FinishReason.STOP
         if len(seq.output_ids) >= p.max_tokens:
-            return "length"
+            return FinishReason.LENGTH
         return ""
 
     def _append(self, seqs: Sequence[Seq], logits: torch.Tensor) -> None:

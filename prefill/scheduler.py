@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from common.reasons import AbortReason
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
@@ -149,7 +150,7 @@ class PrefillScheduler(SchedulerThread):
             heapq.heappush(self._queue, (-task.priority, next(self._seq), task))
             self._cv.notify()
 
-    def abort(self, req_id: str, reason: str = "cancelled") -> bool:
+    def abort(self, req_id: str, reason: str = AbortReason.CANCELLED) -> bool:
         """A queued request leaves the queue (and frees its slot) at once; a running one is reaped at the
         start of the next step (the forward in progress may be writing its pages); a transferring one's
         transfer is aborted."""
@@ -190,7 +191,7 @@ class PrefillScheduler(SchedulerThread):
         self.stop_thread()
         with self._cv:
             for task in list(self._tasks.values()):
-                task.abort_reason = task.abort_reason or "shutdown"
+                task.abort_reason = task.abort_reason or AbortReason.SHUTDOWN
                 if task.state is State.TRANSFERRING:  # its finisher thread is waiting for DONE: end that now
                     task.sink.abort("prefill worker shutting down")
             self._reap_aborted()
@@ -360,7 +361,7 @@ class PrefillScheduler(SchedulerThread):
         now = time.monotonic()
         for task in list(self._tasks.values()):
             if task.deadline is not None and now > task.deadline and not task.abort_reason:
-                task.abort_reason = "deadline exceeded"
+                task.abort_reason = AbortReason.DEADLINE
             if not task.abort_reason or task.state is State.TRANSFERRING:
                 continue
             if task.state is State.QUEUED:

@@ -18,6 +18,7 @@ import msgpack
 
 from common import logs
 from common.net import check_bind
+from common.reasons import Role
 from engine.defaults import default_model_dir
 from engine.kvcache import KVPool, PoolExhausted
 from engine.load import load_model
@@ -123,7 +124,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         tps = self.sched.tokens_done / self.sched.busy_s if self.sched.busy_s else 0.0
         problem = self.sched.health_problem()
         return generation_pb2.WorkerStatus(
-            worker_id=self.worker_id, role="prefill", address=self.address, healthy=not problem,
+            worker_id=self.worker_id, role=Role.PREFILL, address=self.address, healthy=not problem,
             running=self.sched.num_running, queued=self.sched.num_queued, pages_total=st.num_pages,
             pages_free=st.num_free, pages_cached=c.num_pages, cache_hit_rate=rate, tokens_per_s=tps,
             model_hash=self.mhash, model=self.model,

@@ -33,12 +33,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from common import flags, logs
+from common.reasons import Role
 from protos import rpc
 from router.config import RouterConfig, add_config_args, config_from_args
 from worker.process import run
 
 logger = logging.getLogger("router.discovery")
-ROLES = ("prefill", "decode")
+ROLES = tuple(Role)
 
 
 @dataclass(frozen=True, slots=True)

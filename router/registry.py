@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 import grpc
 
+from common.reasons import Role
 from protos import rpc, tls
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from router.config import RouterConfig
@@ -123,7 +124,7 @@ class Registry:
                 self.workers[w.key] = w
                 self._first_poll[w.key] = asyncio.Event()
                 self._spawn(self._poll_loop(w), f"poll {addr}")
-                if role == "prefill":
+                if role == Role.PREFILL:
                     self._spawn(self._events_loop(w), f"cache events {addr}")
 
     async def wait_first_poll(self, timeout_s: float) -> list[str]:
@@ -166,7 +167,7 @@ class Registry:
         self._first_poll[key] = asyncio.Event()
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(self._poll_loop(w), name=f"poll {address}")]
-        if role == "prefill":
+        if role == Role.PREFILL:
             tasks.append(loop.create_task(self._events_loop(w), name=f"cache events {address}"))
         for t in tasks:
             self._tasks.add(t)
@@ -211,7 +212,7 @@ class Registry:
     def model_info(self) -> ModelInfo | None:
         """From the first healthy worker that reports it (prefill preferred: its page size is the index's).
         Parsed once per status poll of that worker (this runs several times per request)."""
-        for role in ("prefill", "decode"):
+        for role in (Role.PREFILL, Role.DECODE):
             for w in self.healthy(role):
                 if self._info_src is w.status:
                     return self._info
@@ -234,7 +235,7 @@ class Registry:
         return info
 
     def serving(self) -> bool:
-        return bool(self.healthy("prefill")) and bool(self.healthy("decode"))
+        return bool(self.healthy(Role.PREFILL)) and bool(self.healthy(Role.DECODE))
 
     # -- health ------------------------------------------------------------------------------------
     async def poll_once(self, w: Worker, timeout_s: float | None = None) -> bool:
@@ -334,7 +335,7 @@ class Registry:
             st.worker_id = st.worker_id or w.address
             st.healthy = ok and w.healthy and not w.excluded
             st.info["router_inflight"] = str(w.inflight)
-            if w.role == "prefill":
+            if w.role == Role.PREFILL:
                 st.info["router_cached_blocks"] = str(self.index.num_blocks(w.key))
             if w.last_error:
                 st.info["router_last_error"] = w.last_error

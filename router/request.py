@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator, Coroutine, Protocol
 
 import grpc
 
+from common.reasons import AbortReason, FinishReason, Role
 from protos.pdserve.v1 import generation_pb2, worker_pb2
 from router.config import RouterConfig
 from router.policy import PrefillPolicy, order_decode, use_local_prefill
@@ -170,7 +171,7 @@ class GenerateRun:
             self.abort(e.message)
             raise
         except BaseException:  # cancelled by the client or the deadline, or closed: free the workers
-            self.abort("cancelled")
+            self.abort(AbortReason.CANCELLED)
             raise
 
     async def _attempt(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
@@ -204,7 +205,7 @@ class GenerateRun:
         logger.warning("request %s: %s; failing over after %d streamed tokens (%d left, failover %d of %d)",
                        self.client_req_id, lost.message, len(self.emitted), left, done + 1, self.core.cfg.max_failovers)
         if left <= 0:
-            return self._response([], "length")
+            return self._response([], FinishReason.LENGTH)
         sampling = generation_pb2.SamplingParams()
         sampling.CopyFrom(self.original.sampling)
         sampling.max_tokens = left
@@ -263,7 +264,7 @@ class GenerateRun:
         return None
 
     def _decode_workers(self) -> list[Worker]:
-        ws = [w for w in self.core.registry.healthy("decode") if w.key not in self.excluded]
+        ws = [w for w in self.core.registry.healthy(Role.DECODE) if w.key not in self.excluded]
         now = time.monotonic()
         return [w for w in ws if w.suspended_until <= now] or ws  # a recently stalled one only as a last resort
 
@@ -306,7 +307,7 @@ class GenerateRun:
 
     def _choose_prefill(self, tried: set[str]) -> Worker:
         reg = self.core.registry
-        healthy = reg.healthy("prefill")
+        healthy = reg.healthy(Role.PREFILL)
         pool = [w for w in healthy if w.key not in tried] or healthy
         if not pool:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")

@@ -17,6 +17,7 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
+from common.reasons import Role
 from protos import rpc, tls
 from common.net import check_bind
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -92,7 +93,7 @@ class AdminServicer(generation_pb2_grpc.AdminServicer):
         if request.kind != "drop-kv":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fault {request.kind!r}: the router "
                                 "forwards 'drop-kv' (kill-* faults are signals: pdserve bench sends them)")
-        pool = [w for w in reg.workers.values() if w.role == "prefill" and
+        pool = [w for w in reg.workers.values() if w.role == Role.PREFILL and
                 (w.name == request.worker_id if request.worker_id else w.healthy and not w.excluded)]
         if not pool:
             await context.abort(grpc.StatusCode.NOT_FOUND if request.worker_id else grpc.StatusCode.UNAVAILABLE,

@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from common.reasons import FinishReason
 from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
@@ -213,9 +214,9 @@ class SpecDecoder:
             seq.output_ids.append(tok)
             out.append(tok)
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-                seq.finish_reason = "stop"
+                seq.finish_reason = FinishReason.STOP
             elif len(seq.output_ids) >= p.max_tokens:
-                seq.finish_reason = "length"
+                seq.finish_reason = FinishReason.LENGTH
             if seq.finish_reason:
                 break
         return out

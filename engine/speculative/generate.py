@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple, Sequence
 
+from common.reasons import FinishReason
 from engine.offline import Engine, GenerationResult
 from engine.sampling import SamplerState, SamplingParams, sample
 from engine.speculative.config import SpecConfig
@@ -41,8 +42,8 @@ class SpecEngine:
     def _finish_reason(self, seq: SpecSeq) -> str:
         p, tok = seq.sampler.params, seq.last_token
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.cfg.eos_token_ids):
-            return "stop"
-        return "length" if len(seq.output_ids) >= p.max_tokens else ""
+            return FinishReason.STOP
+        return FinishReason.LENGTH if len(seq.output_ids) >= p.max_tokens else ""
 
     def prefill(self, seq: SpecSeq, prompt_ids: Sequence[int]) -> None:
         """Chunked target prefill, each chunk followed by its MTP pass; samples the first token."""
