@@ -13,6 +13,7 @@ from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kvcache.pool import KVPool
 from engine.layers.fused import FusedProjection
+from engine.layers.gqa_graph import GQAArgs
 from engine.layers.norm import RMSNorm, rms_norm
 from engine.layers.rotary import RotaryTable, apply_half, apply_interleaved
 
@@ -53,6 +54,16 @@ class GQAAttention(nn.Module):
         if cfg.use_qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self._fused_qkv = FusedProjection()
+
+    def tokenwise_weights(self, in_norm: RMSNorm) -> GQAArgs:
+        """``gqa_tokenwise``'s weights and constants (``in_norm``: the layer's input_layernorm)."""
+        cfg = self.cfg
+        w, b, _ = self._fused_qkv.weight([(m.weight, m.bias) for m in (self.q_proj, self.k_proj, self.v_proj)])
+        qn, kn = (self.q_norm, self.k_norm) if cfg.use_qk_norm else (None, None)
+        return GQAArgs(in_norm.weight, in_norm.eps, w, b, None if qn is None else qn.weight,
+                       None if kn is None else kn.weight, cfg.rms_norm_eps if qn is None else qn.eps,
+                       cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
 
     def write_kv(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable) -> None:
         """Only the new tokens' K/V, as ``forward`` writes them, without attention (see ``MLAAttention``)."""

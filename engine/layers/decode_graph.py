@@ -11,9 +11,11 @@ elementwise work around the GEMMs; on CPU with its C++ wrapper, so no Python run
 Graphs are dynamic in the token count, the request count, the context length and the pool size: one
 token, one request and each layer kind (dense MLP / MoE) give the few specialised ones (``RECOMPILE_LIMIT``).
 
-What the graphs do not cover runs the eager path with the same token-wise functions (``tokenwise``,
-``after_attention`` around ``MLAAttention.attend``): prefill, batches whose requests have different
-query counts, fp8 KV pools (quantising writes) and GQA models. Routed experts run inside the graph on
+GLM-4.5's GQA layers run the same way through ``gqa_decode_layer`` (``engine.layers.gqa_graph``), in the
+per-layer and the whole-step graphs. fp8 KV pools too: the graphs quantise writes and dequantise reads as
+``KVPool.write`` / ``read`` do (``kv_write`` / ``kv_read``). What the graphs do not cover runs the eager path
+(for MLA with the same token-wise functions, ``tokenwise`` and ``after_attention`` around
+``MLAAttention.attend``): prefill and batches whose requests have different query counts. Routed experts run inside the graph on
 the gather path (<= ``GATHER_MAX_PAIRS`` token-expert pairs; dense-weight experts, or MXFP4 experts on
 the dense weights their DequantCache holds); larger batches run the experts' own eager strategies
 between the graph and the residual add. When every FFN of a step completes inside, the whole step
@@ -35,14 +37,32 @@ import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
 from engine.kvcache.pool import KVPool
-from engine.layers.attention import (MLADims, MLAAttention, MLATokens, MLAWeights, TopK, dsa_topk, head_bmm,
-                                     mla_tokenwise)
+from engine.layers.attention import (
+    GQAAttention,
+    MLAAttention,
+    MLADims,
+    MLATokens,
+    MLAWeights,
+    TopK,
+    dsa_topk,
+    head_bmm,
+    mla_tokenwise,
+)
+from engine.layers.gqa_graph import (
+    GQAArgs,
+    GQAConsts,
+    KVBuf,
+    gqa_tokenwise,
+    kv_read,
+    kv_write,
+    paged_gqa_attention,
+)
 from engine.layers.mlp import FFNArgs, ffn_tokenwise
 from engine.layers.norm import rms_norm
 from engine.moe.experts import GATHER_MAX_PAIRS
 from engine.moe.router import Routing
 
-__all__ = ["DecodeGraphs", "LayerWeights", "MLADims", "MTPInput", "PostWeights", "layer_post"]
+__all__ = ["DecodeGraphs", "GQALayerWeights", "LayerWeights", "MLADims", "MTPInput", "PostWeights", "layer_post"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +92,16 @@ class LayerWeights:
     """``mla_tokenwise``'s constants for the batch kind (context scored by the indexer, absorbed queries)."""
     post: PostWeights
     """``layer_post``'s weights."""
+
+
+@dataclass(frozen=True, slots=True)
+class GQALayerWeights:
+    """Everything a GQA decoder layer's token-wise functions read besides the step's tensors
+    (``DecoderLayer._weight_args``)."""
+    pre: GQAArgs
+    """``gqa_tokenwise``'s weights and constants."""
+    post: PostWeights
+    """``layer_post``'s weights (``w_uv`` None)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +152,9 @@ class HeadWeights:
 
 class GraphLayer(NamedTuple):
     """One layer of ``mla_decode_stack``."""
-    bufs: tuple[torch.Tensor, ...]   # the layer's flat latent / rope / index pool buffers (``pool_views``)
-    consts: PagedConsts
-    weights: LayerWeights
+    bufs: tuple[KVBuf, ...]   # the layer's flat pool buffers (``pool_views``): latent / rope / index, or k / v
+    consts: PagedConsts | GQAConsts
+    weights: LayerWeights | GQALayerWeights
 
 
 def layer_post(x: torch.Tensor, o: torch.Tensor, w: PostWeights
@@ -152,7 +182,7 @@ class PagedConsts(NamedTuple):
     L: int             # kv_lora_rank
 
 
-def paged_mla_attention(t: MLATokens, bufs: tuple[torch.Tensor, ...], step: StepInputs,
+def paged_mla_attention(t: MLATokens, bufs: tuple[KVBuf, ...], step: StepInputs,
                         prev_idx: torch.Tensor | None, prev_valid: torch.Tensor | None, c: PagedConsts
                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``MLAAttention.attend`` for absorbed queries of requests with the same query count, as a function of
@@ -162,9 +192,9 @@ def paged_mla_attention(t: MLATokens, bufs: tuple[torch.Tensor, ...], step: Step
     Returns (o_lat [T, H, L], the selection [B, Tq, k] and its validity or None)."""
     lat_buf, rope_buf, idx_buf = bufs
     out_slots, kv_slots, mask = step.out_slots, step.kv_slots, step.mask
-    lat_buf.index_copy_(0, out_slots, t.latent)
-    rope_buf.index_copy_(0, out_slots, t.krope)
-    idx_buf.index_copy_(0, out_slots, t.index_key)
+    kv_write(lat_buf, out_slots, t.latent)
+    kv_write(rope_buf, out_slots, t.krope)
+    kv_write(idx_buf, out_slots, t.index_key)
     B, S = kv_slots.shape
     T, H, D = t.q_lat.shape
     q = t.q_lat.view(B, -1, H, D)  # [B, Tq, H, L + r]
@@ -172,7 +202,7 @@ def paged_mla_attention(t: MLATokens, bufs: tuple[torch.Tensor, ...], step: Step
     valid = None
     if c.score:  # DSAIndexer.select: sum_h w_h relu(q_h . k) over the context, top-k per query
         Hi, Di = t.q_index.shape[1], t.q_index.shape[2]
-        keys = idx_buf.index_select(0, kv_slots.reshape(-1)).view(B, S, Di).to(torch.float32)
+        keys = kv_read(idx_buf, kv_slots.reshape(-1), t.latent.dtype).view(B, S, Di).to(torch.float32)
         qi = t.q_index.float().view(B, tq * Hi, Di) * Di ** -0.5
         hs = torch.bmm(qi, keys.transpose(1, 2)).relu_().view(B * tq, Hi, S)
         scores = torch.bmm(t.index_w.view(B * tq, 1, Hi), hs).view(B, tq, S)
@@ -188,7 +218,8 @@ def paged_mla_attention(t: MLATokens, bufs: tuple[torch.Tensor, ...], step: Step
         valid = mask
     k = idx.shape[-1]
     slots = kv_slots.gather(1, idx.reshape(B, tq * k)).view(-1)
-    sel = torch.cat([lat_buf.index_select(0, slots), rope_buf.index_select(0, slots)], dim=-1).view(T, k, D)
+    sel = torch.cat([kv_read(lat_buf, slots, t.latent.dtype), kv_read(rope_buf, slots, t.latent.dtype)],
+                    dim=-1).view(T, k, D)
     # one bmm over the T = B * Tq queries (not a 4-D matmul over [B, Tq]): the same kernel whatever B is, so a
     # query's row rounds alike verified alone or beside other requests (a 4-D matmul with B and Tq both
     # dynamic took another path in bf16 and broke speculative == plain greedy for batches)
@@ -200,7 +231,7 @@ def paged_mla_attention(t: MLATokens, bufs: tuple[torch.Tensor, ...], step: Step
     return o, (idx if c.score else None), valid
 
 
-def mla_decode_layer(x: torch.Tensor, step: StepInputs, bufs: tuple[torch.Tensor, ...],
+def mla_decode_layer(x: torch.Tensor, step: StepInputs, bufs: tuple[KVBuf, ...],
                      prev_idx: torch.Tensor | None, prev_valid: torch.Tensor | None, c: PagedConsts, w: LayerWeights):
     """A whole MLA decoder layer for decode / verify steps: ``mla_tokenwise``, ``paged_mla_attention``,
     ``layer_post``. Returns ``layer_post``'s outputs and the selection."""
@@ -209,11 +240,20 @@ def mla_decode_layer(x: torch.Tensor, step: StepInputs, bufs: tuple[torch.Tensor
     return layer_post(x, o, w.post), idx, valid
 
 
+def gqa_decode_layer(x: torch.Tensor, step: StepInputs, bufs: tuple[KVBuf, KVBuf], c: GQAConsts,
+                     w: GQALayerWeights):
+    """A whole GQA decoder layer for decode / verify steps: ``gqa_tokenwise``, ``paged_gqa_attention``,
+    ``layer_post``. Returns ``layer_post``'s outputs."""
+    q, k, v = gqa_tokenwise(x, step.cos, step.sin, w.pre)
+    o = paged_gqa_attention(q, k, v, bufs, step.out_slots, step.kv_slots, step.mask, c)
+    return layer_post(x, o, w.post)
+
+
 def mla_decode_stack(ids: torch.Tensor, step: StepInputs, layers: tuple[GraphLayer, ...], head: HeadWeights,
                      logits_index: torch.Tensor | None, mtp: MTPInput | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's decode / verify forward: embedding, ``mla_decode_layer`` per layer (every FFN complete
-    inside), final norm, LM head. Returns (fp32 logits of ``logits_index``'s rows or of all, the final-normed
+    """The model's decode / verify forward: embedding, ``mla_decode_layer`` (``gqa_decode_layer`` for a GQA
+    layer) per layer (every FFN complete inside), final norm, LM head. Returns (fp32 logits of ``logits_index``'s rows or of all, the final-normed
     hidden states). With ``mtp`` it is an MTP layer's forward: its input is
     eh_proj([enorm(embed(ids)); hnorm(prev_hidden)]) (``GlmForCausalLM._mtp_input``)."""
     x = F.embedding(ids, head.embed_w)
@@ -222,6 +262,9 @@ def mla_decode_stack(ids: torch.Tensor, step: StepInputs, layers: tuple[GraphLay
                                dim=-1), mtp.eh_w)
     prev_idx = prev_valid = None
     for layer in layers:
+        if isinstance(layer.consts, GQAConsts):
+            x = gqa_decode_layer(x, step, layer.bufs, layer.consts, layer.weights)[0]
+            continue
         (x, _, _, _), idx, valid = mla_decode_layer(x, step, layer.bufs, prev_idx, prev_valid, layer.consts,
                                                     layer.weights)
         if layer.consts.score:
@@ -231,14 +274,27 @@ def mla_decode_stack(ids: torch.Tensor, step: StepInputs, layers: tuple[GraphLay
     return F.linear(sel, head.lm_w).float(), hidden
 
 
-def pool_views(pool: KVPool, layer: int) -> tuple[torch.Tensor, ...]:
-    """The layer's flat latent / rope / index buffers, dynamic in their slot count (any pool size shares
-    the graphs)."""
-    views = pool.flat_views(layer, ("latent", "rope", "index"))
-    if getattr(views[0], "_dynamo_dynamic_indices", None) is None:
-        for v in views:
-            torch._dynamo.mark_dynamic(v, 0)
-    return views
+MLA_KV = ("latent", "rope", "index")
+GQA_KV = ("k", "v")
+
+
+def pool_views(pool: KVPool, layer: int, names: tuple[str, ...] = MLA_KV) -> tuple[KVBuf, ...]:
+    """The layer's flat KV buffers (MLA: latent / rope / index; GQA: k / v) as ``KVBuf``s, dynamic in their
+    slot count (any pool size shares the graphs)."""
+    views = pool.flat_views(layer, names)
+    if pool.layout.is_fp8:  # the bytes as uint8 (CPU has no fp8 index_copy / index_select) and the scales
+        cache = pool.__dict__.setdefault("_fp8_graph_views", {})
+        bufs = cache.get((layer, names))
+        if bufs is None:
+            bufs = cache[(layer, names)] = tuple((v.view(torch.uint8), pool.flat_scale(layer, n))
+                                                 for v, n in zip(views, names))
+    else:
+        bufs = tuple((v, None) for v in views)
+    for b in bufs:
+        for t in b:
+            if t is not None and getattr(t, "_dynamo_dynamic_indices", None) is None:
+                torch._dynamo.mark_dynamic(t, 0)
+    return bufs
 
 
 def _compile(fn: Callable, device: torch.device) -> Callable:
@@ -286,8 +342,10 @@ class DecodeGraphs:
             self.post = _compile(layer_post, torch.device(device))
             self.layer = _compile(mla_decode_layer, torch.device(device))
             self.stack = _compile(mla_decode_stack, torch.device(device))
+            self.gqa_layer = _compile(gqa_decode_layer, torch.device(device))
         else:
             self.pre, self.post, self.layer, self.stack = mla_tokenwise, layer_post, mla_decode_layer, mla_decode_stack
+            self.gqa_layer = gqa_decode_layer
 
     def tokenwise(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: MLAWeights, d: MLADims
                   ) -> MLATokens:
@@ -314,8 +372,18 @@ class DecodeGraphs:
             topk = TopK(idx, valid)
         return out, topk
 
+    def run_gqa_layer(self, attn: GQAAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      batch: ForwardBatch, pool: KVPool, w: GQALayerWeights):
+        """``gqa_decode_layer`` for ``attn``'s layer over a batch of requests with equal query counts ->
+        ``layer_post``'s outputs."""
+        mask = self.batch_inputs(batch, x, cos, sin)
+        step = StepInputs(cos, sin, batch.out_slots, batch.kv_slots, mask)
+        return self.gqa_layer(x, step, pool_views(pool, attn.layer_idx, GQA_KV), self.consts(attn, batch), w)
+
     @staticmethod
-    def consts(attn: MLAAttention, batch: ForwardBatch) -> PagedConsts:
+    def consts(attn: MLAAttention | GQAAttention, batch: ForwardBatch) -> PagedConsts | GQAConsts:
+        if isinstance(attn, GQAAttention):
+            return GQAConsts(attn.cfg.softmax_scale)
         cfg = attn.cfg
         need = batch.max_kv_len > cfg.index_topk
         return PagedConsts(cfg.index_topk, need and attn.indexer is not None, need, cfg.softmax_scale,
@@ -337,7 +405,7 @@ class DecodeGraphs:
             torch._dynamo.mark_dynamic(t, d)
         return mask
 
-    def run_stack(self, layers: list[tuple[MLAAttention, LayerWeights]], batch: ForwardBatch, pool: KVPool,
+    def run_stack(self, layers: list[tuple[MLAAttention | GQAAttention, LayerWeights | GQALayerWeights]], batch: ForwardBatch, pool: KVPool,
                   ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head: HeadWeights, all_logits: bool,
                   mtp: MTPInput | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole decode / verify forward (embedding, every layer, final norm, LM head) as one graph call;
@@ -347,7 +415,8 @@ class DecodeGraphs:
         mask = self.batch_inputs(batch, ids, cos, sin, *(() if mtp is None else (mtp.prev_hidden,)))
         if li is not None and li.shape[0] > 1:
             torch._dynamo.mark_dynamic(li, 0)
-        per_layer = tuple(GraphLayer(pool_views(pool, a.layer_idx), self.consts(a, batch), w) for a, w in layers)
+        per_layer = tuple(GraphLayer(pool_views(pool, a.layer_idx, GQA_KV if isinstance(a, GQAAttention) else MLA_KV),
+                                     self.consts(a, batch), w) for a, w in layers)
         step = StepInputs(cos, sin, batch.out_slots, batch.kv_slots, mask)
         return self.stack(ids, step, per_layer, head, li, mtp)
 

@@ -16,7 +16,15 @@ from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kvcache.pool import KVPool
 from engine.layers.attention import MLA_ABSORB_MAX_Q, GQAAttention, MLAAttention
-from engine.layers.decode_graph import EAGER, DecodeGraphs, HeadWeights, LayerWeights, MTPInput, PostWeights
+from engine.layers.decode_graph import (
+    EAGER,
+    DecodeGraphs,
+    GQALayerWeights,
+    HeadWeights,
+    LayerWeights,
+    MTPInput,
+    PostWeights,
+)
 from engine.layers.mlp import MLP, MoE, finish_ffn
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryTable
@@ -38,13 +46,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.graphs: DecodeGraphs = EAGER
         """How decode / verify steps run the layer's token-wise parts (``GlmForCausalLM.compile_decode``)."""
-        self._frozen_args: dict[tuple, LayerWeights] = {}
+        self._frozen_args: dict[tuple, LayerWeights | GQALayerWeights] = {}
         """Compiled graphs' weight arguments, collected once (weights are frozen while compiled)."""
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
                 topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         attn = self.self_attn
         if not isinstance(attn, MLAAttention):
+            g = self.graphs
+            if g.compiled and batch.uniform_q and max(batch.q_lens) <= MLA_ABSORB_MAX_Q:
+                cos, sin = rope.lookup(batch.positions, x.dtype)
+                experts, experts_w = self._experts_in_graph(g, batch)
+                x, h, y, routing = g.run_gqa_layer(attn, x, cos, sin, batch, pool, self._args(g, (False, True), experts_w))
+                return (x if routing is None else x + finish_ffn(experts, h, y, routing)), topk
             h, topk = attn(self.input_layernorm(x), batch, pool, rope, topk)
             x = x + h
             return x + self.mlp(self.post_attention_layernorm(x)), topk
@@ -55,7 +69,7 @@ class DecoderLayer(nn.Module):
         cos, sin = rope.lookup(batch.positions, x.dtype)
         experts, experts_w = self._experts_in_graph(g, batch)
         w = self._args(g, (batch.max_kv_len > cfg.index_topk, absorb), experts_w)
-        if g.compiled and not pool.layout.is_fp8 and batch.uniform_q:
+        if g.compiled and batch.uniform_q:
             (x, h, y, routing), topk = g.run_layer(attn, x, cos, sin, batch, pool, topk, w)
         else:
             t = g.tokenwise(x, cos, sin, w.pre, w.dims)
@@ -65,13 +79,14 @@ class DecoderLayer(nn.Module):
             x = x + finish_ffn(experts, h, y, routing)
         return x, topk
 
-    def graph_args(self, batch: ForwardBatch) -> LayerWeights | None:
+    def graph_args(self, batch: ForwardBatch) -> LayerWeights | GQALayerWeights | None:
         """The weight arguments of this layer inside a whole-step graph (``GlmForCausalLM._stack_layers``),
         or None when its FFN cannot complete there (routed experts left to eager code)."""
         experts, experts_w = self._experts_in_graph(self.graphs, batch)
         if experts is not None and experts_w is None:
             return None
-        return self._args(self.graphs, (batch.max_kv_len > self.self_attn.cfg.index_topk, True), experts_w)
+        cfg = self.self_attn.cfg
+        return self._args(self.graphs, (cfg.is_mla and batch.max_kv_len > cfg.index_topk, True), experts_w)
 
     def _experts_in_graph(self, g: DecodeGraphs, batch: ForwardBatch) -> tuple[nn.Module | None, tuple | None]:
         """(the routed experts or None for a dense MLP, their dense weights when they run inside ``g``'s graph
@@ -82,8 +97,9 @@ class DecoderLayer(nn.Module):
         pairs = batch.num_tokens * self.self_attn.cfg.num_experts_per_tok
         return experts, g.experts_in_graph(experts, pairs, self.post_attention_layernorm.weight.dtype)
 
-    def _args(self, g: DecodeGraphs, key: tuple[bool, bool], experts_w: tuple | None) -> LayerWeights:
-        """The MLA token-wise functions' weights. Compiled graphs take them collected once (weights are frozen
+    def _args(self, g: DecodeGraphs, key: tuple[bool, bool], experts_w: tuple | None
+              ) -> LayerWeights | GQALayerWeights:
+        """The token-wise functions' weights. Compiled graphs take them collected once (weights are frozen
         while compiled), except the routed experts' dense weights: an MX layer's come from its DequantCache,
         which may drop and rebuild them."""
         full = key + (experts_w is not None,)
@@ -99,9 +115,14 @@ class DecoderLayer(nn.Module):
                 self._frozen_args[full] = w
         return w
 
-    def _weight_args(self, need_topk: bool, absorb: bool, experts_w: tuple | None) -> LayerWeights:
-        """The MLA token-wise functions' weights: ``mla_tokenwise``'s and ``layer_post``'s."""
+    def _weight_args(self, need_topk: bool, absorb: bool, experts_w: tuple | None
+                     ) -> LayerWeights | GQALayerWeights:
+        """The token-wise functions' weights: ``mla_tokenwise``'s (GQA: ``gqa_tokenwise``'s) and ``layer_post``'s."""
         attn, pln = self.self_attn, self.post_attention_layernorm
+        if not isinstance(attn, MLAAttention):  # GQA: ``gqa_tokenwise``'s, then o_proj on the heads' outputs
+            post = PostWeights(w_uv=None, o_w=attn.o_proj.weight, o_b=attn.o_proj.bias, ln_w=pln.weight,
+                               ln_eps=pln.eps, ffn=self.mlp.tokenwise_args(experts_w))
+            return GQALayerWeights(attn.tokenwise_weights(self.input_layernorm), post)
         w_uv = attn.w_kv()[:, attn.cfg.qk_nope_head_dim:].transpose(1, 2) if absorb else None
         post = PostWeights(w_uv=w_uv, o_w=attn.o_proj.weight, o_b=attn.o_proj.bias, ln_w=pln.weight, ln_eps=pln.eps,
                            ffn=self.mlp.tokenwise_args(experts_w))
@@ -189,11 +210,11 @@ class GlmForCausalLM(nn.Module):
 
     def _stack_layers(self, layers: list, batch: ForwardBatch, pool: KVPool) -> list | None:
         """``[(layer, weight args)]`` when this decode / verify step can run as one compiled graph: every layer
-        MLA on compiled graphs, every FFN complete inside (no routed experts left to eager code), requests
-        with equal query counts, no per-layer hook, a pool without quantised writes."""
+        on compiled graphs (MLA or GQA), every FFN complete inside (no routed experts left to eager code), requests
+        with equal query counts, no per-layer hook (fp8 pools included)."""
         g = layers[0].graphs
-        if (not g.compiled or batch.on_layer_done is not None or pool.layout.is_fp8 or not batch.uniform_q
-                or max(batch.q_lens) > MLA_ABSORB_MAX_Q or not isinstance(layers[0].self_attn, MLAAttention)):
+        if (not g.compiled or batch.on_layer_done is not None or not batch.uniform_q
+                or max(batch.q_lens) > MLA_ABSORB_MAX_Q):
             return None
         out = []
         for layer in layers:
