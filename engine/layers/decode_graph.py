@@ -1,3 +1,4 @@
+# over 400 lines: the whole decode step as one compiled graph (layers, MTP, head) with its named input dataclasses.
 """Decode and verify steps of MLA decoder layers through compiled graphs.
 
 A decode step of a small model is bound by per-op overhead (~450 eager torch ops per step of the default
