@@ -33,7 +33,13 @@ _PREFIX_STREAM = 0x5EED_0001
 _GROUP_STREAM = 0x5EED_0002
 _LENGTH_STREAM = 0x5EED_0003
 
-WORDS = tuple(["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there", "been", "if", "more", "when", "will", "would", "who", "so", "no", "time", "up", "out", "about", "into", "them", "than", "only", "other", "new", "some", "could", "these", "two", "may", "first", "then", "do", "any", "like", "my", "now", "over", "such", "our", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "how", "too", "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work", "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same", "another", "know", "while", "last", "might", "us", "great", "old", "year", "off", "come", "since", "against", "go", "came", "right", "used", "take", "three"])
+WORDS = tuple("""the of and to in is that for it as was with be by on not he this are or his from at which but have
+an had they you were their one all we can her has there been if more when will would who so no time up out about
+into them than only other new some could these two may first then do any like my now over such our man me even
+most made after also did many before must through back years where much your way well down should because each
+just those people how too little state good very make world still own see men work long get here between both
+life being under never day same another know while last might us great old year off come since against go came
+right used take three""".split())  # noqa: SIM905 - a paragraph of words reads better than a list
 
 
 @dataclass(frozen=True, slots=True)
