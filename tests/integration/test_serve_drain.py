@@ -8,7 +8,7 @@ import urllib.request
 
 import grpc
 import pytest
-from serve_helpers import ServeProcess, rpc_code, wait_until
+from serve_helpers import ServeProcess, wait_until
 
 from engine.checkpoint import TINY_GLM5, init_random_model
 from router.client import GenerationClient
@@ -47,6 +47,16 @@ def model_dir(tmp_path_factory):
     return init_random_model(TINY_GLM5, str(tmp_path_factory.mktemp("drain") / "model"), seed=2)
 
 
+def refused_now(client) -> tuple[grpc.StatusCode, str] | None:
+    """The status of a new one-token request if the router refused it UNAVAILABLE, else None (the signal may not
+    have reached the router yet: a request it still admitted is not a failure, the caller polls again)."""
+    try:
+        client.generate(token_ids=[1], max_tokens=1)
+    except grpc.RpcError as e:
+        return (e.code(), e.details()) if e.code() is grpc.StatusCode.UNAVAILABLE else None
+    return None
+
+
 def test_sigterm_finishes_running_streams_within_the_grace_and_cuts_off_the_rest(model_dir, tmp_path):
     sp = ServeProcess(["--model", model_dir, "--port", "0", "--dtype", "float32", "--decode-weights", "model",
                        "--no-speculative", "--grace-s", str(GRACE_S), "--http-port", "-1",
@@ -67,9 +77,7 @@ def test_sigterm_finishes_running_streams_within_the_grace_and_cuts_off_the_rest
             assert short.started.wait(60) and long.started.wait(60) and short.error is None is long.error
             t_sig = time.monotonic()
             sp.proc.send_signal(signal.SIGTERM)
-            _, msg = wait_until(lambda: (r := rpc_code(lambda: client.generate(token_ids=[1], max_tokens=1)))
-                                   [0] is grpc.StatusCode.UNAVAILABLE and r, timeout_s=10,
-                                   what="new requests refused")
+            _, msg = wait_until(lambda: refused_now(client), timeout_s=10, what="new requests refused")
             assert msg == "the router is shutting down: not admitting new requests"
             with pytest.raises(urllib.error.HTTPError) as e:  # load balancers see the drain too
                 urllib.request.urlopen(sp.http_url.removesuffix("/v1") + "/health", timeout=5)

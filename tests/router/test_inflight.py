@@ -23,9 +23,12 @@ def counters(fc: FakeCluster) -> dict[str, int]:
 
 
 async def all_back(fc: FakeCluster, what: str) -> None:
-    await fc.wait_for(lambda: not any(counters(fc).values()), what=f"every counter at 0 ({what}): {counters(fc)}")
-    await fc.wait_for(lambda: all(d.pages_free == d.pages_total for d in fc.decodes),
-                      what=f"every decode page free ({what})")
+    # 30 s, not the default 5: sixty calls' releases on a machine whose two cores other jobs hold can take
+    # seconds (seen once in a loaded suite run); a leak never comes back, however long the wait
+    await fc.wait_for(lambda: not any(counters(fc).values()), timeout_s=30,
+                      what=f"every counter at 0 ({what}): {counters(fc)}")
+    await fc.wait_for(lambda: all(d.pages_free == d.pages_total for d in fc.decodes), timeout_s=30,
+                      what=f"every decode page free ({what}): {[d.pages_free for d in fc.decodes]}")
 
 
 class DeadlineAt:
