@@ -64,6 +64,15 @@ def token_rows(pool: KVPool, pages: list[int], num_tokens: int) -> dict[tuple[in
     return out
 
 
+def assert_landed(src: KVPool, pages: list[int], dst: KVPool, res, num_tokens: int) -> None:
+    """The pages ``res`` (a TransferResult) landed in ``dst`` hold exactly what ``src``'s ``pages`` hold for the
+    first ``num_tokens`` tokens: every layer, every part, bit for bit."""
+    got, want = token_rows(dst, list(res.page_ids), num_tokens), token_rows(src, pages, num_tokens)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key].cpu(), want[key].cpu()), f"{key} differs"
+
+
 def token_values(pool: KVPool, pages: list[int], num_tokens: int) -> dict[tuple[int, str], torch.Tensor]:
     P = pool.page_size
     slots = torch.tensor([pages[t // P] * P + t % P for t in range(num_tokens)])

@@ -15,9 +15,8 @@ import time
 from typing import Iterator
 
 import pytest
-import torch
 
-from kvt_helpers import SECRET, RawPeer, make_layout, make_pool, receiver, token_rows, write_layer
+from kvt_helpers import SECRET, RawPeer, assert_landed, make_layout, make_pool, receiver, write_layer
 from kvtransfer import FailReason, KVSender, KVSenderConfig, TransferError, TransportKind
 from kvtransfer.admission import RateLimitedLog, TokenBucket
 from kvtransfer.protocol import PDSERVE_KV_PROTOCOL_VERSION, FrameType, encode_frame
@@ -105,8 +104,7 @@ def deliver(sender: KVSender, h, src, dst, name: str, n: int = 24, seed: int = 0
     try:
         sender.finish(ticket).result(timeout=60)
         res = h.wait(name)
-        got, want = token_rows(dst, list(res.page_ids), n), token_rows(src, pages, n)
-        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert_landed(src, pages, dst, res, n)
         dst.allocator.decref(list(res.page_ids))
     finally:
         src.allocator.decref(pages)

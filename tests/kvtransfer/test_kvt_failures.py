@@ -11,7 +11,17 @@ import pytest
 import torch
 
 import kvt_workers
-from kvt_helpers import SECRET, RawPeer, fragment, make_layout, make_pool, receiver, token_rows, write_layer
+from kvt_helpers import (
+    SECRET,
+    RawPeer,
+    assert_landed,
+    fragment,
+    make_layout,
+    make_pool,
+    receiver,
+    token_rows,
+    write_layer,
+)
 from kvtransfer import FailReason, KVSender, KVSenderConfig, SendState, TransferError, TransferState, TransferTicket
 from kvtransfer.config import ChecksumKind, TransportKind, WireDType
 from kvtransfer.payload import LayerCodec
@@ -338,8 +348,7 @@ def _deliver(sender: KVSender, h, src, dst, ticket, name: str, pages: list[int],
     sent = sender.finish(ticket).result(timeout=30)
     assert sent.transport is (TransportKind.SHM if shm else TransportKind.TCP)
     res = h.wait(name)
-    got, want = token_rows(dst, list(res.page_ids), n), token_rows(src, pages, n)
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_landed(src, pages, dst, res, n)
     dst.allocator.decref(list(res.page_ids))
 
 

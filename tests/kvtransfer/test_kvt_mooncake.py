@@ -10,6 +10,7 @@ import torch
 from kvt_helpers import (
     SECRET,
     RawPeer,
+    assert_landed,
     fragment,
     make_layout,
     make_pool,
@@ -90,8 +91,7 @@ def test_large_contiguous_mooncake_transfer():
                     sender.send_layer(t, layer, pages, ts, te)
             assert sender.finish(t).result(60).transport is TransportKind.MOONCAKE
             res = h.wait("big")
-            got, want = token_rows(dst, list(res.page_ids), 2000), token_rows(src, pages, 2000)
-            assert all(torch.equal(got[k], want[k]) for k in want)
+            assert_landed(src, pages, dst, res, 2000)
             dst.allocator.decref(list(res.page_ids))
             src.allocator.decref(pages)
     finally:
@@ -178,8 +178,7 @@ def test_cut_connection_frees_every_page_and_the_retry_goes_through():
                 sender.send_layer(retry, layer, pages, 0, 40)
             assert sender.finish(retry).result(30).transport is TransportKind.MOONCAKE
             res = h.wait("retry")
-            got, want = token_rows(dst, list(res.page_ids), 40), token_rows(src, pages, 40)
-            assert all(torch.equal(got[k], want[k]) for k in want)
+            assert_landed(src, pages, dst, res, 40)
             dst.allocator.decref(list(res.page_ids))
             src.allocator.decref(pages)
     finally:
@@ -200,8 +199,7 @@ def test_receiver_without_mooncake_falls_back_to_tcp(caplog):
                 sender.send_layer(t, layer, pages, 0, 20)
             assert sender.finish(t).result(30).transport is TransportKind.TCP
             res = h.wait("r")
-            got, want = token_rows(dst, list(res.page_ids), 20), token_rows(src, pages, 20)
-            assert all(torch.equal(got[k], want[k]) for k in want)
+            assert_landed(src, pages, dst, res, 20)
             dst.allocator.decref(list(res.page_ids))
             src.allocator.decref(pages)
         assert any("mooncake" in r.getMessage() and "TCP" in r.getMessage() for r in caplog.records)

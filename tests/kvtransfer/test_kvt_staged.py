@@ -13,6 +13,7 @@ import torch
 from kvt_helpers import (
     SECRET,
     RawPeer,
+    assert_landed,
     fragment,
     make_layout,
     make_pool,
@@ -73,8 +74,7 @@ def test_staged_transfer_is_bit_identical(kv_dtype, fragmented, big):
             _send_chunks(sender, src, ticket, pages, [(0, n // 3 + 1), (n // 3 + 1, n)], seed=3)
             sent = sender.finish(ticket).result(timeout=60)
             res = h.wait("r")
-            got, want = token_rows(dst, list(res.page_ids), n), token_rows(src, pages, n)
-            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+            assert_landed(src, pages, dst, res, n)
             assert sent.num_bytes == lay.bytes_per_token_per_layer() * n * lay.num_layers
             assert src.allocator.num_used == len(pages)  # unpinned
             src.allocator.decref(pages)
@@ -130,8 +130,7 @@ def test_staged_sender_into_shm():
             _send_chunks(sender, src, ticket, pages, [(0, 9), (9, 37)], seed=5)
             assert sender.finish(ticket).result(timeout=30).transport is TransportKind.SHM
             res = h.wait("r")
-            got, want = token_rows(dst, list(res.page_ids), 37), token_rows(src, pages, 37)
-            assert all(torch.equal(got[k], want[k]) for k in want)
+            assert_landed(src, pages, dst, res, 37)
             # the first transfer's layers were staged (queued before the connection was up); once it is, layers
             # copy into the shm pages with no stage between (zero staging)
             staged_before = sender.stager.buffers.num_allocated
@@ -142,8 +141,7 @@ def test_staged_sender_into_shm():
                 _send_chunks(sender, src, t2, pages2, [(0, n)], seed=6)
                 sender.finish(t2).result(timeout=30)
                 res2 = h.wait(f"r{n}")
-                got, want = token_rows(dst, list(res2.page_ids), n), token_rows(src, pages2, n)
-                assert all(torch.equal(got[k], want[k]) for k in want)
+                assert_landed(src, pages2, dst, res2, n)
                 src.allocator.decref(pages2)
                 dst.allocator.decref(list(res2.page_ids))
             assert sender.stager.buffers.num_allocated == staged_before
@@ -312,8 +310,7 @@ def test_device_pools_transfer_bit_identical(kv_dtype):
                     sender.send_layer(ticket, layer, pages, ts, te)
             sender.finish(ticket).result(timeout=60)
             res = h.wait("g")
-            got, want = token_rows(dst, list(res.page_ids), 1000), token_rows(src, pages, 1000)
-            assert all(torch.equal(got[k].cpu(), want[k].cpu()) for k in want)
+            assert_landed(src, pages, dst, res, 1000)
             assert sender.stager.buffers.pin and h.rx.stager.buffers.pin
             src.allocator.decref(pages)
             dst.allocator.decref(list(res.page_ids))
