@@ -37,7 +37,7 @@ from kvtransfer.receiver import KVReceiver, ReceiverStats
 from kvtransfer.sender import KVSender, LayerHook, LayerSend
 from kvtransfer.shm import ShmKVPool
 from kvtransfer.ticket import TransferResult, TransferState, TransferTicket
-from kvtransfer.tx_peer import SendResult, SendState
+from kvtransfer.tx_state import SendResult, SendState
 
 __all__ = ["ChecksumKind", "DraftLayout", "FailReason", "KVReceiver", "KVReceiverConfig", "KVSender", "KVSenderConfig", "LayerHook",
            "LayerSend", "LoopThread", "PDSERVE_KV_PROTOCOL_VERSION", "ReceiverStats", "SendResult", "SendState",

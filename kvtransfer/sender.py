@@ -42,8 +42,9 @@ from kvtransfer.mooncake import MooncakeEngine
 from kvtransfer.payload import page_array
 from kvtransfer.staging import Stager, is_staged
 from kvtransfer.ticket import TOMBSTONES, TransferTicket
-from kvtransfer.tx_peer import (AbortItem, FinishItem, LayerItem, OpenItem, OutgoingTransfer, SendResult, SendState,
-                                TxPeer, resolve_future)
+from kvtransfer.tx_peer import TxPeer
+from kvtransfer.tx_state import (AbortItem, FinishItem, LayerItem, OpenItem, OutgoingTransfer, SendResult, SendState,
+                                 resolve_future)
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-# over 400 lines: a peer connection's send state, frame writer and connection in one file; issue 26 splits it in three once the transport work in it has landed.
+# over 400 lines: one connection's handshake, transport choice, frame writer and reader, which share its socket and queue; its send-state types live in tx_state.py.
 """The prefill side's connection to one receiver: handshake, transport choice, frame writer and reader.
 
 One ``TxPeer`` per receiver address multiplexes every request going there. Handshake,
@@ -15,14 +15,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import enum
 import itertools
 import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from engine.kvcache.pool import KVPool
@@ -31,15 +29,14 @@ from kvtransfer.admission import RateLimitedLog
 from kvtransfer.config import ChecksumKind, KVSenderConfig, TransportKind
 from kvtransfer.errors import FailReason, ProtocolError, TransferError
 from kvtransfer.framing import read_frame, send_frame, tune_socket
-from kvtransfer.payload import LayerCodec, page_array
+from kvtransfer.payload import LayerCodec
 from kvtransfer.protocol import (MAX_HEADER_BYTES, MAX_PAGES_PER_FRAME, PDSERVE_KV_PROTOCOL_VERSION, TRAILER,
-                                 FrameType, check_compatible, checksum, encode_frame, new_digest, pack_u32,
-                                 pages_digest, peer_info)
+                                 FrameType, check_compatible, checksum, encode_frame, new_digest, pages_digest, peer_info)
 from kvtransfer.mooncake import MooncakeEngine, MooncakeOffer, MooncakeTransport
 from kvtransfer.shm import ShmAttachment, host_id, process_start_time
-from kvtransfer.staging import HostStage, is_staged
+from kvtransfer.staging import is_staged
 from kvtransfer.transport import KVTransport, ShmTransport, TcpTransport
-from kvtransfer.ticket import TransferTicket
+from kvtransfer.tx_state import AbortItem, LayerItem, OpenItem, OutgoingTransfer, SendState, resolve_future
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +52,6 @@ SEND_PIECE_BYTES = 256 << 10
 Zen core's L2, so the kernel's copy reads what the hash just read from cache."""
 
 
-def resolve_future(fut: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
-    """First outcome wins (any thread)."""
-    try:
-        if error is None:
-            fut.set_result(result)
-        else:
-            fut.set_exception(error)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
 def _set_started(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -74,96 +60,6 @@ def _set_started(fut: asyncio.Future) -> None:
 def _consume(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()  # a write failed after we gave up on the connection: nothing left to tell
-
-
-class SendState(enum.Enum):
-    QUEUED = "queued"
-    STREAMING = "streaming"
-    FINISHING = "finishing"
-    DONE = "done"
-    FAILED = "failed"
-
-
-class SendResult(NamedTuple):
-    req_id: str
-    num_bytes: int
-    """Payload bytes written to the socket (TCP) or copied into the receiver's pages (shm)."""
-    transport: TransportKind
-    started_at_s: float
-    """time.monotonic() of the first ``send_layer``."""
-    done_at_s: float
-    """time.monotonic() when the receiver's DONE arrived."""
-
-
-@dataclass(eq=False)
-class OutgoingTransfer:
-    """Prefill-side record of one ticket (shared by the caller's thread and the loop, under the sender lock)."""
-
-    ticket: TransferTicket
-    future: concurrent.futures.Future
-    started_at: float = field(default_factory=time.monotonic)
-    state: SendState = SendState.QUEUED
-    pinned: list[int] = field(default_factory=list)
-    pinned_set: set[int] = field(default_factory=set)
-    unpinned: bool = False
-    error: TransferError | None = None
-    finish_queued: bool = False
-    num_bytes: int = 0
-    transport: TransportKind = TransportKind.TCP
-    peer: "TxPeer | None" = None
-    lease: asyncio.Future | None = None
-    finish_timer: asyncio.TimerHandle | None = None
-    page_bytes: bytes = b""
-    gen_bytes: bytes = b""
-    dst_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    src_head: list[int] = field(default_factory=list)
-    """The caller's source pages of the latest ``send_layer`` (from token 0) and, below, as read-only numpy."""
-    src_arr: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    opened: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    """Resolves once the receiver would take a write now (shm: the lease is granted; TCP: the connection
-    is up), or with the transfer's error. Only ``KVSender.open`` callers look at it."""
-
-    def __post_init__(self) -> None:
-        self.future.set_running_or_notify_cancel()  # callers cancel with KVSender.cancel, not future.cancel
-        self.page_bytes = pack_u32(self.ticket.page_ids)
-        self.gen_bytes = pack_u32(self.ticket.generations)
-        self.dst_pages = page_array(self.ticket.page_ids)
-
-    @property
-    def failed(self) -> bool:
-        return self.state is SendState.FAILED
-
-
-class LayerItem(NamedTuple):
-    send: OutgoingTransfer
-    layer: int
-    src_pages: np.ndarray
-    """Prefill page ids from token 0 (a private copy: the caller may grow its list meanwhile)."""
-    token_start: int
-    token_end: int
-    stage: HostStage | None = None
-    """A staged pool's pages of this layer, on their way to host memory (``staging.py``)."""
-
-    def drop(self) -> None:
-        """The item will not be written: give its stage back."""
-        if self.stage is not None:
-            self.stage.release()
-
-
-class OpenItem(NamedTuple):
-    """``KVSender.open``: over shm, ask for the lease before the first layer exists."""
-
-    send: OutgoingTransfer
-
-
-class FinishItem(NamedTuple):
-    send: OutgoingTransfer
-    draft: bytes | None = None
-    """The speculative draft state (``TransferTicket.draft``), sent in FINISH."""
-
-
-class AbortItem(NamedTuple):
-    send: OutgoingTransfer
 
 
 class SenderOwner(Protocol):
