@@ -16,12 +16,16 @@ library binds nothing it was not asked to."""
 
 
 def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of dataclass ``cls`` (the single source of the flag help)."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body
+    """The docstring under each field of dataclass ``cls`` and of the dataclasses it derives from (the single
+    source of the flag help)."""
     docs = {}
-    for prev, node in zip(body, body[1:]):
-        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            docs[prev.target.id] = " ".join(str(node.value.value).split())
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        for prev, node in zip(body, body[1:]):
+            if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+                docs[prev.target.id] = " ".join(str(node.value.value).split())
     return docs
 
 

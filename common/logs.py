@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import dataclass
+
+from common import flags
 
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -25,10 +28,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    """A process's logging flags (``add_log_args``)."""
+
+    log_level: str = "INFO"
+    """DEBUG, INFO, WARNING or ERROR"""
+    log_format: str = "text"
+    """text lines, or one JSON object per line"""
+
+
 def add_log_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
-    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
-                   help="text lines, or one JSON object per line")
+    """``--log-level`` and ``--log-format`` (the fields of ``LogConfig``)."""
+    flags.add_config_args(p, LogConfig, choices={"log_format": LOG_FORMATS})
 
 
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:

@@ -13,12 +13,14 @@ import argparse
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 import msgpack
 import torch
 
 from common import logs
+from common.flags import config_from_args
 from common.net import check_bind
 from common.reasons import FinishReason, Role
 from decode.config import DecodeConfig
@@ -31,10 +33,11 @@ from engine.quant.prepare import expert_status, quantized_experts
 from engine.tokenizer import Tokenizer
 from engine.warmup import warm_up_decode
 from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, ShmKVPool, TransferError
-from kvtransfer.config import add_transport_args, receiver_mooncake_protocol
+from kvtransfer.config import TransportConfig, add_transport_args, receiver_mooncake_protocol
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from worker import convert, heartbeat, process
+from worker.config import WorkerConfig, add_worker_args
 from worker.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
 from worker.metrics import serve_metrics
 
@@ -195,47 +198,71 @@ def stop_checker(tok: Tokenizer | None):
     return check
 
 
-async def amain(args: argparse.Namespace) -> None:
-    process.apply_threads(args.threads)
-    model_dir = args.model or default_model_dir()
-    secret = rpc.cluster_secret(args.cluster_secret)
-    check_bind(args.host, secret, "decode worker")
+@dataclass(frozen=True, slots=True)
+class DecodeWorkerConfig(WorkerConfig):
+    """A decode worker's flags: the common ones, its KV port, speculation and its scheduler's
+    (``DecodeConfig``)."""
+
+    kv_port: int = 0
+    """port of the KV data plane (0: any free port, printed in the PDSERVE_READY line)"""
+    speculative: str = "5/1/6"
+    """STEPS/TOPK/DRAFT_TOKENS, or 'off'"""
+    no_speculative: bool = False
+    """decode without speculation (as --speculative off)"""
+    no_spec_fallback: bool = False
+    """keep speculating for every request even when its drafts are rarely accepted (default: a request whose
+    tokens per round stay below a round's cost in plain steps decodes plainly)"""
+    max_running: int = 64
+    """requests running or on their way (reserved transfers, local prefills) at once; Reserve refuses past it"""
+    compile: bool = False
+    """run decode / verify steps through compiled graphs (torch.compile; warmed up before serving)"""
+    quantized_model: str | None = None
+    """serve these (e.g. MXFP4) weights instead"""
+    shm: bool = False
+    """put the KV pool in shared memory (same-host transfers)"""
+
+
+async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
+    process.apply_threads(wcfg.threads)
+    model_dir = wcfg.model or default_model_dir()
+    secret = rpc.cluster_secret(wcfg.cluster_secret)
+    check_bind(wcfg.host, secret, "decode worker")
     mhash = model_hash(model_dir)
-    if args.expect_model_hash and args.expect_model_hash != mhash:
-        raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {args.expect_model_hash}")
-    plan = process.start_plan(args, args.quantized_model or model_dir, "decode")
-    model, cfg = load_model(args.quantized_model or model_dir, plan.dtype.dtype, args.device)
-    pool = _make_pool(plan.layout, plan.pool.num_pages, args.shm)
-    spec = build_speculator(args, model, cfg, pool)
+    if wcfg.expect_model_hash and wcfg.expect_model_hash != mhash:
+        raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {wcfg.expect_model_hash}")
+    plan = process.start_plan(wcfg, wcfg.quantized_model or model_dir, "decode")
+    model, cfg = load_model(wcfg.quantized_model or model_dir, plan.dtype.dtype, wcfg.device)
+    pool = _make_pool(plan.layout, plan.pool.num_pages, wcfg.shm)
+    spec = build_speculator(wcfg, model, cfg, pool)
     # a speculating worker asks prefill for the MTP draft state with every KV transfer (first round speculates)
     draft = DraftLayout(cfg.hidden_size, str(model.lm_head.weight.dtype).removeprefix("torch.")) if spec else None
-    receiver = KVReceiver(pool, KVReceiverConfig(host=args.host, port=args.kv_port, draft=draft,
+    receiver = KVReceiver(pool, KVReceiverConfig(host=wcfg.host, port=wcfg.kv_port, draft=draft,
                                                   cluster_secret=secret.encode() if secret else None,
-                                                  mooncake_protocol=receiver_mooncake_protocol(args)))
+                                                  mooncake_protocol=receiver_mooncake_protocol(transport)))
     await receiver.start()
-    if args.compile:
+    if wcfg.compile:
         model.compile_decode()
-        took = warm_up_decode(model, cfg, plan.kv_dtype, args.page_size,
-                              args.speculative if spec is not None else None)
+        took = warm_up_decode(model, cfg, plan.kv_dtype, wcfg.page_size,
+                              wcfg.speculative if spec is not None else None)
         logger.info("decode graphs compiled and warmed up in %.1fs", took)
     sched = DecodeScheduler(model, pool, cfg.eos_token_ids,
-                            DecodeConfig(max_running=args.max_running, spec_fallback=not args.no_spec_fallback),
+                            DecodeConfig(max_running=wcfg.max_running, spec_fallback=not wcfg.no_spec_fallback),
                             stop_checker=stop_checker(Tokenizer.from_model_dir(model_dir)), spec=spec)
-    sched.heartbeat = heartbeat.Heartbeat(args.stall_after)
+    sched.heartbeat = heartbeat.Heartbeat(wcfg.stall_after)
     server = rpc.make_server(secret)
-    port = process.bind(server, args, "decode")
-    address = f"{args.host}:{port}"
-    model_info = convert.model_info(cfg, model_dir, args.page_size)
+    port = process.bind(server, wcfg, "decode")
+    address = f"{wcfg.host}:{port}"
+    model_info = convert.model_info(cfg, model_dir, wcfg.page_size)
     info = convert.model_info_strings(model_info)
     info.update(dtype=plan.dtype.dtype, kv_pool_bytes=str(plan.pool.pool_bytes))
     info["gc_frozen_objects"] = str(process.freeze_startup_heap())  # everything is loaded: full collections skip it
-    info["speculative"] = args.speculative if spec is not None else "off"
+    info["speculative"] = wcfg.speculative if spec is not None else "off"
     info["local_prefill"] = "1"
-    info["decode_graphs"] = "compiled" if args.compile else "eager"
+    info["decode_graphs"] = "compiled" if wcfg.compile else "eager"
     mx = sorted({m.spec.fmt.name for m in quantized_experts(model).values()})
     info["routed_experts"] = ",".join(mx) if mx else plan.dtype.dtype
     info["spec_fallback"] = "on" if spec is not None and sched.config.spec_fallback else "off"
-    servicer = DecodeServicer(sched, receiver, cfg, info, args.worker_id or f"decode-{port}", address, mhash, spec,
+    servicer = DecodeServicer(sched, receiver, cfg, info, wcfg.worker_id or f"decode-{port}", address, mhash, spec,
                               model_info)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])
@@ -244,15 +271,15 @@ async def amain(args: argparse.Namespace) -> None:
     await rpc.set_serving(hs, [SERVICE])
     host, kv_port = receiver.address
     logger.info("decode worker %s serving on %s, KV data plane %s:%d", servicer.worker_id, address, host, kv_port)
-    if args.metrics_port:
-        info["metrics_port"] = str(serve_metrics(args.host, max(args.metrics_port, 0), servicer.status,
+    if wcfg.metrics_port:
+        info["metrics_port"] = str(serve_metrics(wcfg.host, max(wcfg.metrics_port, 0), servicer.status,
                                                  servicer.counters))
     print(f"PDSERVE_READY decode {address} kv={host}:{kv_port}", flush=True)
 
     async def on_stop():
         sched.stop()
         await receiver.stop(grace_s=2.0)
-    await process.serve_until_signal(server, on_stop, args.grace_s, servicer.status, info)
+    await process.serve_until_signal(server, on_stop, wcfg.grace_s, servicer.status, info)
 
 
 def _make_pool(layout, num_pages: int, shm: bool):
@@ -267,9 +294,9 @@ def _make_pool(layout, num_pages: int, shm: bool):
     return KVPool(layout, num_pages)
 
 
-def build_speculator(args, model, cfg, pool):
+def build_speculator(wcfg: DecodeWorkerConfig, model, cfg, pool):
     """MTP speculative decoding when asked for and the model has an MTP layer (says so once otherwise)."""
-    if args.no_speculative or not args.speculative or args.speculative == "off":
+    if wcfg.no_speculative or not wcfg.speculative or wcfg.speculative == "off":
         return None
     if not model.has_mtp:
         logger.warning("model has no MTP layer: running without speculative decoding")
@@ -279,27 +306,21 @@ def build_speculator(args, model, cfg, pool):
     except ImportError:
         logger.warning("speculative decoding is not available in this build: running without it")
         return None
-    return make_speculator(model, cfg, pool, args.speculative)
+    return make_speculator(model, cfg, pool, wcfg.speculative)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of a decode worker: ``DecodeWorkerConfig``'s fields, ``TransportConfig``'s and logging's."""
+    p = argparse.ArgumentParser("pdserve decode worker")
+    add_worker_args(p, DecodeWorkerConfig)
+    add_transport_args(p)
+    return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser("pdserve decode worker")
-    process.common_args(p)
-    p.add_argument("--kv-port", type=int, default=0)
-    add_transport_args(p)
-    p.add_argument("--speculative", default="5/1/6", help="STEPS/TOPK/DRAFT_TOKENS, or 'off'")
-    p.add_argument("--no-speculative", action="store_true")
-    p.add_argument("--no-spec-fallback", action="store_true",
-                   help="keep speculating for every request even when its drafts are rarely accepted (default: a "
-                        "request whose tokens per round stay below a round's cost in plain steps decodes plainly)")
-    p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--compile", action="store_true",
-                   help="run decode / verify steps through compiled graphs (torch.compile; warmed up before serving)")
-    p.add_argument("--quantized-model", default=None, help="serve these (e.g. MXFP4) weights instead")
-    p.add_argument("--shm", action="store_true", help="put the KV pool in shared memory (same-host transfers)")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logs.setup_logging(args.log_level, args.log_format)
-    process.run(amain(args))
+    process.run(amain(config_from_args(args, DecodeWorkerConfig), config_from_args(args, TransportConfig)))
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@ import argparse
 import enum
 from dataclasses import dataclass, field
 
-from common import env
+from common import env, flags
 from common.net import is_loopback
 
 MIN_SECRET_BYTES = 16
 MIB = 1 << 20
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+"""The Mooncake transfer engine's protocols (``--mooncake-protocol``)."""
 
 
 class TransportKind(enum.Enum):
@@ -169,7 +171,7 @@ class KVReceiverConfig:
         _check_positive(self, "ticket_ttl_s", "stall_timeout_s", "claim_timeout_s", "handshake_timeout_s",
                         "reap_interval_s", "max_connections", "max_frame_bytes", "max_unauthenticated",
                         "unauth_rate_per_s", "unauth_burst", "log_interval_s", "remote_writer_grace_s")
-        if self.mooncake_protocol not in (None, "tcp", "rdma"):
+        if self.mooncake_protocol is not None and self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
             raise ValueError(f"mooncake_protocol must be None, 'tcp' or 'rdma', got {self.mooncake_protocol!r}")
         if self.max_reserved_pages is not None and self.max_reserved_pages < 1:
             raise ValueError(f"max_reserved_pages must be >= 1 or None, got {self.max_reserved_pages}")
@@ -231,7 +233,7 @@ class KVSenderConfig:
         _check_positive(self, "connect_timeout_s", "handshake_timeout_s", "send_timeout_s", "finish_timeout_s",
                         "enqueue_timeout_s", "max_pending_frames", "max_frame_bytes", "release_backoff_s",
                         "connect_retry_s", "connect_backoff_s", "connect_backoff_max_s")
-        if self.mooncake_protocol not in ("tcp", "rdma"):
+        if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
             raise ValueError(f"mooncake_protocol must be 'tcp' or 'rdma', got {self.mooncake_protocol!r}")
         if self.release_retries < 0:
             raise ValueError(f"release_retries must be >= 0, got {self.release_retries}")
@@ -239,17 +241,25 @@ class KVSenderConfig:
             raise ValueError(f"socket_buffer_bytes must be >= 0, got {self.socket_buffer_bytes}")
 
 
+@dataclass(frozen=True, slots=True)
+class TransportConfig:
+    """The KV transport flags, accepted by prefill and decode workers alike (a launcher passes the same extra
+    arguments to both). Prefill: how to send. Decode: ``mooncake`` offers Mooncake writes into its pool (TCP
+    and shm are always accepted)."""
+
+    kv_transport: str = TransportKind.AUTO.value
+    """KV transfer transport: auto (shm on the same host, else tcp), tcp, shm, or mooncake (the transfer engine
+    of pdserve[mooncake]; falls back to tcp with a warning)"""
+    mooncake_protocol: str = "tcp"
+    """with --kv-transport mooncake: the transfer engine's protocol"""
+
+
 def add_transport_args(p: argparse.ArgumentParser) -> None:
-    """``--kv-transport`` and ``--mooncake-protocol``, accepted by prefill and decode workers alike (a launcher
-    passes the same extra arguments to both). Prefill: how to send. Decode: ``mooncake`` offers Mooncake
-    writes into its pool (TCP and shm are always accepted)."""
-    p.add_argument("--kv-transport", choices=[k.value for k in TransportKind], default=TransportKind.AUTO.value,
-                   help="KV transfer transport: auto (shm on the same host, else tcp), tcp, shm, or mooncake "
-                        "(the transfer engine of pdserve[mooncake]; falls back to tcp with a warning)")
-    p.add_argument("--mooncake-protocol", choices=["tcp", "rdma"], default="tcp",
-                   help="with --kv-transport mooncake: the transfer engine's protocol")
+    """``--kv-transport`` and ``--mooncake-protocol`` (the fields of ``TransportConfig``)."""
+    flags.add_config_args(p, TransportConfig, choices={"kv_transport": tuple(k.value for k in TransportKind),
+                                                       "mooncake_protocol": MOONCAKE_PROTOCOLS})
 
 
-def receiver_mooncake_protocol(args: argparse.Namespace) -> str | None:
+def receiver_mooncake_protocol(args: argparse.Namespace | TransportConfig) -> str | None:
     """``KVReceiverConfig.mooncake_protocol`` from the flags of ``add_transport_args``."""
     return args.mooncake_protocol if args.kv_transport == TransportKind.MOONCAKE.value else None

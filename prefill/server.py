@@ -12,11 +12,13 @@ import argparse
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 import msgpack
 
 from common import logs
+from common.flags import config_from_args
 from common.net import check_bind
 from common.reasons import Role
 from engine.defaults import default_model_dir
@@ -24,13 +26,14 @@ from engine.kvcache import KVPool, PoolExhausted
 from engine.load import load_model
 from engine.loader import model_hash
 from kvtransfer import KVSender, KVSenderConfig, TransferTicket, TransportKind
-from kvtransfer.config import add_transport_args
+from kvtransfer.config import TransportConfig, add_transport_args
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
 from prefill.sink import LocalSink, TransferFailed
 from prefill.transfer import TransferSink
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from worker import convert, heartbeat, process
+from worker.config import WorkerConfig, add_worker_args
 from worker.convert import sampling_from_proto
 from worker.metrics import serve_metrics
 
@@ -199,63 +202,77 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"prefill failed: {exc}"
 
 
-async def amain(args: argparse.Namespace) -> None:
-    process.apply_threads(args.threads)
-    model_dir = args.model or default_model_dir()
-    secret = rpc.cluster_secret(args.cluster_secret)
-    check_bind(args.host, secret, "prefill worker")
+@dataclass(frozen=True, slots=True)
+class PrefillWorkerConfig(WorkerConfig):
+    """A prefill worker's flags: the common ones and its scheduler's (``PrefillConfig``)."""
+
+    chunk_size: int = 2048
+    """max new tokens of one request per forward (a 20k prompt takes 10 steps)"""
+    max_batch_tokens: int = 4096
+    """token budget of one forward over all scheduled chunks (at least --chunk-size)"""
+    max_queue: int = 64
+    """queued requests beyond this are refused (RESOURCE_EXHAUSTED), never buffered"""
+    fault_injection: bool = False
+    """accept InjectFault calls (resilience benchmarks: pdserve bench --fault drop-kv@S)"""
+
+
+async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
+    process.apply_threads(wcfg.threads)
+    model_dir = wcfg.model or default_model_dir()
+    secret = rpc.cluster_secret(wcfg.cluster_secret)
+    check_bind(wcfg.host, secret, "prefill worker")
     mhash = model_hash(model_dir)
-    if args.expect_model_hash and args.expect_model_hash != mhash:
-        raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {args.expect_model_hash}")
-    plan = process.start_plan(args, model_dir, "prefill")
-    model, cfg = load_model(model_dir, plan.dtype.dtype, args.device)
+    if wcfg.expect_model_hash and wcfg.expect_model_hash != mhash:
+        raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {wcfg.expect_model_hash}")
+    plan = process.start_plan(wcfg, model_dir, "prefill")
+    model, cfg = load_model(model_dir, plan.dtype.dtype, wcfg.device)
     pool = KVPool(plan.layout, plan.pool.num_pages, model.lm_head.weight.device)
     sender = KVSender(pool, KVSenderConfig(cluster_secret=secret.encode() if secret else None,
-                                           transport=TransportKind(args.kv_transport),
-                                           mooncake_protocol=args.mooncake_protocol))
-    sched = PrefillScheduler(model, pool, PrefillConfig(chunk_size=args.chunk_size,
-                                                        max_batch_tokens=max(args.chunk_size, args.max_batch_tokens),
-                                                        max_queue=args.max_queue))
+                                           transport=TransportKind(transport.kv_transport),
+                                           mooncake_protocol=transport.mooncake_protocol))
+    sched = PrefillScheduler(model, pool, PrefillConfig(chunk_size=wcfg.chunk_size,
+                                                        max_batch_tokens=max(wcfg.chunk_size, wcfg.max_batch_tokens),
+                                                        max_queue=wcfg.max_queue))
     server = rpc.make_server(secret)
-    port = process.bind(server, args, "prefill")
-    address = f"{args.host}:{port}"
-    model_info = convert.model_info(cfg, model_dir, args.page_size)
+    port = process.bind(server, wcfg, "prefill")
+    address = f"{wcfg.host}:{port}"
+    model_info = convert.model_info(cfg, model_dir, wcfg.page_size)
     info = convert.model_info_strings(model_info)
     info.update(dtype=plan.dtype.dtype, kv_pool_bytes=str(plan.pool.pool_bytes))
     info["gc_frozen_objects"] = str(process.freeze_startup_heap())  # everything is loaded: full collections skip it
     servicer = PrefillServicer(sched, sender, cfg, info,
-                               args.worker_id or f"prefill-{port}", address, mhash, args.fault_injection, model_info)
+                               wcfg.worker_id or f"prefill-{port}", address, mhash, wcfg.fault_injection, model_info)
     sched.cache.on_event = servicer.publish
-    sched.heartbeat = heartbeat.Heartbeat(args.stall_after)
+    sched.heartbeat = heartbeat.Heartbeat(wcfg.stall_after)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])
     sched.start()
     await server.start()
     await rpc.set_serving(hs, [SERVICE])
     logger.info("prefill worker %s serving on %s (model %s, hash %s)", servicer.worker_id, address, model_dir, mhash)
-    if args.metrics_port:
-        info["metrics_port"] = str(serve_metrics(args.host, max(args.metrics_port, 0), servicer.status,
+    if wcfg.metrics_port:
+        info["metrics_port"] = str(serve_metrics(wcfg.host, max(wcfg.metrics_port, 0), servicer.status,
                                                  servicer.counters))
     print(f"PDSERVE_READY prefill {address}", flush=True)
 
     async def on_stop():
         sched.stop()
         sender.close(grace_s=2.0)
-    await process.serve_until_signal(server, on_stop, args.grace_s, servicer.status, info)
+    await process.serve_until_signal(server, on_stop, wcfg.grace_s, servicer.status, info)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of a prefill worker: ``PrefillWorkerConfig``'s fields, ``TransportConfig``'s and logging's."""
+    p = argparse.ArgumentParser("pdserve prefill worker")
+    add_worker_args(p, PrefillWorkerConfig)
+    add_transport_args(p)
+    return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser("pdserve prefill worker")
-    process.common_args(p)
-    add_transport_args(p)
-    p.add_argument("--chunk-size", type=int, default=2048)
-    p.add_argument("--max-batch-tokens", type=int, default=4096)
-    p.add_argument("--max-queue", type=int, default=64)
-    p.add_argument("--fault-injection", action="store_true",
-                   help="accept InjectFault calls (resilience benchmarks: pdserve bench --fault drop-kv@S)")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logs.setup_logging(args.log_level, args.log_format)
-    process.run(amain(args))
+    process.run(amain(config_from_args(args, PrefillWorkerConfig), config_from_args(args, TransportConfig)))
 
 
 if __name__ == "__main__":
