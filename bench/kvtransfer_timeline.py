@@ -59,11 +59,13 @@ def _wrap(cls: type, name: str, tag: str, label=None) -> None:
 def instrument_sender() -> None:
     from kvtransfer.payload import LayerCodec  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
     from kvtransfer.sender import KVSender  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
+    from kvtransfer.frame_writer import FrameWriter  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
     from kvtransfer.tx_peer import TxPeer  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
     for name in ("send_layer", "_pin", "_enqueue", "complete"):
         _wrap(KVSender, name, "send." + name.lstrip("_"))
-    for name in ("_write_layer", "_write_finish", "_blocking_send"):
+    for name in ("_write_layer", "_write_finish"):
         _wrap(TxPeer, name, "send." + name.lstrip("_"))
+    _wrap(FrameWriter, "_blocking_send", "send.blocking_send")
     _wrap(LayerCodec, "copy_layer", "send.shm_copy")
     _wrap(LayerCodec, "source_views", "send.source_views")
 

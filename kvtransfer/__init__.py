@@ -26,8 +26,9 @@ A transfer, end to end (decode side states: ``TransferState``; prefill side: ``S
 
 Modules: ``config`` (frozen configs, the env var), ``protocol`` (frames, limits, versions),
 ``auth`` (HMAC), ``ticket`` (tickets, reservations), ``payload`` (rows <-> bytes), ``framing``
-(socket I/O), ``rx_conn``/``receiver`` (decode side), ``tx_peer``/``sender`` (prefill side),
-``shm`` (shared-memory pool), ``admission`` (connection budgets on the KV port), ``loop`` (event loop thread).
+(socket I/O), ``rx_conn``/``receiver`` (decode side), ``tx_state`` (send states), ``frame_writer``
+(frames onto a socket), ``tx_peer`` (one connection), ``sender`` (prefill side), ``shm`` (shared-memory
+pool), ``admission`` (connection budgets on the KV port), ``loop`` (event loop thread).
 """
 from kvtransfer.config import ChecksumKind, DraftLayout, KVReceiverConfig, KVSenderConfig, TransportKind, WireDType
 from kvtransfer.errors import FailReason, TransferError

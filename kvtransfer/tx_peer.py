@@ -1,10 +1,11 @@
-# over 400 lines: one connection's handshake, transport choice, frame writer and reader, which share its socket and queue; its send-state types live in tx_state.py.
-"""The prefill side's connection to one receiver: handshake, transport choice, frame writer and reader.
+# over 400 lines: one connection's handshake, transport choice, request writer and reader, which share its socket and send states; the send-state types live in tx_state.py, the frame writer in frame_writer.py.
+"""The prefill side's connection to one receiver: handshake, transport choice, request writer and reader.
 
 One ``TxPeer`` per receiver address multiplexes every request going there. Handshake,
-reader and writer run on the sender's loop thread; the writer drains one FIFO queue and
-hands whole frames to one send thread, so the frames of a request go out in the order
-``send_layer`` was called and never interleave. Sending state per request (``SendState``)::
+reader and writer run on the sender's loop thread; the writer task drains one FIFO queue of
+requests' items and turns them into frames, which its ``FrameWriter`` puts on the socket whole,
+in order (``frame_writer.py``), so the frames of a request go out in the order ``send_layer``
+was called and never interleave. Sending state per request (``SendState``)::
 
     QUEUED --first frame written--> STREAMING --FINISH written--> FINISHING --DONE--> DONE
        \\____________________________________________________________________/
@@ -13,8 +14,6 @@ hands whole frames to one send thread, so the frames of a request go out in the 
 from __future__ import annotations
 
 import asyncio
-import collections
-import concurrent.futures
 import itertools
 import logging
 import os
@@ -28,10 +27,11 @@ from kvtransfer import auth
 from kvtransfer.admission import RateLimitedLog
 from kvtransfer.config import ChecksumKind, KVSenderConfig, TransportKind
 from kvtransfer.errors import FailReason, ProtocolError, TransferError
+from kvtransfer.frame_writer import FrameWriter
 from kvtransfer.framing import read_frame, send_frame, tune_socket
 from kvtransfer.payload import LayerCodec
 from kvtransfer.protocol import (MAX_HEADER_BYTES, MAX_PAGES_PER_FRAME, PDSERVE_KV_PROTOCOL_VERSION, TRAILER,
-                                 FrameType, check_compatible, checksum, encode_frame, new_digest, pages_digest, peer_info)
+                                 FrameType, check_compatible, checksum, encode_frame, pages_digest, peer_info)
 from kvtransfer.mooncake import MooncakeEngine, MooncakeOffer, MooncakeTransport
 from kvtransfer.shm import ShmAttachment, host_id, process_start_time
 from kvtransfer.staging import is_staged
@@ -42,25 +42,6 @@ log = logging.getLogger(__name__)
 
 RETRYABLE = frozenset({FailReason.BUSY, FailReason.TIMEOUT})
 """Receiver refusals (ERROR frames) worth another connect: its limits, a handshake it timed out."""
-
-MAX_QUEUED_FRAMES = 2
-"""Frames handed to the send thread but not yet written (one on the wire, one ready behind it)."""
-INLINE_SEND_BYTES = 64 << 10
-"""Frames up to this size are written by the loop thread itself when the send thread is idle."""
-SEND_PIECE_BYTES = 256 << 10
-"""A checksummed payload goes out in pieces this large, each hashed just before its ``sendall``: half a
-Zen core's L2, so the kernel's copy reads what the hash just read from cache."""
-
-
-def _set_started(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _consume(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()  # a write failed after we gave up on the connection: nothing left to tell
-
 
 class SenderOwner(Protocol):
     """What a peer connection reads and calls on the sender that owns it (``kvtransfer.sender.KVSender``):
@@ -103,9 +84,8 @@ class TxPeer:
         self.link: KVTransport = TcpTransport(sender.pool.layout, self.cfg.wire_dtype)
         """How payloads reach the receiver (``transport.py``), chosen at the handshake."""
         self.codec = self.link.codec
-        self.wsock: socket.socket | None = None
-        self._io: concurrent.futures.ThreadPoolExecutor | None = None
-        self._writes: collections.deque[asyncio.Future] = collections.deque()
+        self.writer: FrameWriter | None = None
+        """Writes this connection's frames (``frame_writer.py``), made once the handshake is done."""
         self._reader: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self.task = self.loop.create_task(self._run(), name=f"kvtransfer-peer-{address[0]}:{address[1]}")
@@ -205,7 +185,7 @@ class TxPeer:
         check_compatible(local, info)
         self.receiver_id = str(info.get("receiver_id"))
         self._choose_transport(info)
-        self._start_send_thread()
+        self.writer = FrameWriter(loop, sock, self.cfg.send_timeout_s)
         self.ready = True
 
     def _choose_transport(self, info: dict[str, Any]) -> None:
@@ -280,84 +260,17 @@ class TxPeer:
                 reader.add_done_callback(lambda _: sock.close())  # the loop must unregister the fd first
             else:
                 self.loop.call_soon(sock.close)
-        if self._io is not None:
-            self._io.submit(self.wsock.close)  # type: ignore[union-attr]  # after the write in progress
-            self._io.shutdown(wait=False)
-        for fut in self._writes:
-            fut.add_done_callback(_consume)
-        self._writes.clear()
+        if self.writer is not None:
+            self.writer.close()
         log.info("kvtransfer: connection to %s:%d closed: %s", self.address[0], self.address[1], err)
 
     # --- writing -----------------------------------------------------------------------------
-    def _start_send_thread(self) -> None:
-        """Bulk writes go through a blocking twin of the socket on one thread: ``sendall`` then loops
-        in C without the GIL (like a raw socket), and the loop thread meanwhile prepares (gathers,
-        quantizes) the next frame. The payload checksum is computed here too, piece by piece just before
-        each piece is sent. One thread, FIFO: frames never interleave."""
-        self.wsock = self.sock.dup()  # type: ignore[union-attr]
-        self.wsock.settimeout(self.cfg.send_timeout_s)  # a stalled receiver surfaces as TimeoutError
-        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtransfer-send")
-
-    def _blocking_send(self, bufs: tuple[bytes | memoryview, ...], payload: tuple[memoryview, ...] = (),
-                       kind: ChecksumKind = ChecksumKind.NONE, started: asyncio.Future | None = None) -> None:
-        """``bufs``, then ``payload`` followed by its ``kind`` checksum as the ``TRAILER`` (unless NONE).
-        Each piece is hashed just before its ``sendall``, so the kernel's copy reads it from cache.
-        ``started`` is resolved (on the loop) as this thread begins, before its first write."""
-        if started is not None:
-            self.loop.call_soon_threadsafe(_set_started, started)
-        for b in bufs:
-            self.wsock.sendall(b)  # type: ignore[union-attr]
-        digest = new_digest(kind) if payload else None
-        for view in payload:
-            if digest is None:
-                self.wsock.sendall(view)  # type: ignore[union-attr]
-                continue
-            for i in range(0, view.nbytes, SEND_PIECE_BYTES):
-                piece = view[i:i + SEND_PIECE_BYTES]
-                digest.update(piece)
-                self.wsock.sendall(piece)  # type: ignore[union-attr]
-        if digest is not None:
-            self.wsock.sendall(TRAILER.pack(digest.intdigest()))  # type: ignore[union-attr]
-
     async def _send(self, *bufs: bytes | memoryview, payload: tuple[memoryview, ...] = (),
                     kind: ChecksumKind = ChecksumKind.NONE) -> None:
-        """Queue one whole frame (``payload`` and ``kind``: see ``_blocking_send``); returns once at most one
-        earlier frame is still unsent (raising the error of any write that failed)."""
-        if self.closed or self._io is None:
+        """One whole frame through the writer (``FrameWriter.send``)."""
+        if self.closed or self.writer is None:
             raise ConnectionError("connection closed")
-        while self._writes and self._writes[0].done():
-            await self._writes.popleft()
-        size = sum(len(b) for b in bufs) + sum(v.nbytes for v in payload)
-        idle = not self._writes
-        if idle and size <= INLINE_SEND_BYTES:
-            self._send_inline(bufs, payload, kind)
-            return
-        # An idle send thread has to take the GIL before its first write; while this (loop) thread goes on
-        # preparing the next frame it would wait for it (~0.2 ms, the first layer's head start). So wait
-        # here until it has begun: one loop wakeup, and the next frame is prepared while this one moves.
-        started = self.loop.create_future() if idle else None
-        self._writes.append(self.loop.run_in_executor(self._io, self._blocking_send, bufs, payload, kind, started))
-        if started is not None:
-            await asyncio.wait((started, self._writes[-1]), return_when=asyncio.FIRST_COMPLETED)
-        while len(self._writes) > MAX_QUEUED_FRAMES or (self._writes and self._writes[0].done()):
-            await self._writes.popleft()
-
-    def _send_inline(self, bufs: tuple[bytes | memoryview, ...], payload: tuple[memoryview, ...],
-                     kind: ChecksumKind) -> None:
-        """A small frame while the send thread is idle: one non-blocking ``send`` from the loop thread, which
-        saves the thread handoff (~0.1 ms there and back, most of a small transfer's latency); whatever
-        the socket buffer does not take goes to the send thread as usual."""
-        parts = [*bufs, *payload]
-        if payload and kind is not ChecksumKind.NONE:
-            parts.append(TRAILER.pack(checksum(kind, payload)))  # type: ignore[arg-type]
-        data = b"".join(parts)
-        try:
-            sent = self.sock.send(data)  # type: ignore[union-attr]  # non-blocking (the loop's socket)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        if sent < len(data):
-            self._writes.append(self.loop.run_in_executor(self._io, self._blocking_send,
-                                                          (memoryview(data)[sent:],)))
+        await self.writer.send(*bufs, payload=payload, kind=kind)
 
     async def _release_orphans(self) -> None:
         """Tell the receiver that shm transfers whose connection was lost get no more writes from us
@@ -413,8 +326,8 @@ class TxPeer:
         thread: the last write done means all of them are), or now when none is queued."""
         if item.stage is None:
             return
-        if self._writes:
-            self._writes[-1].add_done_callback(lambda _: item.drop())
+        if self.writer is not None:
+            self.writer.after_writes(item.drop)
         else:
             item.drop()
 
@@ -470,8 +383,8 @@ class TxPeer:
             if link.kind is TransportKind.SHM:  # a memory copy: on the loop thread, as before
                 views = link.write_layer(pool, item.layer, src_pages, st.dst_pages, a, b, want)
             else:  # a network write: on the send thread, in order with the frames
-                views = await self.loop.run_in_executor(self._io, link.write_layer, pool, item.layer, src_pages,
-                                                        st.dst_pages, a, b, want)
+                views = await self.writer.run_in_order(link.write_layer, pool, item.layer,  # type: ignore[union-attr]
+                                                       src_pages, st.dst_pages, a, b, want)
             crc = checksum(kind, views)
             st.state = SendState.STREAMING
             await self._maybe_cut(st)
@@ -504,8 +417,7 @@ class TxPeer:
         queued are written first, so the receiver has this transfer on the connection when it drops."""
         if st.num_bytes or not self.sender.take_drop():
             return
-        while self._writes:
-            await self._writes.popleft()
+        await self.writer.drain()  # type: ignore[union-attr]  # made by the handshake, before any transfer
         log.warning("kvtransfer: fault injection: dropping the connection to %s:%d during %s", self.address[0],
                     self.address[1], st.ticket.req_id)
         try:
@@ -540,7 +452,7 @@ class TxPeer:
             self.fail(self._conn_error(task.exception(), "writing to"))  # type: ignore[arg-type]
 
     async def flush(self, timeout_s: float) -> None:
-        pending = [*self._tasks, *self._writes]
+        pending = [*self._tasks, *(self.writer.pending if self.writer is not None else ())]
         if pending:
             await asyncio.wait(pending, timeout=timeout_s)
 
