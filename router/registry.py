@@ -12,11 +12,10 @@ worker's first event after (re)connecting is a full snapshot.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Protocol, TypeVar
 
 import grpc
 
@@ -37,6 +36,41 @@ WORKER_CHANNEL_OPTIONS = rpc.CHANNEL_OPTIONS + [
     ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
+class Call(Protocol):
+    """What ``Worker.track`` needs of a call: to be told when it ends (``grpc.aio.Call``, ``Span``)."""
+
+    def add_done_callback(self, callback: Callable[..., object], /) -> None: ...
+
+
+C = TypeVar("C", bound=Call)
+
+
+class Span:
+    """One call to a worker made of several RPCs, for ``Worker.track``: a request's stay at a decode worker
+    runs from its Reserve through the prefill elsewhere to the end of its Decode stream. ``end()`` runs the
+    done callbacks at once (so the count is down before the next routing decision), and only the first time."""
+
+    __slots__ = ("_callbacks", "ended")
+
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[Span], object]] = []
+        self.ended = False
+
+    def add_done_callback(self, callback: Callable[[Span], object], /) -> None:
+        if self.ended:
+            callback(self)
+        else:
+            self._callbacks.append(callback)
+
+    def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+
 @dataclass(eq=False)
 class Worker:
     role: str
@@ -50,7 +84,7 @@ class Worker:
     status: generation_pb2.WorkerStatus | None = None
     inflight: int = 0
     """Calls this router has outstanding at the worker (prefill: Prefill calls; decode: requests from their
-    reservation to the end of their stream). Only ever changed through ``tracked()``."""
+    reservation to the end of their stream). Only ever changed through ``track()``."""
     last_error: str = ""
     last_ok_s: float = 0.0
     excluded: str = ""
@@ -69,16 +103,20 @@ class Worker:
         """The worker's key in the router (stable, unique): role/host:port."""
         return f"{self.role}/{self.address}"
 
-    @contextlib.contextmanager
-    def tracked(self) -> Iterator[None]:
-        """Count one call of this router at the worker while the block runs. The count is released however
-        the block ends: a deadline, a cancellation or an error landing between the count and the call
-        included (a leaked count skews routing for good)."""
+    def track(self, call: C) -> C:
+        """Count ``call`` as one call of this router in flight at the worker until it ends; returns it.
+
+        ``call`` is anything that reports its end to ``add_done_callback``: a gRPC call, or a ``Span`` of
+        several (a request's stay at a decode worker, ``GenerateRun._stay_at``). The count is taken now and
+        released by that callback, which gRPC runs however the call ends: a response, an error, a deadline, a
+        cancellation by the client or by the router (``end()`` for a span). No path between the count and the
+        call can leak it: a leaked count skews routing for good."""
         self.inflight += 1
-        try:
-            yield
-        finally:
-            self.inflight -= 1
+        call.add_done_callback(self._call_ended)
+        return call
+
+    def _call_ended(self, _call: object) -> None:
+        self.inflight -= 1
 
     @property
     def name(self) -> str:

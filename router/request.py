@@ -35,7 +35,7 @@ from protos.pdserve.v1 import generation_pb2, worker_pb2
 from router.config import RouterConfig
 from router.policy import PrefillPolicy, order_decode, use_local_prefill
 from router.prefix_index import PromptHashes
-from router.registry import Registry, Worker
+from router.registry import Registry, Span, Worker
 from router.text import Detokenizer, TextCodec
 from router.validate import RequestError, ValidRequest
 
@@ -221,7 +221,7 @@ class GenerateRun:
         is entered into ``holds``."""
         local = self._local_decode_worker()
         if local is not None:
-            holds.enter_context(local.tracked())
+            self._stay_at(local, holds)
             self.touched.append((local, self.req_id))
             self.metrics.prefill_worker = self.metrics.decode_worker = local.name
             return local, self.req_id, None
@@ -249,6 +249,12 @@ class GenerateRun:
                     continue
                 raise RequestError(code, msg) from None
         raise AssertionError("unreachable")
+
+    @staticmethod
+    def _stay_at(w: Worker, holds: contextlib.ExitStack) -> None:
+        """Count this request at decode worker ``w`` until ``holds`` closes: its call there is a ``Span`` of
+        two RPCs (Reserve, then the Decode stream) with the prefill in between."""
+        holds.callback(w.track(Span()).end)
 
     def _local_decode_worker(self) -> Worker | None:
         """Conditional disaggregation: the decode worker to prefill this (short) prompt itself, if any."""
@@ -284,9 +290,10 @@ class GenerateRun:
                                             max_new_tokens=self.valid.max_tokens)
             self.touched.append((w, req_id))
             try:
-                with w.tracked():  # concurrent requests see this one while it is being reserved
+                with contextlib.ExitStack() as asking:  # a refused or failed reservation releases its count
+                    self._stay_at(w, asking)  # concurrent requests see this one while it is being reserved
                     resp = await w.stub.Reserve(req, metadata=reg.metadata, timeout=self.short_timeout())
-                    holds.enter_context(w.tracked())
+                    holds.enter_context(asking.pop_all())
             except grpc.aio.AioRpcError as e:
                 if e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
                     full.append(f"{w.name}: {e.details()}")
@@ -322,24 +329,23 @@ class GenerateRun:
                                         ticket=ticket, priority=self.priority)
         self.touched.append((pw, req_id))
         self.metrics.prefill_worker = pw.name
-        with pw.tracked():
-            call = pw.stub.Prefill(req, metadata=self.core.registry.metadata, timeout=self.remaining())
-            self._live_calls.append(call)
-            pw.live_calls.add(call)
-            try:
-                r = await call
-            except asyncio.CancelledError:
-                if self.cutoff is not None:
-                    raise self.cutoff from None
-                if call not in pw.dropped_calls:
-                    raise
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                           f"left the rotation during the call ({pw.last_error or 'unhealthy'})"
-                                           ) from None
-            finally:
-                pw.live_calls.discard(call)
-                pw.dropped_calls.discard(call)
-                self._live_calls.remove(call)
+        call = pw.track(pw.stub.Prefill(req, metadata=self.core.registry.metadata, timeout=self.remaining()))
+        self._live_calls.append(call)
+        pw.live_calls.add(call)
+        try:
+            r = await call
+        except asyncio.CancelledError:
+            if self.cutoff is not None:
+                raise self.cutoff from None
+            if call not in pw.dropped_calls:
+                raise
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       f"left the rotation during the call ({pw.last_error or 'unhealthy'})"
+                                       ) from None
+        finally:
+            pw.live_calls.discard(call)
+            pw.dropped_calls.discard(call)
+            self._live_calls.remove(call)
         self.phase = Phase.PREFILLED
         self.first_token = r.first_token
         self.cached_tokens = r.cached_tokens
