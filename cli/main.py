@@ -33,6 +33,7 @@ def _parse_ids(s: str | None) -> list[int] | None:
 def cmd_run(args: argparse.Namespace) -> int:
     from cluster.local import resolve_decode_weights  # lazy: grpc, grpc_health, grpc_reflection
     from cluster.preflight import check_model, check_speculative  # lazy: numpy, safetensors, torch
+    from engine.config import ModelConfig  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
     from engine.defaults import default_model_dir  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
     from engine.headers import checkpoint_tensors  # lazy: safetensors, torch
     from engine.load import load_model, resolve_device  # lazy: numpy, safetensors, torch
@@ -46,9 +47,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --prompt and --token-ids")
     check_model(model_dir, need_text=args.prompt is not None)  # one line and exit 2 instead of a traceback
     check_speculative(None if args.no_speculative else args.speculative)
-    choice = resolve_dtype(args.dtype, checkpoint_tensors(model_dir), resolve_device(args.device))
+    choice = resolve_dtype(args.dtype, checkpoint_tensors(model_dir), resolve_device(args.device),
+                           ModelConfig.from_model_dir(model_dir).hidden_size)
     if choice.reason != "given":
-        logging.getLogger("pdserve").info("dtype auto -> %s: %s", choice.dtype, choice.reason)
+        log = logging.getLogger("pdserve")
+        (log.warning if choice.widened else log.info)("dtype auto -> %s: %s", choice.dtype, choice.reason)
     args.dtype = choice.dtype
     weights_dir = resolve_decode_weights(model_dir, args.decode_weights) or model_dir
     model, cfg = load_model(weights_dir, args.dtype, args.device, args.moe_impl)

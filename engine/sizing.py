@@ -46,10 +46,10 @@ def plan_start(weights_dir: str, dtype: str, kv_dtype: str | None, device: torch
     """Dtype, KV layout and pool size of a worker serving ``weights_dir`` on ``device``; logs the dtype
     choice and the pool size once."""
     tensors = checkpoint_tensors(weights_dir)
-    choice = resolve_dtype(dtype, tensors, device, flags)
-    if choice.reason != "given":
-        logger.info("dtype auto -> %s: %s", choice.dtype, choice.reason)
     cfg = detect_mtp_layers(ModelConfig.from_model_dir(weights_dir), [t.name for t in tensors])
+    choice = resolve_dtype(dtype, tensors, device, cfg.hidden_size, flags)
+    if choice.reason != "given":
+        (logger.warning if choice.widened else logger.info)("dtype auto -> %s: %s", choice.dtype, choice.reason)
     kv = kv_dtype or choice.dtype
     layout = KVLayout.for_model(cfg, page_size, kv)
     wbytes = weights_bytes(tensors, DTYPE_BYTES[choice.dtype])

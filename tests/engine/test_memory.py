@@ -1,11 +1,13 @@
 """KV pools sized from memory (engine.memory), --dtype auto (engine.precision) and checkpoint headers
 (engine.headers): the numbers in every refusal, the dtype reasons, a truncated file named."""
 import json
+import logging
 import struct
 
 import pytest
 import torch
 
+from engine.defaults import SHIPPED_DEFAULT
 from engine.headers import TensorInfo, checkpoint_tensors, read_header, weights_bytes
 from engine.loader import CheckpointError
 from engine.memory import (
@@ -19,7 +21,8 @@ from engine.memory import (
     parse_bytes,
     plan_pool,
 )
-from engine.precision import cpu_flags, resolve_dtype
+from engine.precision import CPU_NARROW_MIN_HIDDEN, cpu_flags, resolve_dtype
+from engine.sizing import plan_start
 
 PAGE = 1 << 20  # 1 MiB pages keep the arithmetic readable
 CPU16 = DeviceMemory("cpu", 16 * GiB, 12 * GiB)
@@ -90,18 +93,43 @@ BF16 = [TensorInfo("w", "BF16", 1000), TensorInfo("gate", "F32", 10), TensorInfo
 
 def test_dtype_auto_follows_the_checkpoint_where_the_device_is_fast():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert resolve_dtype("auto", BF16, cpu, frozenset({"avx512f", "amx_bf16"})) == (
-        "bfloat16", "the checkpoint is bfloat16 and this CPU has amx_bf16")
+    big = CPU_NARROW_MIN_HIDDEN
+    assert resolve_dtype("auto", BF16, cpu, big, frozenset({"avx512f", "amx_bf16"})) == (
+        "bfloat16", "the checkpoint is bfloat16, this CPU has amx_bf16 and the hidden size 2048 >= 2048", False)
     lacks = ("the checkpoint is bfloat16 but this CPU lacks avx512_bf16 and amx_bf16 (emulated bfloat16 is "
              "slower than float32)")
-    assert resolve_dtype("auto", BF16, cpu, frozenset({"avx512f", "avx2"})) == ("float32", lacks)
-    assert resolve_dtype("auto", BF16, gpu, frozenset()).dtype == "bfloat16"
+    assert resolve_dtype("auto", BF16, cpu, big, frozenset({"avx512f", "avx2"})) == ("float32", lacks, True)
+    assert resolve_dtype("auto", BF16, gpu, 128, frozenset()).dtype == "bfloat16"
     f32 = [TensorInfo("w", "F32", 1000), TensorInfo("b", "BF16", 10)]
-    assert resolve_dtype("auto", f32, gpu, frozenset()) == ("float32", "the checkpoint is float32")
-    assert resolve_dtype("float16", BF16, cpu, frozenset()) == ("float16", "given")
+    assert resolve_dtype("auto", f32, gpu, big, frozenset()) == ("float32", "the checkpoint is float32", False)
+    assert resolve_dtype("float16", BF16, cpu, 128, frozenset()) == ("float16", "given", False)
     with pytest.raises(ValueError, match="dtype 'fp4' not in"):
-        resolve_dtype("fp4", BF16, cpu)
+        resolve_dtype("fp4", BF16, cpu, big)
     assert isinstance(cpu_flags(), frozenset)
+
+
+@pytest.mark.parametrize("hidden,want", [(128, "float32"), (256, "float32"), (1024, "float32"), (2048, "bfloat16"),
+                                         (6144, "bfloat16")])
+def test_dtype_auto_keeps_small_models_in_float32_on_a_cpu(hidden, want):
+    """A bf16 checkpoint on a CPU with AMX-BF16 runs in bf16 only from ``CPU_NARROW_MIN_HIDDEN`` on: below it
+    the CPU's small-M bf16 GEMMs are slower than float32 (the default model, H = 128, and the peers'
+    glm4_moe, H = 256, decode slower in bf16; docs/performance.md). On a GPU the size does not matter."""
+    choice = resolve_dtype("auto", BF16, torch.device("cpu"), hidden, frozenset({"avx512_bf16", "amx_bf16"}))
+    assert choice.dtype == want and choice.widened == (want == "float32")
+    if want == "float32":
+        assert f"hidden size {hidden} < 2048" in choice.reason and "--dtype bfloat16 to override" in choice.reason
+    assert resolve_dtype("auto", BF16, torch.device("cuda"), hidden, frozenset()).dtype == "bfloat16"
+
+
+def test_start_plan_warns_when_auto_widens_the_default_model(caplog):
+    """The shipped default model (bf16 checkpoint, hidden 128) starts in float32 on an AMX CPU, and the start-up
+    log says so as a WARNING with the reason (it doubles the weights' memory)."""
+    with caplog.at_level(logging.INFO, logger="engine.sizing"):
+        plan = plan_start(SHIPPED_DEFAULT, "auto", None, torch.device("cpu"), 16, PoolSizing(num_pages=8),
+                          frozenset({"avx512_bf16", "amx_bf16"}))
+    assert plan.dtype.dtype == "float32" and plan.kv_dtype == "float32"
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "dtype auto -> float32" in r.getMessage()]
+    assert warned and "hidden size 128 < 2048" in warned[0].getMessage()
 
 
 def test_weights_bytes_counts_floats_in_the_compute_dtype_and_payloads_as_stored():
