@@ -52,6 +52,8 @@ def test_the_count_is_back_after_a_deadline_and_a_client_cancel():
         fake.b.hang = True
         assert (await rpc_error(prefill(w, timeout_s=0.05))).code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert w.inflight == 0
+        while fake.running:  # the worker's side of that call ends too
+            await asyncio.sleep(0.01)
         call = prefill(w)
         waiting = asyncio.ensure_future(call)
         while not fake.running:  # the worker has the call
