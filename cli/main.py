@@ -9,6 +9,7 @@ import time
 from importlib import metadata
 
 from cli import vocab
+from common import env
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -37,11 +38,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from engine.defaults import default_model_dir  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
     from engine.headers import checkpoint_tensors  # lazy: safetensors, torch
     from engine.load import load_model, resolve_device  # lazy: numpy, safetensors, torch
-    from engine.offline import Engine  # lazy: numpy, torch
+    from engine.loader import model_hash  # lazy: numpy, safetensors, torch
     from engine.precision import resolve_dtype  # lazy: safetensors, torch
-    from engine.quant.prepare import expert_status  # lazy: safetensors, torch, triton
-    from engine.sampling import SamplingParams  # lazy: torch
-    from engine.tokenizer import Tokenizer  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
+    from worker.model_proxy import ModelProxy  # lazy: torch
     model_dir = args.model or default_model_dir()
     if (args.token_ids is None) == (args.prompt is None):
         raise ValueError("give exactly one of --prompt and --token-ids")
@@ -54,7 +53,39 @@ def cmd_run(args: argparse.Namespace) -> int:
         (log.warning if choice.widened else log.info)("dtype auto -> %s: %s", choice.dtype, choice.reason)
     args.dtype = choice.dtype
     weights_dir = resolve_decode_weights(model_dir, args.decode_weights) or model_dir
-    model, cfg = load_model(weights_dir, args.dtype, args.device, args.moe_impl)
+    ranks = start_ranks(args, weights_dir)
+    try:
+        model, cfg = load_model(weights_dir, args.dtype, args.device, args.moe_impl)
+        if ranks is not None:
+            ranks.wait_ready(model_hash(weights_dir))
+            model = ModelProxy(model, ranks)
+        return _generate(args, model_dir, weights_dir, model, cfg)
+    finally:
+        if ranks is not None:
+            ranks.close()
+
+
+def start_ranks(args: argparse.Namespace, weights_dir: str):
+    """With ``--tp N`` > 1: the follower ranks 1..N-1 of the in-process model (``worker.ranks``), else None."""
+    if (args.tp or 1) == 1:
+        return None
+    if args.compile:
+        raise ValueError("--compile with --tp > 1 is not supported yet (the followers' graphs are not warmed up)")
+    from engine.load import resolve_device  # lazy: numpy, safetensors, torch
+    from worker.ranks import FollowerArgs, RankConfig, RankGroup  # lazy: torch
+    device = resolve_device(args.device)
+    ranks = RankGroup(RankConfig(tp_size=args.tp, moe_parallel=args.moe_parallel, check_outputs=env.rank_check()),
+                      device)
+    ranks.start(FollowerArgs(weights_dir, args.dtype, str(device), args.moe_impl,
+                             log_level="DEBUG" if args.verbose else "WARNING"))
+    return ranks
+
+
+def _generate(args: argparse.Namespace, model_dir: str, weights_dir: str, model, cfg) -> int:
+    from engine.offline import Engine  # lazy: numpy, torch
+    from engine.quant.prepare import expert_status  # lazy: safetensors, torch, triton
+    from engine.sampling import SamplingParams  # lazy: torch
+    from engine.tokenizer import Tokenizer  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
     model.compile_decode(args.compile)
     tok = Tokenizer.from_model_dir(model_dir)
     ids = _parse_ids(args.token_ids)
@@ -151,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MTP speculation STEPS/TOPK/DRAFT_TOKENS (on when the model has an MTP layer), or 'off'")
     r.add_argument("--no-speculative", action="store_true", help="no MTP speculation (same as --speculative off)")
     r.add_argument("--compile", action="store_true", help="decode / verify steps through compiled graphs (torch.compile)")
+    r.add_argument("--moe-parallel", default="tp", choices=["tp", "ep"],
+                   help="with --tp > 1: split each routed expert's intermediate dim (tp) or partition the experts (ep)")
     _add_sampling(r)
     r.set_defaults(fn=cmd_run)
 

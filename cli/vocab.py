@@ -43,8 +43,8 @@ def add_vocabulary(p: argparse.ArgumentParser, cmd: str) -> None:
     p.add_argument("--kv-cache-dtype", dest="kv_dtype", default=argparse.SUPPRESS,
                    choices=["float32", "bfloat16", "float16", "fp8_e4m3"], help="alias of --kv-dtype (sglang, vLLM)")
     p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel size of every worker (sglang / vLLM name); launch: --prefill-tp and "
-                        "--decode-tp at once; run / serve: 1 (the engine has no tensor parallelism yet)")
+                   help="tensor-parallel size (sglang / vLLM name): run: the ranks of the one in-process model; "
+                        "serve / launch: --prefill-tp and --decode-tp at once")
     for part, what in zip(SPEC_PARTS, ("draft steps", "draft branches per step", "draft tokens verified")):
         p.add_argument("--" + part.replace("_", "-"), dest=part, type=int, default=None,
                        help=f"{what}: one part of --speculative S/K/D (sglang name)")
@@ -76,11 +76,8 @@ def resolve_vocabulary(args: argparse.Namespace, cmd: str) -> None:
     if tp is not None:
         if tp < 1:
             raise ValueError(f"--tp must be >= 1, got {tp}")
-        if cmd == "launch":
+        if cmd in ("launch", "serve"):
             args.prefill_tp = args.decode_tp = tp
-        elif tp != 1:
-            raise ValueError(f"--tp {tp}: tensor parallelism is not implemented in the engine yet (pdserve launch "
-                             "reserves --prefill-tp / --decode-tp bundles for it)")
 
 
 def add_config_flag(p: argparse.ArgumentParser) -> None:

@@ -7,6 +7,8 @@ Each is read when its function is called (a test or a launcher may set it after 
     PDSERVE_API_KEY         the router's public API key when no flag gives one; empty = unset
     PDSERVE_GC_FREEZE       0 turns off freezing a server's start-up heap out of the garbage collector
     PDSERVE_TUNE_MALLOC     0 turns off a worker's fixed glibc malloc thresholds
+    PDSERVE_RANK_CHECK      1: the ranks of a tensor-parallel worker compare their logits after every model
+                            call (one small all_gather; a rank whose KV or inputs differ fails the worker)
 
 Launchers hand the secrets to their children through the environment (never argv: ``ps`` shows argv to
 every user), under the names ``CLUSTER_SECRET`` and ``API_KEY`` below.
@@ -20,6 +22,7 @@ CLUSTER_SECRET = "PDSERVE_CLUSTER_SECRET"
 API_KEY = "PDSERVE_API_KEY"
 GC_FREEZE = "PDSERVE_GC_FREEZE"
 TUNE_MALLOC = "PDSERVE_TUNE_MALLOC"
+RANK_CHECK = "PDSERVE_RANK_CHECK"
 
 
 def pdserve_home() -> str:
@@ -38,6 +41,10 @@ def api_key() -> str | None:
 
 def gc_freeze() -> bool:
     return os.environ.get(GC_FREEZE, "1") != "0"
+
+
+def rank_check() -> bool:
+    return os.environ.get(RANK_CHECK, "0") == "1"
 
 
 def tune_malloc() -> bool:

@@ -78,6 +78,9 @@ class SpecDecoder:
     def __init__(self, model: GlmForCausalLM, pool: KVPool, spec: SpecConfig, eos_token_ids: Sequence[int] = (),
                  ensure_pages: EnsurePages | None = None, metrics: SpecMetrics | None = None) -> None:
         self.model, self.pool, self.spec = model, pool, spec
+        self.move_kv: Callable[[KVPool, range, torch.Tensor, torch.Tensor], None] = getattr(model, "move_kv", move_kv)
+        """How accepted KV moves: ``move_kv`` here; a tensor-parallel worker's model proxy brings its own, which
+        moves it on every rank (a pool write outside a model call, ``worker.ranks``)."""
         self.proposer = MTPProposer(model, pool, spec)
         self.eos_token_ids = tuple(eos_token_ids)
         self.ensure_pages = ensure_pages or self.grow_pages
@@ -203,7 +206,7 @@ class SpecDecoder:
         self.metrics.num_moved_kv += len(src)
         if src:
             dev = self.pool.device
-            move_kv(self.pool, range(self.model.cfg.num_hidden_layers), torch.tensor(src, device=dev),
+            self.move_kv(self.pool, range(self.model.cfg.num_hidden_layers), torch.tensor(src, device=dev),
                     torch.tensor(dst, device=dev))
 
     def _emit(self, seq: SpecSeq, token_ids: list[int]) -> list[int]:

@@ -94,9 +94,8 @@ def test_flags_ports_and_memory(model, tmp_path):
 def test_run_needs_a_tokenizer_for_text_and_takes_v_after_the_subcommand(model, tmp_path):
     refused(pdserve("run", "-v", "--model", model, "--prompt", "hello", tmp_path=tmp_path),
             f"pdserve: error: --model {model}: no tokenizer.json, so text prompts cannot be encoded (give token ids)")
-    refused(pdserve("run", "--model", model, "--token-ids", "1,2", "--tp", "2", tmp_path=tmp_path),
-            "pdserve: error: --tp 2: tensor parallelism is not implemented in the engine yet (pdserve launch reserves "
-            "--prefill-tp / --decode-tp bundles for it)")
+    refused(pdserve("run", "--model", model, "--token-ids", "1,2", "--tp", "0", tmp_path=tmp_path),
+            "pdserve: error: --tp must be >= 1, got 0")
 
 
 def test_launch_checks_before_contacting_ray(model, tmp_path):
