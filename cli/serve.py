@@ -21,6 +21,13 @@ def register(sub) -> None:
     s.add_argument("--model", default=None, help="model directory (default: the shipped default model)")
     s.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
     s.add_argument("--decode", type=int, default=1, help="decode worker processes")
+    s.add_argument("--dp", type=int, default=None,
+                   help="data-parallel size: identical workers per role (--prefill K --decode K at once; TP4 x DP2 "
+                        "is --decode-tp 4 --decode 2)")
+    s.add_argument("--prefill-tp", type=int, default=1, help="rank processes (tensor-parallel size) per prefill worker")
+    s.add_argument("--decode-tp", type=int, default=1, help="rank processes (tensor-parallel size) per decode worker")
+    s.add_argument("--moe-parallel", default="tp", choices=["tp", "ep"],
+                   help="with a tp > 1: split each routed expert's intermediate dim (tp) or partition the experts (ep)")
     s.add_argument("--host", default="127.0.0.1", help="router bind address")
     s.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
     s.add_argument("--http-port", type=int, default=flags.DEFAULT_HTTP_PORT,
@@ -129,7 +136,10 @@ def serve_config(args: argparse.Namespace):
     from cluster.local import LocalClusterConfig  # lazy: grpc, grpc_health, grpc_reflection
     from protos import rpc  # lazy: grpc, grpc_health, grpc_reflection
     api_key = rpc.api_key_from_args(args)
+    if args.dp is not None:
+        args.prefill = args.decode = args.dp
     return LocalClusterConfig(
+        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, moe_parallel=args.moe_parallel,
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
         http_port=args.http_port, served_model_name=args.served_model_name, log_level=args.log_level,
         log_format=args.log_format,

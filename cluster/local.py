@@ -161,6 +161,13 @@ class LocalClusterConfig:
     """Beyond ``grace_s``: how long a child may take to exit after its drain before it is killed."""
     extra_worker_args: tuple[str, ...] = ()
     """Appended to every worker's command line."""
+    prefill_tp: int = 1
+    """Rank processes per prefill worker (tensor-parallel size; ``worker.ranks``): started, supervised and
+    restarted as one worker."""
+    decode_tp: int = 1
+    """Rank processes per decode worker (as ``prefill_tp``)."""
+    moe_parallel: str = "tp"
+    """Routed experts across the ranks of a worker: ``tp`` (each expert's intermediate dim split) or ``ep``."""
 
     def __post_init__(self) -> None:
         if self.log_format not in logs.LOG_FORMATS:
@@ -168,6 +175,9 @@ class LocalClusterConfig:
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError(f"need at least one prefill and one decode worker, got {self.num_prefill} + "
                              f"{self.num_decode}")
+        if self.prefill_tp < 1 or self.decode_tp < 1 or self.moe_parallel not in ("tp", "ep"):
+            raise ValueError(f"need --prefill-tp ({self.prefill_tp}) and --decode-tp ({self.decode_tp}) >= 1 and "
+                             f"--moe-parallel tp or ep (got {self.moe_parallel!r})")
         if self.startup_timeout_s <= 0 or self.stall_after_s <= 0 or self.grace_s < 0 or self.stop_margin_s <= 0:
             raise ValueError(f"startup_timeout_s ({self.startup_timeout_s}), stall_after_s ({self.stall_after_s}) "
                              f"and stop_margin_s ({self.stop_margin_s}) must be > 0, grace_s ({self.grace_s}) >= 0")
@@ -291,7 +301,11 @@ class LocalCluster:
             cmd += ["--kv-cache-memory", c.kv_cache_memory]
         if c.mem_fraction:
             cmd += ["--mem-fraction", repr(c.mem_fraction / (c.num_prefill + c.num_decode))]
-        threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // (c.num_prefill + c.num_decode))
+        num_ranks = c.num_prefill * c.prefill_tp + c.num_decode * c.decode_tp
+        threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // num_ranks)
+        tp = c.prefill_tp if role == "prefill" else c.decode_tp
+        if tp > 1:  # one worker = tp rank processes, rank 0 starts and supervises the others
+            cmd += ["--tp", str(tp), "--moe-parallel", c.moe_parallel]
         cmd += ["--threads", str(threads), "--stall-after", str(c.stall_after_s), "--grace-s", repr(c.grace_s)]
         cmd += ["--metrics-port", "-1"]  # Prometheus /metrics on a free port, listed in GetClusterStatus
         cmd += logs.log_args(c.log_level, c.log_format) + self._tls_args()

@@ -40,6 +40,8 @@ from worker import convert, heartbeat, process
 from worker.config import WorkerConfig, add_worker_args
 from worker.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
 from worker.metrics import serve_metrics
+from worker.model_proxy import ModelProxy
+from worker.ranks import RankFailure
 
 logger = logging.getLogger("decode.server")
 SERVICE = "pdserve.v1.DecodeWorker"
@@ -47,8 +49,11 @@ SERVICE = "pdserve.v1.DecodeWorker"
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, sched: DecodeScheduler, receiver: KVReceiver, cfg, info: dict[str, str], worker_id: str,
-                 address: str, mhash: str, speculator=None, model: generation_pb2.ModelInfo | None = None) -> None:
+                 address: str, mhash: str, speculator=None, model: generation_pb2.ModelInfo | None = None,
+                 ranks=None) -> None:
         self.sched, self.receiver, self.cfg = sched, receiver, cfg
+        self.ranks = ranks
+        """``worker.ranks.RankGroup`` of a tensor-parallel worker (None at tp 1): its failure is ours."""
         self.model = model
         """The model contract (``WorkerStatus.model``)."""
         self.info, self.worker_id, self.address, self.mhash = info, worker_id, address, mhash
@@ -109,6 +114,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 code = (grpc.StatusCode.DEADLINE_EXCEEDED if e.reason is FailReason.TIMEOUT
                         else grpc.StatusCode.UNAVAILABLE)
                 await context.abort(code, f"KV transfer for {req_id} failed: {e}")
+            await self._mirror(res.page_ids, context)
             output = list(request.output_prefix)
             task = DecodeTask(req_id, prompt, output, params, list(res.page_ids),
                               cached_len=len(prompt) + len(output) - 1, emit=emit, deadline=deadline,
@@ -121,15 +127,33 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             while True:
                 ev = coalesce(await queue.get(), queue)
-                yield worker_pb2.DecodeChunk(token_ids=ev.token_ids, finish_reason=ev.finish_reason,
-                                             message=ev.message, accept_len=ev.accept_len,
-                                             logprobs=[logprob_to_proto(x) for x in ev.logprobs])
+                lost = ev.finish_reason == FinishReason.ERROR and self.rank_problem()
+                if ev.token_ids or not lost:
+                    yield worker_pb2.DecodeChunk(token_ids=ev.token_ids, finish_reason="" if lost else ev.finish_reason,
+                                                 message=ev.message, accept_len=ev.accept_len,
+                                                 logprobs=[logprob_to_proto(x) for x in ev.logprobs])
+                if lost:  # the worker is lost, not the request: UNAVAILABLE makes the router fail it over
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id}: {lost}")
                 if ev.finish_reason:
                     if ev.finish_reason == FinishReason.ERROR:
                         logger.warning("request %s ended with an error: %s", req_id, ev.message)
                     return
         finally:
             self.sched.abort(req_id, "stream closed by the client")  # no-op when already finished
+
+    def rank_problem(self) -> str:
+        return self.ranks.problem() if self.ranks is not None else ""
+
+    async def _mirror(self, page_ids, context) -> None:
+        """Received KV landed on rank 0 only: copy it to every rank before anything reads it (a failed
+        rank group frees the pages and ends the call UNAVAILABLE, so the router fails over)."""
+        if self.ranks is None:
+            return
+        try:
+            await asyncio.to_thread(self.ranks.mirror_pages, self.sched.pool, page_ids)
+        except RankFailure as e:
+            self.receiver.pool.allocator.decref(list(page_ids))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id}: {e}")
 
     async def Abort(self, request, context):
         found = self.sched.abort(request.request_id, "aborted by the router")
@@ -145,7 +169,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         st = self.sched.pool.stats()
         tps = self.sched.tokens_out / self.sched.busy_s if self.sched.busy_s else 0.0
         host, port = self.receiver.address
-        problem = self.sched.health_problem()
+        problem = self.sched.health_problem() or self.rank_problem()
         spec = self.speculator
         return generation_pb2.WorkerStatus(
             worker_id=self.worker_id, role=Role.DECODE, address=self.address, kv_address=f"{host}:{port}",
@@ -230,8 +254,15 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     mhash = model_hash(model_dir)
     if wcfg.expect_model_hash and wcfg.expect_model_hash != mhash:
         raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {wcfg.expect_model_hash}")
-    plan = process.start_plan(wcfg, wcfg.quantized_model or model_dir, "decode")
-    model, cfg = load_model(wcfg.quantized_model or model_dir, plan.dtype.dtype, wcfg.device)
+    weights_dir = wcfg.quantized_model or model_dir
+    plan = process.start_plan(wcfg, weights_dir, "decode")
+    ranks = process.start_ranks(wcfg, weights_dir, plan.dtype.dtype, "decode")
+    model, cfg = load_model(weights_dir, plan.dtype.dtype, wcfg.device)
+    local_model = model
+    if ranks is not None:
+        ranks.wait_ready(model_hash(weights_dir))
+        process.exit_on_rank_failure(ranks, wcfg.rank_failure_exit_s)
+        model = ModelProxy(model, ranks)
     pool = _make_pool(plan.layout, plan.pool.num_pages, wcfg.shm)
     spec = build_speculator(wcfg, model, cfg, pool)
     # a speculating worker asks prefill for the MTP draft state with every KV transfer (first round speculates)
@@ -254,16 +285,17 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     address = f"{wcfg.host}:{port}"
     model_info = convert.model_info(cfg, model_dir, wcfg.page_size)
     info = convert.model_info_strings(model_info)
-    info.update(dtype=plan.dtype.dtype, kv_pool_bytes=str(plan.pool.pool_bytes))
+    info.update(dtype=plan.dtype.dtype, kv_pool_bytes=str(plan.pool.pool_bytes), tp=str(wcfg.tp),
+                rank_pids=",".join(map(str, ranks.pids)) if ranks is not None else "")
     info["gc_frozen_objects"] = str(process.freeze_startup_heap())  # everything is loaded: full collections skip it
     info["speculative"] = wcfg.speculative if spec is not None else "off"
     info["local_prefill"] = "1"
     info["decode_graphs"] = "compiled" if wcfg.compile else "eager"
-    mx = sorted({m.spec.fmt.name for m in quantized_experts(model).values()})
+    mx = sorted({m.spec.fmt.name for m in quantized_experts(local_model).values()})
     info["routed_experts"] = ",".join(mx) if mx else plan.dtype.dtype
     info["spec_fallback"] = "on" if spec is not None and sched.config.spec_fallback else "off"
     servicer = DecodeServicer(sched, receiver, cfg, info, wcfg.worker_id or f"decode-{port}", address, mhash, spec,
-                              model_info)
+                              model_info, ranks)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])
     sched.start()
@@ -279,6 +311,8 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     async def on_stop():
         sched.stop()
         await receiver.stop(grace_s=2.0)
+        if ranks is not None:
+            ranks.close()
     await process.serve_until_signal(server, on_stop, wcfg.grace_s, servicer.status, info)
 
 

@@ -36,6 +36,7 @@ from worker import convert, heartbeat, process
 from worker.config import WorkerConfig, add_worker_args
 from worker.convert import sampling_from_proto
 from worker.metrics import serve_metrics
+from worker.model_proxy import ModelProxy
 
 logger = logging.getLogger("prefill.server")
 SERVICE = "pdserve.v1.PrefillWorker"
@@ -46,8 +47,10 @@ MAX_FAULTS = 1000
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, sched: PrefillScheduler, sender: KVSender, cfg, info: dict[str, str], worker_id: str,
                  address: str, mhash: str, fault_injection: bool = False,
-                 model: generation_pb2.ModelInfo | None = None) -> None:
+                 model: generation_pb2.ModelInfo | None = None, ranks=None) -> None:
         self.sched, self.sender, self.cfg, self.fault_injection = sched, sender, cfg, fault_injection
+        self.ranks = ranks
+        """``worker.ranks.RankGroup`` of a tensor-parallel worker (None at tp 1): its failure is ours."""
         self.model = model
         """The model contract (``WorkerStatus.model``)."""
         self.info, self.worker_id, self.address, self.mhash = info, worker_id, address, mhash
@@ -112,7 +115,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 queue_s=res.queue_s, prefill_s=res.prefill_s, transfer_s=res.transfer_s,
                 transfer_bytes=res.transfer_bytes, first_logprob=lp)
         code, msg = _status_of(res)
+        if self.rank_problem():  # the worker is lost, not the request: UNAVAILABLE makes the router retry
+            code, msg = grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker_id}: {self.rank_problem()}"
         await context.abort(code, msg)
+
+    def rank_problem(self) -> str:
+        return self.ranks.problem() if self.ranks is not None else ""
 
     async def Abort(self, request, context):
         return worker_pb2.AbortResponse(found=self.sched.abort(request.request_id, "aborted by the router"))
@@ -125,7 +133,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         c = self.sched.cache
         rate = c.hit_tokens / c.query_tokens if c.query_tokens else 0.0
         tps = self.sched.tokens_done / self.sched.busy_s if self.sched.busy_s else 0.0
-        problem = self.sched.health_problem()
+        problem = self.sched.health_problem() or self.rank_problem()
         return generation_pb2.WorkerStatus(
             worker_id=self.worker_id, role=Role.PREFILL, address=self.address, healthy=not problem,
             running=self.sched.num_running, queued=self.sched.num_queued, pages_total=st.num_pages,
@@ -225,7 +233,12 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
     if wcfg.expect_model_hash and wcfg.expect_model_hash != mhash:
         raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {wcfg.expect_model_hash}")
     plan = process.start_plan(wcfg, model_dir, "prefill")
+    ranks = process.start_ranks(wcfg, model_dir, plan.dtype.dtype, "prefill")
     model, cfg = load_model(model_dir, plan.dtype.dtype, wcfg.device)
+    if ranks is not None:
+        ranks.wait_ready(mhash)
+        process.exit_on_rank_failure(ranks, wcfg.rank_failure_exit_s)
+        model = ModelProxy(model, ranks)
     pool = KVPool(plan.layout, plan.pool.num_pages, model.lm_head.weight.device)
     sender = KVSender(pool, KVSenderConfig(cluster_secret=secret.encode() if secret else None,
                                            transport=TransportKind(transport.kv_transport),
@@ -238,10 +251,12 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
     address = f"{wcfg.host}:{port}"
     model_info = convert.model_info(cfg, model_dir, wcfg.page_size)
     info = convert.model_info_strings(model_info)
-    info.update(dtype=plan.dtype.dtype, kv_pool_bytes=str(plan.pool.pool_bytes))
+    info.update(dtype=plan.dtype.dtype, kv_pool_bytes=str(plan.pool.pool_bytes), tp=str(wcfg.tp),
+                rank_pids=",".join(map(str, ranks.pids)) if ranks is not None else "")
     info["gc_frozen_objects"] = str(process.freeze_startup_heap())  # everything is loaded: full collections skip it
     servicer = PrefillServicer(sched, sender, cfg, info,
-                               wcfg.worker_id or f"prefill-{port}", address, mhash, wcfg.fault_injection, model_info)
+                               wcfg.worker_id or f"prefill-{port}", address, mhash, wcfg.fault_injection, model_info,
+                               ranks)
     sched.cache.on_event = servicer.publish
     sched.heartbeat = heartbeat.Heartbeat(wcfg.stall_after)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
@@ -258,6 +273,8 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
     async def on_stop():
         sched.stop()
         sender.close(grace_s=2.0)
+        if ranks is not None:
+            ranks.close()
     await process.serve_until_signal(server, on_stop, wcfg.grace_s, servicer.status, info)
 
 

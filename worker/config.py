@@ -15,6 +15,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 """``--dtype`` choices."""
 KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3")
 """``--kv-dtype`` choices."""
+MOE_PARALLEL = ("tp", "ep")
+"""``--moe-parallel`` choices."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +66,20 @@ class WorkerConfig:
     metrics_port: int = 0
     """Prometheus /metrics of this worker on its own port (0: off, -1: any free port; reported as
     info['metrics_port'] in its status)"""
+    tp: int = 1
+    """tensor-parallel size: this worker is TP rank processes (rank 0 serves, the others follow it;
+    worker.ranks)"""
+    moe_parallel: str = "tp"
+    """with --tp > 1: split each routed expert's intermediate dim (tp) or partition the experts (ep)"""
+    rank_timeout_s: float = 60.0
+    """with --tp > 1: a collective waiting longer raises (a silent rank never hangs the others forever)"""
+    rank_failure_exit_s: float = 2.0
+    """with --tp > 1: after a rank dies, report unhealthy this long, then exit so the supervisor restarts
+    every rank of the worker"""
 
 
 def add_worker_args(p: argparse.ArgumentParser, cls: type[WorkerConfig] = WorkerConfig) -> None:
     """The flags of ``cls`` (``WorkerConfig`` or a role's subclass) and the logging flags."""
-    flags.add_config_args(p, cls, choices={"dtype": DTYPES, "kv_dtype": KV_DTYPES})
+    flags.add_config_args(p, cls, choices={"dtype": DTYPES, "kv_dtype": KV_DTYPES,
+                                                  "moe_parallel": MOE_PARALLEL})
     logs.add_log_args(p)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import time
 
@@ -59,6 +60,38 @@ def bind(server, cfg: WorkerConfig, role: str) -> int:
     if port == 0:
         raise SystemExit(f"pdserve {role} worker: error: cannot bind {cfg.host}:{cfg.port}")
     return port
+
+
+def start_ranks(cfg: WorkerConfig, weights_dir: str, dtype: str, role: str):
+    """With ``--tp`` > 1: spawn and join this worker's follower ranks (``worker.ranks``; call from the main
+    thread, before the model is loaded here); None at ``--tp 1``."""
+    if cfg.tp == 1:
+        return None
+    from engine.load import resolve_device  # lazy: torch (the router imports this module)
+    from worker.ranks import FollowerArgs, RankConfig, RankGroup  # lazy: torch
+    if getattr(cfg, "compile", False):
+        raise SystemExit(f"pdserve {role} worker: error: --compile with --tp > 1 is not supported yet")
+    try:
+        config = RankConfig(tp_size=cfg.tp, moe_parallel=cfg.moe_parallel, timeout_s=cfg.rank_timeout_s,
+                            heartbeat_s=min(5.0, cfg.rank_timeout_s / 4), check_outputs=env.rank_check())
+    except ValueError as e:
+        raise SystemExit(f"pdserve {role} worker: error: {e}") from None
+    device = resolve_device(cfg.device)
+    ranks = RankGroup(config, device)
+    ranks.start(FollowerArgs(weights_dir, dtype, str(device), threads=cfg.threads,
+                             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel())))
+    return ranks
+
+
+def exit_on_rank_failure(ranks, delay_s: float) -> None:
+    """When a rank of this worker fails: it already reports unhealthy (``ranks.problem()``); ``delay_s``
+    later it drains and exits (SIGTERM to itself), so its supervisor restarts every rank as a unit."""
+    loop = asyncio.get_running_loop()
+
+    def failed(reason: str) -> None:  # from any thread
+        logger.error("a rank of this worker failed (%s): exiting in %gs", reason, delay_s)
+        loop.call_soon_threadsafe(loop.call_later, delay_s, os.kill, os.getpid(), signal.SIGTERM)
+    ranks.on_failure = failed
 
 
 def apply_threads(n: int) -> None:
