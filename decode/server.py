@@ -261,7 +261,6 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     local_model = model
     if ranks is not None:
         ranks.wait_ready(model_hash(weights_dir))
-        process.exit_on_rank_failure(ranks, wcfg.rank_failure_exit_s)
         model = ModelProxy(model, ranks)
     pool = _make_pool(plan.layout, plan.pool.num_pages, wcfg.shm)
     spec = build_speculator(wcfg, model, cfg, pool)
@@ -269,7 +268,8 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     draft = DraftLayout(cfg.hidden_size, str(model.lm_head.weight.dtype).removeprefix("torch.")) if spec else None
     receiver = KVReceiver(pool, KVReceiverConfig(host=wcfg.host, port=wcfg.kv_port, draft=draft,
                                                   cluster_secret=secret.encode() if secret else None,
-                                                  mooncake_protocol=receiver_mooncake_protocol(transport)))
+                                                  mooncake_protocol=receiver_mooncake_protocol(transport),
+                                                  tp_size=wcfg.tp, kv_split=ranks is not None and ranks.kv_split))
     await receiver.start()
     if wcfg.compile:
         model.compile_decode()
@@ -298,6 +298,8 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
                               model_info, ranks)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])
+    if ranks is not None:
+        process.exit_on_rank_failure(ranks, wcfg.rank_failure_exit_s, lambda: rpc.set_serving(hs, [SERVICE], False))
     sched.start()
     await server.start()
     await rpc.set_serving(hs, [SERVICE])

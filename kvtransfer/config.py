@@ -120,6 +120,11 @@ class KVReceiverConfig:
     """Host written into tickets for senders to connect to; defaults to ``host``."""
     cluster_secret: bytes | None = field(default_factory=secret_from_env)
     """Shared secret for the mutual HMAC handshake; defaults to ``$PDSERVE_CLUSTER_SECRET``."""
+    tp_size: int = 1
+    """Rank processes of this worker (tensor parallelism); announced in the handshake."""
+    kv_split: bool = False
+    """Each rank's pool holds a slice of every token's KV (GQA heads under tensor parallelism) instead of all
+    of it (MLA's replicated latent, or tp 1): rank 0 alone cannot ship or take a whole token's KV."""
     ticket_ttl_s: float = 60.0
     """A reservation that receives no frame within this long is freed (EXPIRED)."""
     draft: DraftLayout | None = None
@@ -191,6 +196,11 @@ class KVSenderConfig:
     """Shared secret for the mutual HMAC handshake; defaults to ``$PDSERVE_CLUSTER_SECRET``."""
     transport: TransportKind = TransportKind.AUTO
     """Per receiver: shm when possible (AUTO), forced TCP, or shm attempted (falls back to TCP)."""
+    tp_size: int = 1
+    """Rank processes of this worker (tensor parallelism); announced in the handshake."""
+    kv_split: bool = False
+    """Each rank's pool holds a slice of every token's KV (GQA heads under tensor parallelism) instead of all
+    of it (MLA's replicated latent, or tp 1): rank 0 alone cannot ship or take a whole token's KV."""
     wire_dtype: WireDType = WireDType.NATIVE
     """TCP payload dtype; FP8_E4M3 halves bf16 bytes at the cost of exactness."""
     checksum: ChecksumKind = ChecksumKind.XXH3

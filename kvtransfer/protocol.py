@@ -277,9 +277,11 @@ def checksum(kind: ChecksumKind, views: Iterable[memoryview]) -> int | None:
 
 # --- handshake compatibility --------------------------------------------------------------------
 
-def peer_info(layout_dict: dict, **extra: Any) -> dict[str, Any]:
-    """What a peer announces about itself in AUTH / READY."""
-    return {"protocol": PDSERVE_KV_PROTOCOL_VERSION, "pdserve": PDSERVE_VERSION, "layout": layout_dict, **extra}
+def peer_info(layout_dict: dict, tp_size: int = 1, kv_split: bool = False, **extra: Any) -> dict[str, Any]:
+    """What a peer announces about itself in AUTH / READY: versions, the page layout of rank 0's pool and the
+    worker's tensor-parallel KV layout (``kv_tp``: ranks, and whether each rank holds a slice of every token)."""
+    return {"protocol": PDSERVE_KV_PROTOCOL_VERSION, "pdserve": PDSERVE_VERSION, "layout": layout_dict,
+            "kv_tp": [tp_size, kv_split], **extra}
 
 
 def check_compatible(local: dict[str, Any], remote: dict[str, Any]) -> None:
@@ -298,5 +300,11 @@ def check_compatible(local: dict[str, Any], remote: dict[str, Any]) -> None:
         if theirs.get("components") != mine["components"]:
             problems.append(f"components (name, per-token shape = head dims): local {mine['components']!r} "
                             f"!= peer {theirs.get('components')!r}")
+    (my_tp, my_split), (their_tp, their_split) = local.get("kv_tp", [1, False]), remote.get("kv_tp", [1, False])
+    if my_split or their_split:  # rank 0 holds only its heads: pages would arrive with the wrong heads or half
+        problems.append(f"tensor-parallel KV layout: local {my_tp} rank(s){' with split KV heads' * my_split}, "
+                        f"peer {their_tp} rank(s){' with split KV heads' * their_split}; KV transfer needs every "
+                        f"token's whole KV on rank 0 (MLA, or tp 1 for GQA models): per-rank GQA head "
+                        f"gather/scatter is not implemented")
     if problems:
         raise TransferError(FailReason.INCOMPATIBLE, "incompatible KV peer: " + "; ".join(problems))

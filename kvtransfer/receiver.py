@@ -69,7 +69,8 @@ class KVReceiver:
             raise ValueError("a shm-backed pool is host memory already: it cannot be force_staged")
         self.config = config or KVReceiverConfig()
         self.receiver_id = secrets.token_hex(8)
-        self.local_info = peer_info(pool.layout.to_dict(), receiver_id=self.receiver_id, host_id=host_id())
+        self.local_info = peer_info(pool.layout.to_dict(), self.config.tp_size, self.config.kv_split,
+                                    receiver_id=self.receiver_id, host_id=host_id())
         self.connections: set[RxConnection] = set()
         cfg = self.config
         self.gate: ConnectionGate[RxConnection] = ConnectionGate(cfg.max_connections, cfg.max_unauthenticated,

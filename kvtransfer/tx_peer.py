@@ -175,7 +175,8 @@ class TxPeer:
         if not auth.check_proof(secret, auth.Role.RECEIVER, nonce, ch["n"], ch["p"]):
             raise TransferError(FailReason.AUTH_FAILED, f"receiver {self.address[0]}:{self.address[1]} could not "
                                 "prove it holds our cluster secret")
-        local = peer_info(self.sender.pool.layout.to_dict(), host_id=host_id(), pid=os.getpid(),
+        local = peer_info(self.sender.pool.layout.to_dict(), self.cfg.tp_size, self.cfg.kv_split, host_id=host_id(),
+                          pid=os.getpid(),
                           pid_start=process_start_time(os.getpid()) or 0, wire=self.cfg.wire_dtype.value,
                           ck=self.cfg.checksum.value, sck=self.cfg.shm_checksum.value,
                           mc=self.cfg.transport is TransportKind.MOONCAKE)

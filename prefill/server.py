@@ -237,12 +237,12 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
     model, cfg = load_model(model_dir, plan.dtype.dtype, wcfg.device)
     if ranks is not None:
         ranks.wait_ready(mhash)
-        process.exit_on_rank_failure(ranks, wcfg.rank_failure_exit_s)
         model = ModelProxy(model, ranks)
     pool = KVPool(plan.layout, plan.pool.num_pages, model.lm_head.weight.device)
     sender = KVSender(pool, KVSenderConfig(cluster_secret=secret.encode() if secret else None,
                                            transport=TransportKind(transport.kv_transport),
-                                           mooncake_protocol=transport.mooncake_protocol))
+                                           mooncake_protocol=transport.mooncake_protocol, tp_size=wcfg.tp,
+                                           kv_split=ranks is not None and ranks.kv_split))
     sched = PrefillScheduler(model, pool, PrefillConfig(chunk_size=wcfg.chunk_size,
                                                         max_batch_tokens=max(wcfg.chunk_size, wcfg.max_batch_tokens),
                                                         max_queue=wcfg.max_queue))
@@ -261,6 +261,8 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
     sched.heartbeat = heartbeat.Heartbeat(wcfg.stall_after)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])
+    if ranks is not None:
+        process.exit_on_rank_failure(ranks, wcfg.rank_failure_exit_s, lambda: rpc.set_serving(hs, [SERVICE], False))
     sched.start()
     await server.start()
     await rpc.set_serving(hs, [SERVICE])

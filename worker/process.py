@@ -83,15 +83,20 @@ def start_ranks(cfg: WorkerConfig, weights_dir: str, dtype: str, role: str):
     return ranks
 
 
-def exit_on_rank_failure(ranks, delay_s: float) -> None:
-    """When a rank of this worker fails: it already reports unhealthy (``ranks.problem()``); ``delay_s``
-    later it drains and exits (SIGTERM to itself), so its supervisor restarts every rank as a unit."""
+def exit_on_rank_failure(ranks, delay_s: float, not_serving=None) -> None:
+    """When a rank of this worker fails: it reports unhealthy in its status (``ranks.problem()``) and, with
+    ``not_serving`` (a coroutine function), NOT_SERVING on the gRPC health service; ``delay_s`` later it drains
+    and exits (SIGTERM to itself), so its supervisor restarts every rank as a unit."""
     loop = asyncio.get_running_loop()
 
     def failed(reason: str) -> None:  # from any thread
         logger.error("a rank of this worker failed (%s): exiting in %gs", reason, delay_s)
+        if not_serving is not None:
+            asyncio.run_coroutine_threadsafe(not_serving(), loop)
         loop.call_soon_threadsafe(loop.call_later, delay_s, os.kill, os.getpid(), signal.SIGTERM)
     ranks.on_failure = failed
+    if ranks.problem():  # failed before this was set
+        failed(ranks.problem())
 
 
 def apply_threads(n: int) -> None:

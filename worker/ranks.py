@@ -180,6 +180,9 @@ class RankGroup:
         self._store: dist.TCPStore | None = None
         self._monitor: threading.Thread | None = None
         self._stop = threading.Event()
+        self.kv_split = False
+        """Each rank's pool holds a slice of every token's KV (GQA heads split by the engine), so rank 0's pages
+        are not the whole KV: received pages cannot be mirrored and the KV plane says so in its handshake."""
         self.on_failure: Callable[[str], None] | None = None
         """Called once, from the thread that saw it, with the reason (the worker arranges its exit)."""
 
@@ -285,6 +288,8 @@ class RankGroup:
 
     def mirror_pages(self, pool: KVPool, page_ids) -> None:
         """Copy rank 0's bytes of ``page_ids`` (every layer) to every follower's pool (KV that landed here)."""
+        if self.kv_split:
+            raise ValueError("rank 0 holds only its slice of each token's KV: received pages cannot be mirrored")
         if not len(page_ids):
             return
         idx = torch.as_tensor(list(page_ids), dtype=torch.long, device=pool.device)

@@ -151,3 +151,20 @@ def test_one_vocabulary_and_the_config_file(tmp_path):
         parse(["serve", "--config", str(cfg)])
     out = pdserve("serve", "--config", str(cfg))
     refused(out, f"pdserve: error: --config {cfg}: unknown key 'prefil' (not a flag of pdserve serve)")
+
+
+def test_serve_tp_and_dp_flags_reach_the_worker_command_lines(tmp_path):
+    """TP4 x DP2 is ``--decode-tp 4 --decode 2``, and ``--dp K`` sets both roles' worker counts; a worker's
+    ranks get the cores' share of one rank each."""
+    from cli.serve import serve_config
+    from cluster.local import LocalCluster
+
+    args = parse(["serve", "--dp", "2", "--decode-tp", "4", "--moe-parallel", "ep", "--run-dir", str(tmp_path)])
+    cfg = serve_config(args)
+    assert (cfg.num_prefill, cfg.num_decode, cfg.prefill_tp, cfg.decode_tp, cfg.moe_parallel) == (2, 2, 1, 4, "ep")
+    cluster = LocalCluster(cfg)
+    dec, pre = cluster._worker_cmd("decode", 0), cluster._worker_cmd("prefill", 0)
+    assert dec[dec.index("--tp") + 1] == "4" and dec[dec.index("--moe-parallel") + 1] == "ep"
+    assert "--tp" not in pre
+    t = parse(["serve", "--tp", "2"])
+    assert (t.prefill_tp, t.decode_tp) == (2, 2)

@@ -505,3 +505,32 @@ def test_open_rejects_an_incompatible_or_expired_ticket():
             assert exc.value.reason is FailReason.EXPIRED
     finally:
         sender.close()
+
+
+def test_split_kv_heads_refused_in_the_handshake_with_both_layouts_named():
+    """A tensor-parallel worker whose ranks each hold a slice of every token's KV (GQA heads) cannot ship or take
+    KV through rank 0 alone: the handshake refuses it (INCOMPATIBLE, both sides' TP layouts named) instead of
+    moving half the heads; replicated KV (MLA) at any TP size passes, and the receiver holds nothing after."""
+    src = make_pool(make_layout(num_layers=3), 16)
+    split = KVSender(src, KVSenderConfig(cluster_secret=SECRET, tp_size=2, kv_split=True))
+    replicated = KVSender(src, KVSenderConfig(cluster_secret=SECRET, tp_size=2))
+    try:
+        with receiver(make_pool(make_layout(num_layers=3), 16)) as h:
+            with pytest.raises(TransferError) as exc:
+                split.open(h.rx.reserve("x", 8)).result(timeout=5)
+            assert exc.value.reason is FailReason.INCOMPATIBLE
+            assert "local 1 rank(s), peer 2 rank(s) with split KV heads" in exc.value.detail  # the receiver's words
+            t = h.rx.reserve("y", 8)
+            replicated.open(t).result(timeout=5)
+            replicated.cancel(t, "done")
+            for req in ("x", "y"):  # what the router does after a failed or finished prefill
+                h.rx.cancel(req, "done")
+            h.wait_until(lambda: h.rx.pool.allocator.num_used == 0)
+        with receiver(make_pool(make_layout(num_layers=3), 16), tp_size=2, kv_split=True) as h:
+            with pytest.raises(TransferError) as exc:
+                replicated.open(h.rx.reserve("z", 8)).result(timeout=5)
+            assert exc.value.reason is FailReason.INCOMPATIBLE
+            assert "local 2 rank(s) with split KV heads, peer 2 rank(s)" in exc.value.detail
+    finally:
+        split.close()
+        replicated.close()
