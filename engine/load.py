@@ -13,6 +13,8 @@ import torch
 from engine.config import ModelConfig
 from engine.loader import checkpoint_names, detect_mtp_layers, load_weights
 from engine.models.glm import GlmForCausalLM
+from engine.parallel.config import SINGLE_RANK, ParallelConfig
+from engine.parallel.shard import shard_fn
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +34,9 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                moe_impl: str = "auto") -> GlmForCausalLM:
+                moe_impl: str = "auto", parallel: ParallelConfig = SINGLE_RANK) -> GlmForCausalLM:
     with torch.device("meta"):
-        model = GlmForCausalLM(cfg, moe_impl)
+        model = GlmForCausalLM(cfg, moe_impl, parallel)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -44,17 +46,23 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: to
     return model.eval()
 
 
-def load_model(model_dir: str, dtype: str = "float32", device: str = "auto",
-               moe_impl: str = "auto") -> tuple[GlmForCausalLM, ModelConfig]:
+def load_model(model_dir: str, dtype: str = "float32", device: str = "auto", moe_impl: str = "auto",
+               parallel: ParallelConfig = SINGLE_RANK) -> tuple[GlmForCausalLM, ModelConfig]:
+    """The model of ``model_dir`` -> (this rank's shard of it, the WHOLE model's config). ``parallel``: which
+    rank of a tensor-parallel worker this process is (it keeps only its slice of each split tensor;
+    ``engine.parallel.shard``); ``ValueError`` when the model cannot be split that way."""
     cfg = ModelConfig.from_model_dir(model_dir)
     cfg = detect_mtp_layers(cfg, checkpoint_names(model_dir))
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
-    model = build_model(cfg, DTYPES[dtype], resolve_device(device), moe_impl)
+    parallel.validate(cfg)
+    model = build_model(cfg, DTYPES[dtype], resolve_device(device), moe_impl, parallel)
     t0 = time.perf_counter()
     from engine.quant import prepare_model_for_checkpoint  # quantized checkpoints: MX experts + rules
     extra_rules = prepare_model_for_checkpoint(model, cfg, model_dir)
-    load_weights(model, model_dir, cfg, extra_rules)
-    logger.info("loaded %s (%s, %d layers + %d MTP) in %.2fs", model_dir, cfg.model_type,
-                cfg.num_hidden_layers, cfg.num_mtp_layers, time.perf_counter() - t0)
+    load_weights(model, model_dir, cfg, extra_rules, shard_fn(cfg, parallel))
+    logger.info("loaded %s (%s, %d layers + %d MTP%s) in %.2fs", model_dir, cfg.model_type,
+                cfg.num_hidden_layers, cfg.num_mtp_layers,
+                f", tp rank {parallel.tp_rank}/{parallel.tp_size} {parallel.moe_parallel} MoE" if parallel.is_tp else "",
+                time.perf_counter() - t0)
     return model, cfg

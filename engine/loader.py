@@ -58,6 +58,7 @@ class Target:
 
 
 Rule = Callable[[str, ModelConfig], "Target | None"]
+ShardFn = Callable[[Target, torch.Tensor], "tuple[Target, torch.Tensor] | None"]
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -149,8 +150,10 @@ def _compatible(src: torch.dtype, dst: torch.dtype) -> bool:
 
 
 def load_weights(model: torch.nn.Module, model_dir: str, cfg: ModelConfig,
-                 extra_rules: list[Rule] | None = None) -> None:
-    """Load every tensor of ``model_dir`` into ``model``; raise ``CheckpointError`` on any mismatch."""
+                 extra_rules: list[Rule] | None = None, shard: ShardFn | None = None) -> None:
+    """Load every tensor of ``model_dir`` into ``model``; raise ``CheckpointError`` on any mismatch.
+    ``shard`` (tensor parallelism, ``engine.parallel.shard``) cuts each mapped tensor to this rank's slice and
+    rewrites its target, or returns None for a tensor this rank does not hold."""
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers()))
     filled: dict[str, int] = {}
@@ -163,6 +166,11 @@ def load_weights(model: torch.nn.Module, model_dir: str, cfg: ModelConfig,
         if target.param not in params:
             raise CheckpointError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} {tensor.dtype} maps to "
                                   f"{target.param!r} (rule {target.rule}), which the model does not have")
+        if shard is not None:
+            cut = shard(target, tensor)
+            if cut is None:
+                continue
+            target, tensor = cut
         dst = params[target.param]
         view = dst[target.index] if target.index else dst
         if tuple(view.shape) != tuple(tensor.shape):

@@ -50,7 +50,7 @@ class Engine:
     def __init__(self, model: GlmForCausalLM, cfg: ModelConfig, kv_dtype: str = "float32", page_size: int = 16,
                  num_pages: int = 1024, chunk_size: int = 2048) -> None:
         self.model, self.cfg = model, cfg
-        self.layout = KVLayout.for_model(cfg, page_size=page_size, kv_dtype=kv_dtype)
+        self.layout = KVLayout.for_model(cfg, page_size=page_size, kv_dtype=kv_dtype, parallel=model.parallel)
         self.pool = KVPool(self.layout, num_pages, device=model.lm_head.weight.device)
         self.chunk_size = chunk_size
 

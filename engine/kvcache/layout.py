@@ -14,6 +14,12 @@ glm4_moe (GQA), per token per layer::
     k [num_kv_heads, head_dim]  RoPE already applied
     v [num_kv_heads, head_dim]
 
+Tensor parallelism (``engine.parallel``): a rank's pool has the layout ``for_model(cfg, ..., parallel)``
+gives. MLA keeps the whole latent / rope / index components on every rank (replicated: every rank writes the
+same values; the reasoning is in ``engine.parallel.layers``); GQA splits the KV heads, rank r holding heads
+``[r*h, (r+1)*h)`` with ``h = num_key_value_heads / tp_size``. ``shard_kv`` / ``gather_kv`` map a component's
+full-layout values to a rank's and back (KV transfer between workers of different TP sizes).
+
 With ``kv_dtype="fp8_e4m3"`` each component is stored as ``float8_e4m3fn`` with one
 fp32 scale per token (per head for GQA): ``scale = amax / 448``.
 """
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from engine.parallel.config import SINGLE_RANK, ParallelConfig
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
              "fp8_e4m3": torch.float8_e4m3fn}
@@ -98,15 +105,39 @@ class KVLayout:
                    components=tuple(KVComponent(n, tuple(int(x) for x in s)) for n, s in d["components"]))
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, page_size: int = 16, kv_dtype: str = "bfloat16") -> "KVLayout":
+    def for_model(cls, cfg: ModelConfig, page_size: int = 16, kv_dtype: str = "bfloat16",
+                  parallel: ParallelConfig = SINGLE_RANK) -> "KVLayout":
+        """The layout of ``cfg``'s pool; with ``parallel`` the pool of that rank (module docstring)."""
         if cfg.is_mla:
             comps = (KVComponent("latent", (cfg.kv_lora_rank,)), KVComponent("rope", (cfg.qk_rope_head_dim,)),
                      KVComponent("index", (cfg.index_head_dim,)))
         else:
-            kvh = (cfg.num_key_value_heads, cfg.head_dim)
+            kvh = (cfg.num_key_value_heads // parallel.tp_size, cfg.head_dim)
             comps = (KVComponent("k", kvh), KVComponent("v", kvh))
         return cls(model_type=cfg.model_type, num_layers=cfg.num_layers_total, page_size=page_size,
                    kv_dtype=kv_dtype, components=comps)
+
+
+def kv_is_split(cfg: ModelConfig) -> bool:
+    """Whether a rank's pool holds a slice of each token's KV (GQA heads) rather than all of it (MLA)."""
+    return not cfg.is_mla
+
+
+def shard_kv(cfg: ModelConfig, parallel: ParallelConfig, full: torch.Tensor, scales: bool = False) -> torch.Tensor:
+    """A component's full-layout values ``[..., KVH, D]`` (fp8 scales: ``[..., KVH]``, ``scales=True``) -> rank
+    ``parallel.tp_rank``'s ``[..., KVH / tp, D]``; MLA components (replicated) come back as they are."""
+    if not kv_is_split(cfg) or parallel.tp_size == 1:
+        return full
+    dim = full.dim() - (1 if scales else 2)
+    own = parallel.split(full.shape[dim])
+    return full.narrow(dim, own.start, own.stop - own.start)
+
+
+def gather_kv(cfg: ModelConfig, shards: list[torch.Tensor], scales: bool = False) -> torch.Tensor:
+    """The inverse of ``shard_kv``: every rank's values, in rank order -> the full layout's (MLA: rank 0's)."""
+    if not kv_is_split(cfg) or len(shards) == 1:
+        return shards[0]
+    return torch.cat(shards, dim=shards[0].dim() - (1 if scales else 2))
 
 
 def _prod(shape: tuple[int, ...]) -> int:

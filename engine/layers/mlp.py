@@ -14,6 +14,7 @@ from engine.config import ModelConfig
 from engine.layers.fused import FusedProjection
 from engine.moe.experts import RoutedExperts, moe_gather
 from engine.moe.router import Routing, TopkRouter, route
+from engine.parallel.config import SINGLE_RANK, ParallelConfig
 
 
 class FFNArgs(NamedTuple):
@@ -79,11 +80,17 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe_impl: str = "auto") -> None:
+    def __init__(self, cfg: ModelConfig, moe_impl: str = "auto", parallel: ParallelConfig = SINGLE_RANK) -> None:
+        """``cfg``: this rank's config (``ParallelConfig.rank_config``). Under expert parallelism the rank holds
+        experts ``[expert_offset, expert_offset + num_local_experts)`` and its slice of the shared experts."""
         super().__init__()
+        ep = parallel.tp_size if parallel.expert_parallel else 1
+        self.expert_parallel = parallel.expert_parallel
+        self.num_local_experts = cfg.n_routed_experts // ep
+        self.expert_offset = parallel.tp_rank * self.num_local_experts if self.expert_parallel else 0
         self.gate = TopkRouter(cfg)
-        self.experts = RoutedExperts(cfg, moe_impl)
-        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.experts = RoutedExperts(cfg, moe_impl, self.num_local_experts, 1 if self.expert_parallel else None)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts // ep)
                                if cfg.n_shared_experts else None)
         self._x_proj = FusedProjection()
 

@@ -7,6 +7,7 @@ the explicit mapping table for those.
 from __future__ import annotations
 
 from dataclasses import replace
+import logging
 from typing import NamedTuple
 
 import torch
@@ -28,6 +29,10 @@ from engine.layers.decode_graph import (
 from engine.layers.mlp import MLP, MoE, finish_ffn
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryTable
+from engine.parallel.config import SINGLE_RANK, ParallelConfig
+from engine.parallel.layers import VocabParallelEmbedding, VocabParallelHead, tp_layer_forward
+
+logger = logging.getLogger(__name__)
 
 
 class ForwardResult(NamedTuple):
@@ -36,12 +41,16 @@ class ForwardResult(NamedTuple):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, moe_impl: str = "auto") -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, moe_impl: str = "auto",
+                 parallel: ParallelConfig = SINGLE_RANK) -> None:
+        """``cfg``: this rank's config (``ParallelConfig.rank_config``: its heads and intermediate sizes)."""
         super().__init__()
         self.layer_idx = layer_idx
+        self.parallel = parallel
         attn_cls = MLAAttention if cfg.is_mla else GQAAttention
         self.self_attn = attn_cls(cfg, layer_idx)
-        self.mlp = MoE(cfg, moe_impl) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (MoE(cfg, moe_impl, parallel) if cfg.is_moe_layer(layer_idx)
+                    else MLP(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.graphs: DecodeGraphs = EAGER
@@ -51,6 +60,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable,
                 topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.parallel.is_tp:  # this rank's heads / FFN slice and the all_reduces (engine.parallel.layers)
+            return tp_layer_forward(self, x, batch, pool, rope, topk)
         attn = self.self_attn
         if not isinstance(attn, MLAAttention):
             g = self.graphs
@@ -137,27 +148,34 @@ class MTPLayer(nn.Module):
     Its KV lives in pool layer ``num_hidden_layers + k``; the embedding and LM head are the main model's.
     """
 
-    def __init__(self, cfg: ModelConfig, k: int, moe_impl: str = "auto") -> None:
+    def __init__(self, cfg: ModelConfig, k: int, moe_impl: str = "auto",
+                 parallel: ParallelConfig = SINGLE_RANK) -> None:
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.block = DecoderLayer(cfg, cfg.num_hidden_layers + k, moe_impl)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers + k, moe_impl, parallel)
         self.shared_head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class GlmForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe_impl: str = "auto") -> None:
+    def __init__(self, cfg: ModelConfig, moe_impl: str = "auto", parallel: ParallelConfig = SINGLE_RANK) -> None:
+        """``parallel``: this rank's share of a tensor-parallel worker (``engine.parallel``); the modules get
+        their split shapes from ``parallel.rank_config(cfg)``. ``self.cfg`` stays the whole model's config."""
         super().__init__()
         self.cfg = cfg
+        self.parallel = parallel
+        rcfg = parallel.rank_config(cfg)
+        V, H = cfg.vocab_size, cfg.hidden_size
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList([DecoderLayer(cfg, i, moe_impl) for i in range(cfg.num_hidden_layers)])
+        self.model.embed_tokens = VocabParallelEmbedding(V, H, parallel) if parallel.is_tp else nn.Embedding(V, H)
+        self.model.layers = nn.ModuleList([DecoderLayer(rcfg, i, moe_impl, parallel)
+                                           for i in range(cfg.num_hidden_layers)])
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = VocabParallelHead(V, H, parallel) if parallel.is_tp else nn.Linear(H, V, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.mtp = nn.ModuleList([MTPLayer(cfg, k, moe_impl) for k in range(cfg.num_mtp_layers)])
+        self.mtp = nn.ModuleList([MTPLayer(rcfg, k, moe_impl, parallel) for k in range(cfg.num_mtp_layers)])
         self._rope: RotaryTable | None = None
 
     def compile_decode(self, enabled: bool = True) -> None:
@@ -165,6 +183,11 @@ class GlmForCausalLM(nn.Module):
         decode and verify steps (``engine.layers.decode_graph``); ``False`` returns to eager. Graphs
         compile on first use (seconds per shape class; inductor caches them on disk). The weights the graphs
         read are collected once: after changing weights, call this again."""
+        if enabled and self.parallel.is_tp:
+            logger.warning("tensor parallel (tp_size %d): decode steps run EAGERLY, not through compiled graphs "
+                           "(the all_reduces between a layer's attention and FFN are not inside the graphs yet); "
+                           "expect slower decode steps than a compiled tp_size 1 worker", self.parallel.tp_size)
+            enabled = False
         g = DecodeGraphs(True, self.lm_head.weight.device) if enabled else EAGER
         for layer in list(self.model.layers) + [m.block for m in self.mtp]:
             layer.graphs = g

@@ -153,9 +153,14 @@ applies it to the quantized layers; dense layers then choose as ``auto``."""
 class RoutedExperts(nn.Module):
     """Dense-weight (bf16/fp32) routed experts. ``impl`` forces a strategy; ``auto`` picks by size."""
 
-    def __init__(self, cfg: ModelConfig, impl: str = "auto") -> None:
+    def __init__(self, cfg: ModelConfig, impl: str = "auto", num_experts: int | None = None,
+                 topk: int | None = None) -> None:
+        """``num_experts``: experts held here (None: all of ``cfg``'s; fewer under expert parallelism),
+        ``topk``: experts each input row is routed to (None: ``cfg``'s top-k; 1 under expert parallelism,
+        whose rows are single (token, expert) pairs)."""
         super().__init__()
-        E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        E, H, I = num_experts or cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.topk = topk or cfg.num_experts_per_tok
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, H))
         self.w2 = nn.Parameter(torch.empty(E, H, I))
         if impl != "auto" and impl not in MOE_IMPLS and impl not in MX_ONLY_IMPLS:

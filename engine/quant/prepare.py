@@ -211,9 +211,9 @@ def prepare_model_for_checkpoint(model: nn.Module, cfg: ModelConfig, model_dir: 
         if cache is None:
             cache = DequantCache(DequantCache.default_budget(device))
         impl = DENSE_TO_MX.get(old.impl, old.impl)
-        setattr(parent, attr, MXRoutedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                                              cfg.num_experts_per_tok, plan.quant.weight, plan.quant.input,
-                                              impl=impl, device=device, cache=cache))
+        num_experts, two_inter, hidden = old.w13.shape  # this rank's shape (engine.parallel splits I or E)
+        setattr(parent, attr, MXRoutedExperts(num_experts, hidden, two_inter // 2, old.topk, plan.quant.weight,
+                                              plan.quant.input, impl=impl, device=device, cache=cache))
     n_mx = len(mx_prefixes)
     if cache is not None and cache_device_is_cpu(model):
         mx_cpu_kernel.available()  # build the fused kernel (or warn) while loading, not at the first request
