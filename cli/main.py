@@ -39,6 +39,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from engine.headers import checkpoint_tensors  # lazy: safetensors, torch
     from engine.load import load_model, resolve_device  # lazy: numpy, safetensors, torch
     from engine.loader import model_hash  # lazy: numpy, safetensors, torch
+    from engine.parallel import SINGLE_RANK  # lazy: torch
     from engine.precision import resolve_dtype  # lazy: safetensors, torch
     from worker.model_proxy import ModelProxy  # lazy: torch
     model_dir = args.model or default_model_dir()
@@ -55,9 +56,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     weights_dir = resolve_decode_weights(model_dir, args.decode_weights) or model_dir
     ranks = start_ranks(args, weights_dir)
     try:
-        model, cfg = load_model(weights_dir, args.dtype, args.device, args.moe_impl)
+        model, cfg = load_model(weights_dir, args.dtype, args.device, args.moe_impl,
+                                parallel=ranks.parallel if ranks is not None else SINGLE_RANK)
         if ranks is not None:
-            ranks.wait_ready(model_hash(weights_dir))
+            ranks.wait_ready(model_hash(weights_dir), cfg)
             model = ModelProxy(model, ranks)
         return _generate(args, model_dir, weights_dir, model, cfg)
     finally:
@@ -83,7 +85,7 @@ def start_ranks(args: argparse.Namespace, weights_dir: str):
 
 def _generate(args: argparse.Namespace, model_dir: str, weights_dir: str, model, cfg) -> int:
     from engine.offline import Engine  # lazy: numpy, torch
-    from engine.quant.prepare import expert_status  # lazy: safetensors, torch, triton
+    from engine.quant.prepare import expert_status, model_weight_bytes  # lazy: safetensors, torch, triton
     from engine.sampling import SamplingParams  # lazy: torch
     from engine.tokenizer import Tokenizer  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
     model.compile_decode(args.compile)
@@ -120,7 +122,8 @@ def _generate(args: argparse.Namespace, model_dir: str, weights_dir: str, model,
     elapsed = time.perf_counter() - t0
     out = {"token_ids": res.token_ids, "finish_reason": res.finish_reason, "prompt_tokens": len(ids),
            "elapsed_s": round(elapsed, 4), "model": model_dir, "speculative": str(spec) if spec else "off",
-           "weights": weights_dir, **expert_status(model)}
+           "weights": weights_dir, **expert_status(model), "tp": args.tp or 1,
+           "rank0_weight_bytes": model_weight_bytes(model)}
     if spec_stats is not None:  # rates per draft depth 1..num_steps: see engine.speculative.metrics
         out["accept_len"] = round(spec_stats.accept_len, 4)
         out["verify_steps"] = spec_stats.num_verify_steps

@@ -26,9 +26,10 @@ from common.reasons import FinishReason, Role
 from decode.config import DecodeConfig
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
 from engine.defaults import default_model_dir
-from engine.kvcache import KVPool, PoolExhausted
+from engine.kvcache import KVLayout, KVPool, PoolExhausted
 from engine.load import load_model
 from engine.loader import model_hash
+from engine.parallel import SINGLE_RANK
 from engine.quant.prepare import expert_status, quantized_experts
 from engine.tokenizer import Tokenizer
 from engine.warmup import warm_up_decode
@@ -257,12 +258,14 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     weights_dir = wcfg.quantized_model or model_dir
     plan = process.start_plan(wcfg, weights_dir, "decode")
     ranks = process.start_ranks(wcfg, weights_dir, plan.dtype.dtype, "decode")
-    model, cfg = load_model(weights_dir, plan.dtype.dtype, wcfg.device)
-    local_model = model
+    model, cfg = load_model(weights_dir, plan.dtype.dtype, wcfg.device,
+                            parallel=ranks.parallel if ranks is not None else SINGLE_RANK)
+    local_model, layout = model, plan.layout
     if ranks is not None:
-        ranks.wait_ready(model_hash(weights_dir))
+        ranks.wait_ready(model_hash(weights_dir), cfg)
+        layout = KVLayout.for_model(cfg, wcfg.page_size, plan.layout.kv_dtype, parallel=ranks.parallel)  # rank 0's
         model = ModelProxy(model, ranks)
-    pool = _make_pool(plan.layout, plan.pool.num_pages, wcfg.shm)
+    pool = _make_pool(layout, plan.pool.num_pages, wcfg.shm)
     spec = build_speculator(wcfg, model, cfg, pool)
     # a speculating worker asks prefill for the MTP draft state with every KV transfer (first round speculates)
     draft = DraftLayout(cfg.hidden_size, str(model.lm_head.weight.dtype).removeprefix("torch.")) if spec else None

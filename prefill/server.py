@@ -22,9 +22,10 @@ from common.flags import config_from_args
 from common.net import check_bind
 from common.reasons import Role
 from engine.defaults import default_model_dir
-from engine.kvcache import KVPool, PoolExhausted
+from engine.kvcache import KVLayout, KVPool, PoolExhausted
 from engine.load import load_model
 from engine.loader import model_hash
+from engine.parallel import SINGLE_RANK
 from kvtransfer import KVSender, KVSenderConfig, TransferTicket, TransportKind
 from kvtransfer.config import TransportConfig, add_transport_args
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
@@ -234,11 +235,14 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
         raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {wcfg.expect_model_hash}")
     plan = process.start_plan(wcfg, model_dir, "prefill")
     ranks = process.start_ranks(wcfg, model_dir, plan.dtype.dtype, "prefill")
-    model, cfg = load_model(model_dir, plan.dtype.dtype, wcfg.device)
+    model, cfg = load_model(model_dir, plan.dtype.dtype, wcfg.device,
+                            parallel=ranks.parallel if ranks is not None else SINGLE_RANK)
+    layout = plan.layout
     if ranks is not None:
-        ranks.wait_ready(mhash)
+        ranks.wait_ready(mhash, cfg)
+        layout = KVLayout.for_model(cfg, wcfg.page_size, plan.layout.kv_dtype, parallel=ranks.parallel)  # rank 0's
         model = ModelProxy(model, ranks)
-    pool = KVPool(plan.layout, plan.pool.num_pages, model.lm_head.weight.device)
+    pool = KVPool(layout, plan.pool.num_pages, model.lm_head.weight.device)
     sender = KVSender(pool, KVSenderConfig(cluster_secret=secret.encode() if secret else None,
                                            transport=TransportKind(transport.kv_transport),
                                            mooncake_protocol=transport.mooncake_protocol, tp_size=wcfg.tp,

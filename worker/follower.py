@@ -24,6 +24,7 @@ from common import logs
 from engine.kvcache import KVLayout, KVPool
 from engine.load import load_model, resolve_device
 from engine.loader import model_hash
+from engine.parallel import ParallelConfig, destroy_tp_group, init_tp_group
 from engine.speculative.decoder import move_kv
 from worker.rank_wire import Command, CommandChannel
 from worker.ranks import backend_for, batch_from, gather_stats, output_stats, write_pages
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--store-port", type=int, required=True)
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="float32")
@@ -108,18 +110,18 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(args.rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
-    store = dist.TCPStore("127.0.0.1", args.master_port, args.world_size, is_master=False,
+    store = dist.TCPStore("127.0.0.1", args.store_port, args.world_size, is_master=False,
                           timeout=timedelta(seconds=max(args.timeout_s, 60.0)))
-    dist.init_process_group(backend_for(device), store=store, rank=args.rank, world_size=args.world_size,
-                            timeout=timedelta(seconds=args.timeout_s))
-    model, _ = load_model(args.model, args.dtype, str(device), args.moe_impl)
+    pc = ParallelConfig(args.world_size, args.rank, args.moe_parallel)
+    init_tp_group(pc, args.master_port, backend_for(device), args.timeout_s, device=device)
+    model, _ = load_model(args.model, args.dtype, str(device), args.moe_impl, parallel=pc)
     store.set(f"ready/{args.rank}", model_hash(args.model))
     logger.info("follower rank %d/%d ready (pid %d)", args.rank, args.world_size, os.getpid())
     try:
         Follower(model, device).run(CommandChannel(device))
-    except dist.DistError as e:
+    except Exception as e:  # noqa: BLE001 - a broken channel (rank 0 gone, a collective timeout): leave loudly
         sys.exit(f"follower rank {args.rank}: the rank group is gone ({e})")
-    dist.destroy_process_group()
+    destroy_tp_group()
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@ Rank 0 is the worker process as before (gRPC servicer, scheduler, KV data plane)
 makes it the group's leader::
 
     rank 0                                   ranks 1..N-1 (python -m worker.follower, children of rank 0)
-    spawn followers ───────────────────────> die with rank 0 (PR_SET_PDEATHSIG), join torch.distributed
-    join torch.distributed (store on 127.0.0.1:free port; gloo on CPU, nccl on cuda)
-    load the model                           load the model, set ready/<rank> = model hash in the store
+    spawn followers ───────────────────────> die with rank 0 (PR_SET_PDEATHSIG), join the TP group
+    join the TP group (engine.parallel.init_tp_group: 127.0.0.1, gloo on CPU, nccl on cuda)
+    load its shard                           load its shard, set ready/<rank> = model hash in the
+                                             readiness store (rank 0's, another free port)
     wait_ready: every hash equal, or fail    loop: recv command -> run it on the local model and pool
     serve: every model call is a command ──> the same call, same inputs (ModelProxy)
     close: "exit" command, join children     return
@@ -52,7 +53,10 @@ import torch
 import torch.distributed as dist
 
 from engine.batch import ForwardBatch
+from engine.config import ModelConfig
 from engine.kvcache import KVPool
+from engine.kvcache.layout import kv_is_split
+from engine.parallel import ParallelConfig, destroy_tp_group, init_tp_group
 from worker.rank_wire import CommandChannel
 
 logger = logging.getLogger(__name__)
@@ -191,6 +195,11 @@ class RankGroup:
         return self.config.tp_size
 
     @property
+    def parallel(self) -> ParallelConfig:
+        """Rank 0's share of the model (``engine.load.load_model(..., parallel=)``)."""
+        return ParallelConfig(self.config.tp_size, 0, self.config.moe_parallel)
+
+    @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
@@ -199,23 +208,24 @@ class RankGroup:
         """Spawn ranks 1..N-1 and join the group as rank 0 (call from the main thread: the followers'
         parent-death signal follows the thread that spawned them)."""
         c = self.config
-        port = free_port()
-        self._store = dist.TCPStore("127.0.0.1", port, c.tp_size, is_master=True,
+        port, store_port = free_port(), free_port()
+        self._store = dist.TCPStore("127.0.0.1", store_port, c.tp_size, is_master=True,
                                     timeout=timedelta(seconds=c.start_timeout_s), wait_for_workers=False)
         for rank in range(1, c.tp_size):
             cmd = [sys.executable, "-m", "worker.follower", "--rank", str(rank), "--world-size", str(c.tp_size),
-                   "--master-port", str(port), "--parent-pid", str(os.getpid()), "--model", fargs.model_dir,
+                   "--master-port", str(port), "--store-port", str(store_port), "--parent-pid", str(os.getpid()),
+                   "--model", fargs.model_dir,
                    "--dtype", fargs.dtype, "--device", fargs.device, "--moe-impl", fargs.moe_impl,
                    "--moe-parallel", c.moe_parallel, "--timeout-s", repr(c.timeout_s),
                    "--threads", str(fargs.threads), "--log-level", fargs.log_level]
             self._procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
         logger.info("rank group: started followers %s (tp %d, moe %s)", self.pids, c.tp_size, c.moe_parallel)
-        dist.init_process_group(backend_for(self.device), store=self._store, rank=0, world_size=c.tp_size,
-                                timeout=timedelta(seconds=c.timeout_s))
+        init_tp_group(self.parallel, port, backend_for(self.device), c.timeout_s, device=self.device)
 
-    def wait_ready(self, model_hash: str) -> None:
-        """Wait until every follower has loaded the model; raise ``RankFailure`` when one exited first, did
+    def wait_ready(self, model_hash: str, cfg: ModelConfig) -> None:
+        """Wait until every follower has loaded its shard; raise ``RankFailure`` when one exited first, did
         not make it within ``start_timeout_s``, or loaded a model whose hash differs from rank 0's."""
+        self.kv_split = kv_is_split(cfg)
         deadline = time.monotonic() + self.config.start_timeout_s
         for rank, proc in enumerate(self._procs, start=1):
             key = f"ready/{rank}"
@@ -350,6 +360,5 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_tp_group()
         logger.info("rank group: every rank joined")
