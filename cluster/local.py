@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 from common import logs
 from protos import rpc, tls
-from common.env import API_KEY, CLUSTER_SECRET
+from common.env import API_KEY, CLUSTER_SECRET, child_environ
 from common.net import check_bind
+from common.reasons import Role
 
 READY_PREFIX = "PDSERVE_READY"
 SHM_DIR = "/dev/shm"
@@ -271,8 +272,7 @@ class LocalCluster:
         """The checkpoint decode workers load (None: ``self.model``)."""
         self.secret = rpc.cluster_secret() or secrets.token_hex(16)
         # the API key is the router's alone (workers never see it); like the secret, never in argv
-        self.env = {k: v for k, v in os.environ.items() if k != API_KEY}
-        self.env.update({CLUSTER_SECRET: self.secret, "PYTHONUNBUFFERED": "1"})
+        self.env = child_environ(drop=(API_KEY,), **{CLUSTER_SECRET: self.secret, "PYTHONUNBUFFERED": "1"})
         self.workers: list[Child] = []
         self.router: Child | None = None
 
@@ -309,9 +309,9 @@ class LocalCluster:
         cmd += ["--threads", str(threads), "--stall-after", str(c.stall_after_s), "--grace-s", repr(c.grace_s)]
         cmd += ["--metrics-port", "-1"]  # Prometheus /metrics on a free port, listed in GetClusterStatus
         cmd += logs.log_args(c.log_level, c.log_format) + self._tls_args()
-        if role == "prefill" and c.fault_injection:
+        if role == Role.PREFILL and c.fault_injection:
             cmd += ["--fault-injection"]
-        if role == "decode":
+        if role == Role.DECODE:
             cmd += ["--kv-port", "0"] + (["--shm"] if c.shm else [])
             cmd += ["--quantized-model", self.decode_weights] if self.decode_weights else []
             cmd += ["--speculative", c.speculative] if c.speculative else ["--no-speculative"]
@@ -323,7 +323,7 @@ class LocalCluster:
         """Start every worker, wait until all are ready, then start the router and wait for it too."""
         c = self.cfg
         try:
-            for role, n in (("prefill", c.num_prefill), ("decode", c.num_decode)):
+            for role, n in ((Role.PREFILL, c.num_prefill), (Role.DECODE, c.num_decode)):
                 for i in range(n):
                     name = f"{role}-{i}"
                     self.workers.append(Child(name, self._worker_cmd(role, i), self.env,
@@ -338,8 +338,8 @@ class LocalCluster:
 
     def _router_cmd(self) -> list[str]:
         c = self.cfg
-        pre = ",".join(w.address for w in self.workers if w.name.startswith("prefill"))
-        dec = ",".join(w.address for w in self.workers if w.name.startswith("decode"))
+        pre = ",".join(w.address for w in self.workers if w.name.startswith(Role.PREFILL))
+        dec = ",".join(w.address for w in self.workers if w.name.startswith(Role.DECODE))
         cmd = [sys.executable, "-m", "router", "--host", c.host, "--port", str(c.port),
                "--http-port", str(c.http_port), "--prefill", pre,
                "--decode", dec, "--routing", c.routing, "--model", self.model,

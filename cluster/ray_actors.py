@@ -32,7 +32,8 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.local import Child, ClusterStartError
-from common.env import API_KEY, CLUSTER_SECRET
+from common.env import API_KEY, CLUSTER_SECRET, child_environ
+from common.reasons import Role
 from router.discovery import WorkerList, ensure_private_dir, write_worker_list
 
 logger = logging.getLogger(__name__)
@@ -56,9 +57,9 @@ class ServerProcess:
         ensure_private_dir(log_dir)  # beside the worker list, which says where the secret may be sent
         log_path = os.path.join(log_dir, f"{name}.{os.getpid()}.log")
         # secrets through the environment, never argv (ps shows argv to every user); the API key to the router only
-        env = {k: v for k, v in os.environ.items() if k != API_KEY}
-        env.update({CLUSTER_SECRET: secret, "PYTHONUNBUFFERED": "1", **({API_KEY: api_key} if api_key else {})})
-        self.child = Child(name, cmd, env, log_path)
+        child_env = child_environ(drop=(API_KEY,), **{CLUSTER_SECRET: secret, "PYTHONUNBUFFERED": "1",
+                                                          **({API_KEY: api_key} if api_key else {})})
+        self.child = Child(name, cmd, child_env, log_path)
         self.started_s = time.time()
         try:
             deadline = time.monotonic() + startup_timeout_s
@@ -226,8 +227,8 @@ class WorkerListPublisher:
                 except ray.exceptions.RayError:  # died (Ray may restart it; a later call reaches the new one)
                     self.known.pop(name, None)
         listed = [i for _, i in sorted(self.known.items()) if not i["draining"] and i["alive"] and i["address"]]
-        return WorkerList(tuple(i["address"] for i in listed if i["role"] == "prefill"),
-                          tuple(i["address"] for i in listed if i["role"] == "decode"))
+        return WorkerList(tuple(i["address"] for i in listed if i["role"] == Role.PREFILL),
+                          tuple(i["address"] for i in listed if i["role"] == Role.DECODE))
 
 
 def _read(path: str) -> bytes:

@@ -9,13 +9,16 @@ Each is read when its function is called (a test or a launcher may set it after 
     PDSERVE_TUNE_MALLOC     0 turns off a worker's fixed glibc malloc thresholds
     PDSERVE_RANK_CHECK      1: the ranks of a tensor-parallel worker compare their logits after every model
                             call (one small all_gather; a rank whose KV or inputs differ fails the worker)
+    PDSERVE_PEERS_DIR       where the peer servers (vLLM, llama.cpp) of the side-by-side benchmarks live
 
 Launchers hand the secrets to their children through the environment (never argv: ``ps`` shows argv to
-every user), under the names ``CLUSTER_SECRET`` and ``API_KEY`` below.
+every user), under the names ``CLUSTER_SECRET`` and ``API_KEY`` below; ``child_environ`` is the one copy of
+this process's environment they start from.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 
 HOME = "PDSERVE_HOME"
 CLUSTER_SECRET = "PDSERVE_CLUSTER_SECRET"
@@ -23,6 +26,7 @@ API_KEY = "PDSERVE_API_KEY"
 GC_FREEZE = "PDSERVE_GC_FREEZE"
 TUNE_MALLOC = "PDSERVE_TUNE_MALLOC"
 RANK_CHECK = "PDSERVE_RANK_CHECK"
+PEERS_DIR = "PDSERVE_PEERS_DIR"
 
 
 def pdserve_home() -> str:
@@ -49,3 +53,15 @@ def rank_check() -> bool:
 
 def tune_malloc() -> bool:
     return os.environ.get(TUNE_MALLOC, "1") != "0"
+
+
+def peers_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$PDSERVE_PEERS_DIR`` in ``environ`` (default: this process's), or None when unset or empty."""
+    return (os.environ if environ is None else environ).get(PEERS_DIR) or None
+
+
+def child_environ(drop: Iterable[str] = (), **extra: str) -> dict[str, str]:
+    """This process's environment for a child process, without the variables named in ``drop`` and with
+    ``extra`` set (a launcher drops ``API_KEY`` for every child but the router)."""
+    dropped = set(drop)
+    return {**{k: v for k, v in os.environ.items() if k not in dropped}, **extra}

@@ -19,6 +19,7 @@ import torch
 
 from bench.models import PEER_GLM4MOE
 from bench.peers.paths import REPO, peer_paths
+from common.env import child_environ
 from engine.checkpoint import init_random_model
 
 TOKENIZER_SOURCE = os.path.join(REPO, "models", "glm5-tiny")
@@ -43,7 +44,7 @@ def write_gguf(out_dir: str) -> str:
         peers = peer_paths()
         if not peers.has_llama():
             raise SystemExit(f"llama.cpp peer not set up in {peers.root}: run bench/peers/setup.sh llama")
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env = child_environ(drop=("PYTHONPATH",))
         subprocess.run([peers.llama_python, os.path.join(REPO, "bench", "peers", "gguf_convert.py"),
                         os.path.dirname(os.path.realpath(peers.gguf_converter)), hf, "--outtype", "bf16",
                         "--outfile", gguf + ".part"], check=True, env=env)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+from common.env import child_environ, peers_dir
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -50,8 +52,7 @@ class PeerPaths(NamedTuple):
 
 def peer_paths(env: dict[str, str] | None = None) -> PeerPaths:
     """The peers directory named by ``PDSERVE_PEERS_DIR`` in ``env`` (default: os.environ), else ``.peers/``."""
-    env = os.environ if env is None else env
-    return PeerPaths(os.path.abspath(env.get("PDSERVE_PEERS_DIR") or os.path.join(REPO, ".peers")))
+    return PeerPaths(os.path.abspath(peers_dir(env) or os.path.join(REPO, ".peers")))
 
 
 def default_cores(threads: int) -> str:
@@ -62,8 +63,8 @@ def default_cores(threads: int) -> str:
 def vllm_env(threads: int, cores: str, kv_space_gib: int = 2) -> dict[str, str]:
     """The environment vLLM's CPU backend runs with here: its OpenMP threads bound to ``cores`` (both cores,
     not vLLM's default of leaving one for the front end), ``kv_space_gib`` GiB of KV cache."""
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # pdserve's packages (engine, router, ...) must not shadow the peer's imports
+    # pdserve's packages (engine, router, ...) must not shadow the peer's imports
+    env = child_environ(drop=("PYTHONPATH",))
     env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
                OMP_NUM_THREADS=str(threads), VLLM_LOGGING_LEVEL="WARNING", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

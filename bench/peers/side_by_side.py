@@ -32,6 +32,7 @@ from bench.peers.checkpoint import write_gguf, write_hf
 from bench.peers.paths import REPO, default_cores, peer_paths, vllm_env
 from bench.peers.results import render_served, served_figures
 from bench.serve_proc import serve_endpoints
+from common.env import child_environ
 
 MODEL_NAME = "glm4moe"
 SERVERS = {"pdserve": "pdserve", "vllm": "vLLM CPU 0.32", "llama": "llama.cpp server"}
@@ -118,7 +119,7 @@ def run_client(client: str, base_url: str, concurrency: int, args: argparse.Name
                "--output-range", f"{args.output_len},{args.output_len}", "--concurrency", str(concurrency),
                "--duration", str(args.duration), "--warmup", str(args.warmup), "--seed", "0",
                "--vocab-size", str(PROMPT_VOCAB), "--out", out_dir, "--quiet"]
-        env, result_path = dict(os.environ, PYTHONPATH=REPO), os.path.join(out_dir, "bench.json")
+        env, result_path = child_environ(PYTHONPATH=REPO), os.path.join(out_dir, "bench.json")
     else:
         num_prompts = max(args.vllm_prompts_per_slot * concurrency, 8)
         cmd = [peer_paths().vllm, "bench", "serve", "--backend", "openai", "--base-url", base_url.removesuffix("/v1"),
