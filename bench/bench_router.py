@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpc  # noqa: E402
 
+from common.reasons import FinishReason, Role  # noqa: E402
 from protos import rpc  # noqa: E402
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
@@ -47,7 +48,7 @@ class EchoPrefill(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.AbortResponse()
 
     async def GetStatus(self, request, context):
-        return generation_pb2.WorkerStatus(worker_id="echo-p", role="prefill", healthy=True, pages_total=4096,
+        return generation_pb2.WorkerStatus(worker_id="echo-p", role=Role.PREFILL, healthy=True, pages_total=4096,
                                            pages_free=4096, info=INFO, model_hash="echo")
 
     async def StreamCacheEvents(self, request, context):
@@ -62,13 +63,13 @@ class EchoDecode(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Decode(self, request, context):
         n = request.sampling.max_tokens - len(request.output_prefix)
-        yield worker_pb2.DecodeChunk(token_ids=[8] * n, finish_reason="length")
+        yield worker_pb2.DecodeChunk(token_ids=[8] * n, finish_reason=FinishReason.LENGTH)
 
     async def Abort(self, request, context):
         return worker_pb2.AbortResponse()
 
     async def GetStatus(self, request, context):
-        return generation_pb2.WorkerStatus(worker_id="echo-d", role="decode", healthy=True, pages_total=4096,
+        return generation_pb2.WorkerStatus(worker_id="echo-d", role=Role.DECODE, healthy=True, pages_total=4096,
                                            pages_free=4096, info=INFO, model_hash="echo")
 
 

@@ -24,6 +24,7 @@ sys.path.insert(0, REPO)
 import grpc  # noqa: E402
 
 from bench.serve_proc import serve  # noqa: E402
+from common.reasons import Role  # noqa: E402
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 
 
@@ -41,7 +42,7 @@ def run(flags: list[str], prompts: list[str], max_tokens: int) -> tuple[list[flo
                     n += len(r.token_ids)
             rates.append(n / (time.perf_counter() - t0))
         st = generation_pb2_grpc.AdminStub(ch).GetClusterStatus(generation_pb2.GetClusterStatusRequest(), timeout=30)
-    dec = [w for w in st.workers if w.role == "decode"]
+    dec = [w for w in st.workers if w.role == Role.DECODE]
     fb = ", ".join(f"{w.info.get('spec_fallbacks', '-')} speculation fallbacks, {w.tokens_per_s:.0f} tok/s "
                    f"while its scheduler was busy" for w in dec)
     return rates, fb

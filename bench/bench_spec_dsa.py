@@ -35,6 +35,7 @@ import torch
 
 from bench.bench_spec import best_time
 from bench.serve_proc import serve
+from common.reasons import Role
 from engine.defaults import PDSERVE_HOME, SHIPPED_DEFAULT, tune_malloc
 from engine.load import load_model
 from engine.offline import Engine
@@ -91,7 +92,7 @@ def in_process(model, cfg, ids: list[int], spec: SpecConfig, args) -> dict:
 
 
 def _decode_spec(client: GenerationClient):
-    dec = next(w for w in client.cluster_status().workers if w.role == "decode")
+    dec = next(w for w in client.cluster_status().workers if w.role == Role.DECODE)
     return dec.spec if dec.HasField("spec") else None
 
 

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.flags import add_api_key_file_arg
+from common.reasons import Role
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2
 from router.client import GenerationClient, make_request
@@ -89,7 +90,7 @@ def attempt(client: GenerationClient, target: str, **kw) -> dict:
 
 
 def decode_pages_free(client: GenerationClient) -> int:
-    return sum(w.pages_free for w in client.cluster_status().workers if w.role == "decode")
+    return sum(w.pages_free for w in client.cluster_status().workers if w.role == Role.DECODE)
 
 
 def long_ids(client: GenerationClient, target: str, num: int) -> dict:

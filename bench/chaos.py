@@ -28,6 +28,7 @@ import grpc
 
 from bench.loadgen.fault import KVSlowloris
 from bench.loadgen.slowreader import SlowReaders
+from common.reasons import Role
 from router.client import AsyncGenerationClient, make_request
 
 ACTIONS = ("cancel", "deadline", "oversized-text", "stop-ids", "long-id", "kv-slowloris", "slow-readers")
@@ -128,7 +129,7 @@ class Chaos:
         st = await self.client.cluster_status()
         addresses = []
         for w in st.workers:
-            if w.role == "decode" and w.kv_address:
+            if w.role == Role.DECODE and w.kv_address:
                 host, _, port = w.kv_address.rpartition(":")
                 addresses.append((host.strip("[]"), int(port)))
         holder = KVSlowloris(addresses, num_per_port=80, reopen_s=1.0)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from common.reasons import Role
 from engine.config import ModelConfig
 from engine.defaults import default_model_dir
 from engine.headers import TensorInfo, checkpoint_tensors
@@ -137,6 +138,6 @@ def check_serve(cfg) -> None:
     check_speculative(cfg.speculative)
     check_port_free(cfg.host, cfg.port, "--port")
     check_port_free(cfg.host, cfg.http_port, "--http-port")
-    roles = [("prefill", model)] * cfg.num_prefill + [("decode", decode_weights)] * cfg.num_decode
+    roles = [(Role.PREFILL, model)] * cfg.num_prefill + [(Role.DECODE, decode_weights)] * cfg.num_decode
     check_memory(roles, cfg.dtype, cfg.kv_dtype, cfg.page_size, cfg.num_pages, cfg.kv_cache_memory,
                  cfg.mem_fraction)

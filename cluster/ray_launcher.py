@@ -34,10 +34,11 @@ from cluster.local import ClusterStartError, resolve_decode_weights
 from cluster.ray_placement import PLACEMENTS, PlacementError, actor_resources, create_groups, demands_for, list_groups, plan_when_free, remove_groups
 from common.flags import DEFAULT_HTTP_PORT
 from common.net import check_bind
+from common.reasons import Role
 from protos import rpc, tls
 
 logger = logging.getLogger(__name__)
-ROLES = ("prefill", "decode")
+ROLES = tuple(Role)
 
 
 class LaunchError(RuntimeError):
@@ -162,7 +163,7 @@ class RayLaunchConfig:
         return {str(k): float(v) for k, v in b.items()}
 
     def tp(self, role: str) -> int:
-        return self.prefill_tp if role == "prefill" else self.decode_tp
+        return self.prefill_tp if role == Role.PREFILL else self.decode_tp
 
 
 @dataclass
@@ -212,7 +213,7 @@ def launch(cfg: RayLaunchConfig) -> DeploymentStatus:
         raise LaunchError(f"namespace {cfg.namespace!r} already runs pdserve actors ({', '.join(existing)}): "
                           f"`pdserve scale` it, or `pdserve stop` it first")
     spec = _make_spec(cfg)
-    names = [f"{r}-{i}" for r, n in (("prefill", cfg.prefill), ("decode", cfg.decode)) for i in range(n)]
+    names = [f"{r}-{i}" for r, n in ((Role.PREFILL, cfg.prefill), (Role.DECODE, cfg.decode)) for i in range(n)]
     try:
         refs = start_workers(spec, names, existing_nodes={})
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # lazy: ray
@@ -279,7 +280,7 @@ def _worker_args(spec: dict, role: str, name: str) -> list[str]:
         args += ["--kv-cache-memory", spec["kv_cache_memory"]]
     if spec.get("mem_fraction"):
         args += ["--mem-fraction", repr(spec["mem_fraction"])]
-    if role == "decode":
+    if role == Role.DECODE:
         args += ["--kv-port", "0", "--speculative", spec["speculative"] or "off"]
         args += ["--compile"] if spec.get("compile_decode") else []
         args += ["--no-spec-fallback"] if spec.get("no_spec_fallback") else []

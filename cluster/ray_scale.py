@@ -24,6 +24,7 @@ from cluster.ray_launcher import (
     worker_index,
 )
 from cluster.ray_placement import remove_groups
+from common.reasons import Role
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def scale(address: str, namespace: str = "pdserve", prefill: int | None = None, 
 
     from cluster.ray_actors import ROUTER_NAME  # lazy: ray
     connect(address, namespace)
-    for what, n in (("prefill", prefill), ("decode", decode)):
+    for what, n in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
         if n is not None and n < 1:
             raise ValueError(f"need at least one {what} worker, got {n}")
     try:
@@ -47,7 +48,7 @@ def scale(address: str, namespace: str = "pdserve", prefill: int | None = None, 
     have = {r: sorted(i for i in (worker_index(n) for n in actor_names(namespace)) if i and i[0] == r)
             for r in ROLES}
     add, remove = [], []
-    for role, want in (("prefill", prefill), ("decode", decode)):
+    for role, want in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
         idx = [i for _, i in have[role]]
         if want is None:
             continue

@@ -28,7 +28,16 @@ class Role(enum.StrEnum):
 
 
 class AbortReason(enum.StrEnum):
-    """Why a scheduler aborts a request (its finish reason is ``FinishReason.ABORT``)."""
+    """Why a scheduler aborts a request (its finish reason is ``FinishReason.ABORT``; the value is the message
+    its caller sees)."""
     CANCELLED = "cancelled"
     SHUTDOWN = "shutdown"
     DEADLINE = "deadline exceeded"
+    CLIENT_CANCELLED = "cancelled by the client"
+    """A prefill worker's caller (the router) cancelled its ``Prefill`` call."""
+    STREAM_CLOSED = "stream closed by the client"
+    """A decode worker's ``Decode`` stream ended before the request did."""
+    ROUTER = "aborted by the router"
+    """The router's ``Abort`` call."""
+    INTERNAL = "internal error"
+    """A scheduler step raised: the requests it was running end."""

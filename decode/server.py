@@ -22,7 +22,7 @@ import torch
 from common import logs
 from common.flags import config_from_args
 from common.net import check_bind
-from common.reasons import FinishReason, Role
+from common.reasons import AbortReason, FinishReason, Role
 from decode.config import DecodeConfig
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
 from engine.defaults import default_model_dir
@@ -140,7 +140,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         logger.warning("request %s ended with an error: %s", req_id, ev.message)
                     return
         finally:
-            self.sched.abort(req_id, "stream closed by the client")  # no-op when already finished
+            self.sched.abort(req_id, AbortReason.STREAM_CLOSED)  # no-op when already finished
 
     def rank_problem(self) -> str:
         return self.ranks.problem() if self.ranks is not None else ""
@@ -157,9 +157,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id}: {e}")
 
     async def Abort(self, request, context):
-        found = self.sched.abort(request.request_id, "aborted by the router")
+        found = self.sched.abort(request.request_id, AbortReason.ROUTER)
         if self.receiver.poll(request.request_id) is not None:
-            self.receiver.cancel(request.request_id, "aborted by the router")
+            self.receiver.cancel(request.request_id, AbortReason.ROUTER)
             found = True
         return worker_pb2.AbortResponse(found=found)
 
@@ -256,8 +256,8 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     if wcfg.expect_model_hash and wcfg.expect_model_hash != mhash:
         raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {wcfg.expect_model_hash}")
     weights_dir = wcfg.quantized_model or model_dir
-    plan = process.start_plan(wcfg, weights_dir, "decode")
-    ranks = process.start_ranks(wcfg, weights_dir, plan.dtype.dtype, "decode")
+    plan = process.start_plan(wcfg, weights_dir, Role.DECODE)
+    ranks = process.start_ranks(wcfg, weights_dir, plan.dtype.dtype, Role.DECODE)
     model, cfg = load_model(weights_dir, plan.dtype.dtype, wcfg.device,
                             parallel=ranks.parallel if ranks is not None else SINGLE_RANK)
     local_model, layout = model, plan.layout
@@ -284,7 +284,7 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
                             stop_checker=stop_checker(Tokenizer.from_model_dir(model_dir)), spec=spec)
     sched.heartbeat = heartbeat.Heartbeat(wcfg.stall_after)
     server = rpc.make_server(secret)
-    port = process.bind(server, wcfg, "decode")
+    port = process.bind(server, wcfg, Role.DECODE)
     address = f"{wcfg.host}:{port}"
     model_info = convert.model_info(cfg, model_dir, wcfg.page_size)
     info = convert.model_info_strings(model_info)

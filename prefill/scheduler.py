@@ -184,7 +184,7 @@ class PrefillScheduler(SchedulerThread):
 
     def on_step_error(self) -> None:
         for t in self._running:
-            t.abort_reason = t.abort_reason or "internal error"
+            t.abort_reason = t.abort_reason or AbortReason.INTERNAL
         self._reap_aborted()
 
     def stop(self) -> None:

@@ -20,7 +20,7 @@ import msgpack
 from common import logs
 from common.flags import config_from_args
 from common.net import check_bind
-from common.reasons import Role
+from common.reasons import AbortReason, Role
 from engine.defaults import default_model_dir
 from engine.kvcache import KVLayout, KVPool, PoolExhausted
 from engine.load import load_model
@@ -102,7 +102,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             res = await fut
         except asyncio.CancelledError:
-            self.sched.abort(request.request_id, "cancelled by the client")
+            self.sched.abort(request.request_id, AbortReason.CLIENT_CANCELLED)
             raise
         if isinstance(res, PrefillResult):
             if res.transfer_bytes:
@@ -124,7 +124,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return self.ranks.problem() if self.ranks is not None else ""
 
     async def Abort(self, request, context):
-        return worker_pb2.AbortResponse(found=self.sched.abort(request.request_id, "aborted by the router"))
+        return worker_pb2.AbortResponse(found=self.sched.abort(request.request_id, AbortReason.ROUTER))
 
     async def GetStatus(self, request, context):
         return self.status()
@@ -201,7 +201,7 @@ def _set(fut: asyncio.Future, value) -> None:
 
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, RequestAborted):
-        if "deadline" in exc.reason:
+        if exc.reason == AbortReason.DEADLINE:
             return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
         return grpc.StatusCode.CANCELLED, str(exc)
     if isinstance(exc, PoolExhausted):
@@ -233,8 +233,8 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
     mhash = model_hash(model_dir)
     if wcfg.expect_model_hash and wcfg.expect_model_hash != mhash:
         raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {wcfg.expect_model_hash}")
-    plan = process.start_plan(wcfg, model_dir, "prefill")
-    ranks = process.start_ranks(wcfg, model_dir, plan.dtype.dtype, "prefill")
+    plan = process.start_plan(wcfg, model_dir, Role.PREFILL)
+    ranks = process.start_ranks(wcfg, model_dir, plan.dtype.dtype, Role.PREFILL)
     model, cfg = load_model(model_dir, plan.dtype.dtype, wcfg.device,
                             parallel=ranks.parallel if ranks is not None else SINGLE_RANK)
     layout = plan.layout
@@ -251,7 +251,7 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
                                                         max_batch_tokens=max(wcfg.chunk_size, wcfg.max_batch_tokens),
                                                         max_queue=wcfg.max_queue))
     server = rpc.make_server(secret)
-    port = process.bind(server, wcfg, "prefill")
+    port = process.bind(server, wcfg, Role.PREFILL)
     address = f"{wcfg.host}:{port}"
     model_info = convert.model_info(cfg, model_dir, wcfg.page_size)
     info = convert.model_info_strings(model_info)

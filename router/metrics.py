@@ -82,7 +82,8 @@ class RouterMetrics:
 class ObservedRun(Protocol):
     """What the metrics read of a served request (``router.request.GenerateRun``)."""
 
-    client_id: str
+    client_req_id: str
+    """The id the client gave (or one made up for it): what the access log names."""
     t0: float
     """``time.monotonic()`` when the request arrived."""
     cached_tokens: int

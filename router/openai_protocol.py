@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from common.reasons import FinishReason
 from protos.pdserve.v1 import generation_pb2
 from router.text import Detokenizer, TextCodec
 from router.validate import MAX_LOGPROBS
@@ -227,7 +228,7 @@ class OutputText:
 
     def add(self, ids: list[int], finish: str) -> str:
         """The new text to send for this chunk (``finish``: its finish_reason, "" while streaming)."""
-        if finish == "stop" and ids and (ids[-1] in self._stop_ids or ids[-1] in self._eos):
+        if finish == FinishReason.STOP and ids and (ids[-1] in self._stop_ids or ids[-1] in self._eos):
             if ids[-1] in self._stop_ids:
                 self.stop_reason = ids[-1]
             ids = ids[:-1]  # the stop token's own text is not part of the answer
@@ -238,7 +239,7 @@ class OutputText:
         end = max(self._sent, len(self.text) - self._holdback)
         if finish:
             end = len(self.text)
-            if finish == "stop" and self.stop_reason is None and self.stop:
+            if finish == FinishReason.STOP and self.stop_reason is None and self.stop:
                 hits = [(pos, s) for pos, s in ((self.text.find(s), s) for s in self.stop) if pos >= 0]
                 if hits:
                     pos, self.stop_reason = min(hits)

@@ -74,7 +74,7 @@ class Span:
 @dataclass(eq=False)
 class Worker:
     role: str
-    """"prefill" or "decode"."""
+    """``Role.PREFILL`` or ``Role.DECODE``."""
     address: str
     """gRPC host:port (one process may serve both roles on one port)."""
     channel: grpc.aio.Channel
@@ -152,8 +152,8 @@ class Registry:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        for role, addrs, stub_cls in (("prefill", self.cfg.prefill, worker_pb2_grpc.PrefillWorkerStub),
-                                      ("decode", self.cfg.decode, worker_pb2_grpc.DecodeWorkerStub)):
+        for role, addrs, stub_cls in ((Role.PREFILL, self.cfg.prefill, worker_pb2_grpc.PrefillWorkerStub),
+                                      (Role.DECODE, self.cfg.decode, worker_pb2_grpc.DecodeWorkerStub)):
             for addr in addrs:
                 ch = tls.channel(addr, self.cfg.tls, WORKER_CHANNEL_OPTIONS)
                 w = Worker(role, addr, ch, stub_cls(ch))
@@ -198,7 +198,7 @@ class Registry:
                 w.excluded = ""
                 logger.info("%s worker %s is back: no longer draining", role, address)
             return w
-        stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+        stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == Role.PREFILL else worker_pb2_grpc.DecodeWorkerStub
         ch = tls.channel(address, self.cfg.tls, WORKER_CHANNEL_OPTIONS)
         w = Worker(role, address, ch, stub_cls(ch))
         self.workers[key] = w

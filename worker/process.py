@@ -11,6 +11,7 @@ import signal
 import time
 
 from common import env
+from common.reasons import Role
 from worker.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ def freeze_startup_heap() -> int:
     return n
 
 
-def start_plan(cfg: WorkerConfig, weights_dir: str, role: str):
+def start_plan(cfg: WorkerConfig, weights_dir: str, role: Role):
     """The worker's dtype, KV layout and pool size (``engine.sizing.plan_start``), checked before the model
     is loaded or the pool allocated; a pool that cannot fit ends the process with one line naming the
     numbers."""
@@ -48,7 +49,7 @@ def start_plan(cfg: WorkerConfig, weights_dir: str, role: str):
         raise SystemExit(f"pdserve {role} worker: error: {e}") from None
 
 
-def bind(server, cfg: WorkerConfig, role: str) -> int:
+def bind(server, cfg: WorkerConfig, role: Role) -> int:
     """Bind the worker's gRPC port (TLS with --tls-cert/--tls-key, mutual with --tls-ca); a bad TLS flag
     or a port that cannot be bound ends the process with one line."""
     from protos import tls  # grpc: this module stays stdlib-only at import (the router's)

@@ -25,6 +25,7 @@ from bench.loadgen.runner import RequestRecord
 from bench.loadgen.slowreader import SlowReaders
 from bench.loadgen.stats import percentile
 from common.net import is_loopback
+from common.reasons import Role
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 SLOWLORIS_PER_WORKER = 80
@@ -158,7 +159,7 @@ async def _start_slowloris(channel: grpc.aio.Channel, metadata, out: dict[str, A
             generation_pb2.GetClusterStatusRequest(), metadata=metadata, timeout=10)
     except grpc.aio.AioRpcError as e:
         return {**out, "error": f"cluster status: {e.code().name} {e.details()}"}
-    decode = [w for w in st.workers if w.role == "decode" and w.kv_address]
+    decode = [w for w in st.workers if w.role == Role.DECODE and w.kv_address]
     if not decode:
         return {**out, "error": "no decode worker reports a KV address"}
     addresses = []

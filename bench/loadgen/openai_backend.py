@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator
 import aiohttp
 import grpc
 
+from common.reasons import FinishReason
 from protos.pdserve.v1 import generation_pb2
 
 GRPC_OF_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
@@ -140,7 +141,7 @@ async def _events(r: aiohttp.ClientResponse) -> AsyncIterator[generation_pb2.Gen
             finish = c.get("finish_reason") or finish
         usage = ev.get("usage")
         if usage and not done_sent:  # vLLM: an event of its own; llama.cpp: on the finishing choice
-            done = generation_pb2.GenerateResponse(finish_reason=finish or "length")
+            done = generation_pb2.GenerateResponse(finish_reason=finish or FinishReason.LENGTH)
             done.usage.prompt_tokens = usage.get("prompt_tokens") or 0
             done.usage.completion_tokens = usage.get("completion_tokens") or 0
             done.usage.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0

@@ -27,12 +27,13 @@ import grpc
 from bench.loadgen.arrivals import poisson_arrivals
 from bench.loadgen.config import BenchConfig
 from bench.loadgen.workload import RequestSpec, Workload
+from common.reasons import FinishReason
 from protos.pdserve.v1 import generation_pb2
 
 OK = "OK"
 DRAIN_TIMEOUT = "DRAIN_TIMEOUT"
 INCOMPLETE = "INCOMPLETE"
-_GOOD_FINISH = ("length", "stop")
+_GOOD_FINISH = (FinishReason.LENGTH, FinishReason.STOP)
 PROGRESS_INTERVAL_S = 0.5
 
 
