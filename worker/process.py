@@ -63,7 +63,7 @@ def bind(server, cfg: WorkerConfig, role: Role) -> int:
     return port
 
 
-def start_ranks(cfg: WorkerConfig, weights_dir: str, dtype: str, role: str):
+def start_ranks(cfg: WorkerConfig, weights_dir: str, dtype: str, role: Role):
     """With ``--tp`` > 1: spawn and join this worker's follower ranks (``worker.ranks``; call from the main
     thread, before the model is loaded here); None at ``--tp 1``."""
     if cfg.tp == 1:
