@@ -303,7 +303,7 @@ class LocalCluster:
             cmd += ["--mem-fraction", repr(c.mem_fraction / (c.num_prefill + c.num_decode))]
         num_ranks = c.num_prefill * c.prefill_tp + c.num_decode * c.decode_tp
         threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // num_ranks)
-        tp = c.prefill_tp if role == "prefill" else c.decode_tp
+        tp = c.prefill_tp if role == Role.PREFILL else c.decode_tp
         if tp > 1:  # one worker = tp rank processes, rank 0 starts and supervises the others
             cmd += ["--tp", str(tp), "--moe-parallel", c.moe_parallel]
         cmd += ["--threads", str(threads), "--stall-after", str(c.stall_after_s), "--grace-s", repr(c.grace_s)]
