@@ -29,6 +29,9 @@ def register(sub) -> None:
     la = sub.add_parser("launch", help="start a router and workers as Ray actors on a running Ray cluster")
     add_config_args(la, cls=RayLaunchConfig, skip=("model_hash",))
     add_api_key_file_arg(la)
+    la.add_argument("--dp", type=int, default=None,
+                    help="data-parallel size: identical workers per role (--prefill K --decode K at once; TP4 x DP2 is "
+                         "--decode-tp 4 --decode 2)")
     la.add_argument("--json", action="store_true", help="print the deployment as one JSON object")
     la.set_defaults(fn=cmd_launch)
 

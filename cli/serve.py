@@ -136,8 +136,6 @@ def serve_config(args: argparse.Namespace):
     from cluster.local import LocalClusterConfig  # lazy: grpc, grpc_health, grpc_reflection
     from protos import rpc  # lazy: grpc, grpc_health, grpc_reflection
     api_key = rpc.api_key_from_args(args)
-    if args.dp is not None:
-        args.prefill = args.decode = args.dp
     return LocalClusterConfig(
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, moe_parallel=args.moe_parallel,
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,

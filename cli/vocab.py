@@ -3,6 +3,7 @@
 - sglang / vLLM names are accepted where they exist: ``--tp``, ``--kv-cache-dtype`` (= ``--kv-dtype``),
   ``--speculative-num-steps`` / ``--speculative-eagle-topk`` / ``--speculative-num-draft-tokens`` (the
   three parts of ``--speculative S/K/D``).
+- ``--dp K`` (serve, launch) is ``--prefill K --decode K``: K identical workers per role.
 - ``serve`` and ``launch`` answer to each other's names: ``--compile`` / ``--compile-decode``,
   ``--stall-after`` / ``--stall-after-s``, ``--threads-per-worker`` / ``--threads``, ``--run-dir`` /
   ``--log-dir``, ``--no-speculative`` / ``--speculative off``.
@@ -72,6 +73,11 @@ def resolve_vocabulary(args: argparse.Namespace, cmd: str) -> None:
         args.speculative = "/".join(str(v) if v is not None else g for v, g in zip(parts, given))
         if hasattr(args, "no_speculative"):
             args.no_speculative = False
+    dp = getattr(args, "dp", None)
+    if dp is not None:  # data parallelism = identical workers per role
+        if dp < 1:
+            raise ValueError(f"--dp must be >= 1, got {dp}")
+        args.prefill = args.decode = dp
     tp = getattr(args, "tp", None)
     if tp is not None:
         if tp < 1:

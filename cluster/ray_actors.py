@@ -12,6 +12,13 @@ Each actor owns one ordinary pdserve server process, the same ``python -m prefil
     stop()        SIGTERM the child and wait (the launcher then ``ray.kill``\\ s the actor)
 
 The child gets ``PR_SET_PDEATHSIG``: when Ray kills the actor process, the child is told to exit too.
+
+A tensor-parallel worker (``--prefill-tp`` / ``--decode-tp`` K) has K bundles in its placement group: its
+``WorkerActor`` sits in bundle 0 and one ``RankSlotActor`` holds each of bundles 1..K-1 (Ray's accounting:
+their CPUs and GPUs are the followers'). The worker child is rank 0 and starts its followers itself
+(``worker.ranks``), on this node; before it starts, ``CUDA_VISIBLE_DEVICES`` is set to the GPUs of all K
+bundles in rank order (rank r then uses ``cuda:r``, the GPU of bundle r). A dead follower makes rank 0 exit,
+the actor exits with it and Ray restarts it: a fresh rank 0 with fresh followers, the group as a unit.
 KV bytes never go through Ray: workers bind the node's IP and talk to each other directly.
 
 The router actor also publishes the worker list its router child follows (``router/discovery.py``): a
@@ -45,7 +52,8 @@ class ServerProcess:
     """One pdserve server child supervised by the enclosing actor (see the module docstring)."""
 
     def __init__(self, name: str, role: str, module: str, args: list[str], secret: str, log_dir: str,
-                 startup_timeout_s: float, bind_node_ip: bool = True, api_key: str | None = None) -> None:
+                 startup_timeout_s: float, bind_node_ip: bool = True, api_key: str | None = None,
+                 rank_slots: list | None = None) -> None:
         self.name, self.role = name, role
         self.draining = False
         self._stopping = False
@@ -57,8 +65,11 @@ class ServerProcess:
         ensure_private_dir(log_dir)  # beside the worker list, which says where the secret may be sent
         log_path = os.path.join(log_dir, f"{name}.{os.getpid()}.log")
         # secrets through the environment, never argv (ps shows argv to every user); the API key to the router only
+        self.rank_devices = rank_devices(rank_slots or [])
+        """GPU ids of every rank's bundle, rank order (empty on CPU bundles)."""
+        gpus = {"CUDA_VISIBLE_DEVICES": ",".join(self.rank_devices)} if self.rank_devices else {}
         child_env = child_environ(drop=(API_KEY,), **{CLUSTER_SECRET: secret, "PYTHONUNBUFFERED": "1",
-                                                          **({API_KEY: api_key} if api_key else {})})
+                                                          **({API_KEY: api_key} if api_key else {}), **gpus})
         self.child = Child(name, cmd, child_env, log_path)
         self.started_s = time.time()
         try:
@@ -102,7 +113,7 @@ class ServerProcess:
                 "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
                 "restarted": ctx.was_current_actor_reconstructed, "draining": self.draining,
                 "alive": self.child.proc.poll() is None, "log_path": self.child.log_path,
-                "started_s": self.started_s}
+                "started_s": self.started_s, "rank_devices": list(getattr(self, "rank_devices", []))}
 
     def log_tail(self, num_bytes: int = 4000) -> str:
         return self.child.log_tail(num_bytes)
@@ -119,7 +130,35 @@ class ServerProcess:
 
 @ray.remote
 class WorkerActor(ServerProcess):
-    """A prefill or decode worker (created by the launcher in the worker's placement group)."""
+    """A prefill or decode worker (created by the launcher in bundle 0 of the worker's placement group)."""
+
+
+def rank_devices(rank_slots: list) -> list[str]:
+    """The GPU ids of this actor's bundle then of each ``RankSlotActor``'s (rank order); [] without GPUs."""
+    own = [str(int(g)) for g in ray.get_gpu_ids()]
+    if not own:
+        return []
+    return own + [d for ids in ray.get([s.devices.remote() for s in rank_slots]) for d in ids]
+
+
+@ray.remote
+class RankSlotActor:
+    """Holds bundle r > 0 of a tensor-parallel worker's placement group for follower rank r (started by rank
+    0 on this node); reports the GPUs Ray gave the bundle. It runs nothing else."""
+
+    def __init__(self, worker: str, rank: int) -> None:
+        self.worker, self.rank = worker, rank
+
+    def devices(self) -> list[str]:
+        return [str(int(g)) for g in ray.get_gpu_ids()]
+
+    def info(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {"name": f"{self.worker}-rank{self.rank}", "role": "rank", "worker": self.worker, "rank": self.rank,
+                "node_id": ctx.get_node_id(), "devices": self.devices(), "alive": True}
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        return None
 
 
 @ray.remote

@@ -58,9 +58,12 @@ class RayLaunchConfig:
     decode: int = 1
     """Decode workers."""
     prefill_tp: int = 1
-    """Tensor-parallel size of a prefill worker: bundles reserved on one node (TP itself is pending)."""
+    """Tensor-parallel size of a prefill worker: that many rank processes and bundles, on one node."""
     decode_tp: int = 1
     """Tensor-parallel size of a decode worker (as --prefill-tp)."""
+    moe_parallel: str = "tp"
+    """Routed experts across a worker's ranks: tp (each expert's intermediate dim split) or ep (experts
+    partitioned)."""
     resources_per_worker: str = '{"CPU": 1}'
     """JSON resources of one worker rank, e.g. {"CPU": 8, "GPU": 1} (custom resources allowed)."""
     placement: str = "spread"
@@ -136,6 +139,8 @@ class RayLaunchConfig:
             raise ValueError(f"need at least one prefill and one decode worker, got {self.prefill} + {self.decode}")
         if self.prefill_tp < 1 or self.decode_tp < 1:
             raise ValueError(f"tp sizes must be >= 1, got {self.prefill_tp} and {self.decode_tp}")
+        if self.moe_parallel not in ("tp", "ep"):
+            raise ValueError(f"moe_parallel must be tp or ep, got {self.moe_parallel!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         from router.config import ROUTING_POLICIES  # lazy: building the CLI parser must not import router
@@ -178,6 +183,8 @@ class DeploymentStatus:
     errors: dict[str, str] = field(default_factory=dict)
     """Actors that did not answer, and why."""
     notes: list[str] = field(default_factory=list)
+    ranks: list[dict] = field(default_factory=list)
+    """The rank slots of tensor-parallel workers (bundles 1..K-1): worker, rank, node, GPUs."""
 
     @property
     def router_address(self) -> str:
@@ -253,8 +260,7 @@ def _make_spec(cfg: RayLaunchConfig) -> dict:
             raise ValueError(f"--decode-weights {cfg.decode_weights!r}: give a directory holding a quantized copy of "
                              f"the model that every node can read (make one with `pdserve quantize`)")
         decode_weights = resolve_decode_weights(model, os.path.abspath(cfg.decode_weights))
-    notes = [f"tensor parallelism is not implemented in the engine yet: each {role} worker reserves "
-             f"{cfg.tp(role)} bundles on one node and runs on the first" for role in ROLES if cfg.tp(role) > 1]
+    notes: list[str] = []
     tls_paths = {k: os.path.abspath(v) for k in ("tls_cert", "tls_key", "tls_ca") if (v := getattr(cfg, k))}
     return {**dataclasses.asdict(cfg), **tls_paths, "model": model, "model_hash": mhash, "notes": notes,
             "decode_weights": decode_weights,
@@ -280,6 +286,9 @@ def _worker_args(spec: dict, role: str, name: str) -> list[str]:
         args += ["--kv-cache-memory", spec["kv_cache_memory"]]
     if spec.get("mem_fraction"):
         args += ["--mem-fraction", repr(spec["mem_fraction"])]
+    tp = spec["prefill_tp"] if role == Role.PREFILL else spec["decode_tp"]
+    if tp > 1:  # rank 0 starts and supervises the other tp - 1 ranks on this node (cluster/ray_actors.py)
+        args += ["--tp", str(tp), "--moe-parallel", spec.get("moe_parallel", "tp")]
     if role == Role.DECODE:
         args += ["--kv-port", "0", "--speculative", spec["speculative"] or "off"]
         args += ["--compile"] if spec.get("compile_decode") else []
@@ -322,7 +331,7 @@ def start_workers(spec: dict, names: list[str], existing_nodes: dict[str, int]) 
     _quiet_ray_warning()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # lazy: ray
 
-    from cluster.ray_actors import WorkerActor  # lazy: ray
+    from cluster.ray_actors import RankSlotActor, WorkerActor  # lazy: ray
     cfg = RayLaunchConfig(**{f.name: spec[f.name] for f in dataclasses.fields(RayLaunchConfig)})
     demands = [d for role in ROLES for d in demands_for([n for n in names if n.startswith(role + "-")],
                                                         cfg.bundle, cfg.tp(role))]
@@ -331,12 +340,16 @@ def start_workers(spec: dict, names: list[str], existing_nodes: dict[str, int]) 
     refs = {}
     for d in demands:
         role = d.name.split("-")[0]
+        slots = [RankSlotActor.options(  # bundles 1..K-1: the followers' share, held for them
+            name=f"{d.name}-rank{r}", namespace=cfg.namespace, lifetime="detached", max_restarts=cfg.max_restarts,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(groups[d.name], placement_group_bundle_index=r),
+            **actor_resources(cfg.bundle)).remote(d.name, r) for r in range(1, d.num_ranks)]
         actor = WorkerActor.options(
             name=d.name, namespace=cfg.namespace, lifetime="detached", max_restarts=cfg.max_restarts,
             scheduling_strategy=PlacementGroupSchedulingStrategy(groups[d.name], placement_group_bundle_index=0),
             **actor_resources(cfg.bundle),
         ).remote(d.name, role, f"{role}.server", _worker_args(spec, role, d.name), spec["secret"], _log_dir(spec),
-                 cfg.startup_timeout_s)
+                 cfg.startup_timeout_s, rank_slots=slots)
         refs[d.name] = actor.info.remote()
     return refs
 
@@ -417,6 +430,8 @@ def status(address: str, namespace: str = "pdserve", timeout_s: float = 5.0) -> 
             continue
         if name == ROUTER_NAME:
             st.router = info
+        elif info.get("role") == "rank":
+            st.ranks.append(info)
         else:
             st.workers.append(info)
     return st

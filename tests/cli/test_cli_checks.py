@@ -168,3 +168,5 @@ def test_serve_tp_and_dp_flags_reach_the_worker_command_lines(tmp_path):
     assert "--tp" not in pre
     t = parse(["serve", "--tp", "2"])
     assert (t.prefill_tp, t.decode_tp) == (2, 2)
+    la = parse(["launch", "--dp", "2", "--decode-tp", "4", "--moe-parallel", "ep"])
+    assert (la.prefill, la.decode, la.prefill_tp, la.decode_tp, la.moe_parallel) == (2, 2, 1, 4, "ep")

@@ -6,6 +6,7 @@ in file order: refusals first (nothing may be left behind), then launch + serve 
 worker actor, scaling, and stop last.
 """
 import os
+import signal
 import subprocess
 import time
 
@@ -293,3 +294,42 @@ def test_launch_over_tls(ray_cluster, model_dir, tmp_path_factory):
     finally:
         stop(ray_cluster.address, NS, grace_s=2.0)
     assert_nothing_left()
+
+
+# -- tensor parallelism (after the main deployment stopped) -------------------------------------------------
+def test_tp2_worker_fills_its_bundles_and_restarts_as_a_unit(ray_cluster, model_dir, tmp_path_factory):
+    """``--decode-tp 2``: the decode worker's placement group holds 2 bundles on one node, the worker actor in
+    bundle 0 and a rank slot in bundle 1; the worker is 2 rank processes (rank 0 the actor's child, rank 1 its
+    child) and serves; a SIGKILLed follower makes the whole group restart (new rank 0, new follower), which
+    serves again; stop leaves nothing."""
+    st = launch(cfg(ray_cluster, model_dir, tmp_path_factory, prefill=1, decode=1, decode_tp=2,
+                    resources_per_worker='{"CPU": 0.5}'))
+    prompt = list(range(3, 40))
+    try:
+        [slot] = st.ranks
+        dec = next(w for w in st.workers if w["name"] == "decode-0")
+        assert (slot["worker"], slot["rank"], slot["node_id"]) == ("decode-0", 1, dec["node_id"])
+        with GenerationClient(st.router_address, timeout_s=60) as c:
+            want = c.generate(token_ids=prompt, max_tokens=8, ignore_eos=True).token_ids
+            w = next(w for w in c.cluster_status().workers if w.worker_id == "decode-0")
+            rank0, follower = int(w.info["pid"]), int(w.info["rank_pids"])
+            assert w.info["tp"] == "2" and pid_alive(follower)
+            os.kill(follower, signal.SIGKILL)
+            wait_until(lambda: not pid_alive(rank0), 60, "rank 0 of the broken group to exit")
+
+            def restarted():
+                w = {w["name"]: w for w in status(ray_cluster.address, NS).workers}.get("decode-0")
+                return w if w and w["restarted"] and w["pid"] != dec["pid"] else None
+            new = wait_until(restarted, 180, "decode-0 restarted", interval_s=1.0)
+            assert new["node_id"] == dec["node_id"]
+
+            def serving():
+                ws = [w for w in c.cluster_status().workers if w.worker_id == "decode-0" and w.healthy]
+                return ws and int(ws[0].info["pid"]) != rank0 and ws[0]
+            back = wait_until(serving, 60, "the router to take the new group back")
+            assert int(back.info["rank_pids"]) != follower and pid_alive(int(back.info["rank_pids"]))
+            assert c.generate(token_ids=prompt, max_tokens=8, ignore_eos=True).token_ids == want
+    finally:
+        stop(ray_cluster.address, NS, grace_s=2.0)
+    assert_nothing_left()
+    assert not pid_alive(follower)
