@@ -21,6 +21,7 @@ from engine.memory import (
     parse_bytes,
     plan_pool,
 )
+from engine.parallel.config import SINGLE_RANK, ParallelConfig
 from engine.precision import DtypeChoice, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -42,16 +43,18 @@ def pool_sizing(num_pages: int | None, kv_cache_memory: str | None, mem_fraction
 
 
 def plan_start(weights_dir: str, dtype: str, kv_dtype: str | None, device: torch.device, page_size: int,
-               sizing: PoolSizing, flags: frozenset[str] | None = None) -> StartPlan:
+               sizing: PoolSizing, flags: frozenset[str] | None = None,
+               parallel: ParallelConfig = SINGLE_RANK) -> StartPlan:
     """Dtype, KV layout and pool size of a worker serving ``weights_dir`` on ``device``; logs the dtype
-    choice and the pool size once."""
+    choice and the pool size once. ``parallel``: one rank of a tensor-parallel worker (its pool's layout; the
+    weight bytes stay the whole checkpoint's, an over-estimate of a rank's share that only shrinks its pool)."""
     tensors = checkpoint_tensors(weights_dir)
     cfg = detect_mtp_layers(ModelConfig.from_model_dir(weights_dir), [t.name for t in tensors])
     choice = resolve_dtype(dtype, tensors, device, cfg.hidden_size, flags)
     if choice.reason != "given":
         (logger.warning if choice.widened else logger.info)("dtype auto -> %s: %s", choice.dtype, choice.reason)
     kv = kv_dtype or choice.dtype
-    layout = KVLayout.for_model(cfg, page_size, kv)
+    layout = KVLayout.for_model(cfg, page_size, kv, parallel)
     wbytes = weights_bytes(tensors, DTYPE_BYTES[choice.dtype])
     pool = plan_pool(sizing, layout.bytes_per_page(), wbytes, device_memory(device))
     logger.info("KV pool: %d pages of %d tokens (%s, %s)", pool.num_pages, page_size, gib(pool.pool_bytes),

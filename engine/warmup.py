@@ -28,7 +28,7 @@ def warm_up_decode(model: GlmForCausalLM, cfg: ModelConfig, kv_dtype: str, page_
     q_out = min(MLA_ABSORB_MAX_Q, GATHER_MAX_PAIRS // max(1, cfg.num_experts_per_tok) + 1)
     shapes = [(1,), (1, 1), (2,), (2, 2), (1, 2), (1,) * 9, (q_out,), (2,) * 9]
     per_req = -(-(long + MLA_ABSORB_MAX_Q) // page_size)
-    pool = KVPool(KVLayout.for_model(cfg, page_size, kv_dtype), per_req * 9 + 1,
+    pool = KVPool(KVLayout.for_model(cfg, page_size, kv_dtype, model.parallel), per_req * 9 + 1,
                   device=model.lm_head.weight.device)
     for ctx in (4, long):
         for qs in shapes:

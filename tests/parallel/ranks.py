@@ -17,9 +17,10 @@ from engine.checkpoint import TINY_GLM5
 from engine.load import load_model
 from engine.offline import Engine
 from engine.parallel import ParallelConfig, comm_stats, destroy_tp_group, init_tp_group
-from engine.quant.prepare import model_weight_bytes
+from engine.quant.prepare import model_weight_bytes, quantized_experts
 from engine.sampling import SamplingParams
 from engine.speculative import run_speculative
+from engine.warmup import warm_up_decode
 
 JOB_TIMEOUT_S = 180.0
 
@@ -52,7 +53,9 @@ def job_generate(model_dir: str, pc: ParallelConfig, prompts: list[list[int]], m
     res = eng.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return {"tokens": [r.token_ids for r in res], "weight_bytes": model_weight_bytes(model),
             "pages_used": eng.pool.stats().num_used, "kv_shape": {c.name: list(c.shape) for c in eng.layout.components},
-            "comm_bytes": comm_stats().total_bytes}
+            "comm_bytes": comm_stats().total_bytes,
+            "mx_shapes": sorted({(m.shape.hidden, m.shape.inter, m.shape.num_experts, m.shape.topk)
+                                 for m in quantized_experts(model).values()})}
 
 
 def job_spec_generate(model_dir: str, pc: ParallelConfig, prompts: list[list[int]], max_tokens: int,
@@ -154,8 +157,9 @@ def job_prefill_kv(model_dir: str, pc: ParallelConfig, ids: list[int]) -> dict:
 
 
 def job_compile_decode(model_dir: str, pc: ParallelConfig) -> tuple[bool, int]:
-    """``compile_decode()`` on a TP model -> (whether every layer stayed eager, WARNINGs logged)."""
-    model, _ = load_model(model_dir, "float32", "cpu", parallel=pc)
+    """``compile_decode()`` on a TP model, then the worker's start-up warm-up (its scratch pool in the rank's
+    layout) -> (whether every layer stayed eager, WARNINGs logged)."""
+    model, cfg = load_model(model_dir, "float32", "cpu", parallel=pc)
     warnings: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = warnings.append
@@ -165,6 +169,7 @@ def job_compile_decode(model_dir: str, pc: ParallelConfig) -> tuple[bool, int]:
         model.compile_decode()
     finally:
         log.removeHandler(handler)
+    warm_up_decode(model, cfg, "float32", 8, "3/1/4")
     layers = list(model.model.layers) + [m.block for m in model.mtp]
     return not any(layer.graphs.compiled for layer in layers), len(warnings)
 

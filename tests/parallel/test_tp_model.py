@@ -17,6 +17,7 @@ from engine.config import ModelConfig
 from engine.kvcache.layout import gather_kv
 from engine.load import load_model
 from engine.parallel import ParallelConfig
+from engine.sizing import plan_start, pool_sizing
 from engine.quant.quantize import quantize_checkpoint
 
 LOGITS_TOL = 1e-5
@@ -116,6 +117,9 @@ def test_tp2_mxfp4_experts_greedy_equals_tp1(ranks, mx_dir, references, moe):
     out = ranks.run("generate", model_dir=mx_dir, prompts=PROMPTS, max_tokens=64, moe_parallel=moe)
     assert out[0]["tokens"] == out[1]["tokens"] == ref["tokens"]
     assert max(r["weight_bytes"] for r in out) < 0.7 * ref["weight_bytes"]
+    # the experts' kernels and the tuned-table lookup key on the per-rank shape (hidden, inter, experts, top-k)
+    assert ref["mx_shapes"] == [(128, 64, 8, 2)]
+    assert out[0]["mx_shapes"] == out[1]["mx_shapes"] == [(128, 32, 8, 2) if moe == "tp" else (128, 64, 4, 1)]
 
 
 @pytest.mark.parametrize("moe", ["tp", "ep"])
@@ -147,9 +151,21 @@ def test_rank_pools_map_to_the_full_layout(ranks, mtp_dirs, kind):
         assert torch.allclose(gather_kv(ModelConfig.from_model_dir(mtp_dirs[kind]), shards), full, atol=1e-5)
 
 
-def test_compile_decode_at_tp2_stays_eager_with_one_warning(ranks, mtp_dirs):
-    """The all_reduces are not inside the compiled graphs: a TP model decodes eagerly and says so once."""
-    assert ranks.run("compile_decode", model_dir=mtp_dirs["dsa"]) == [(True, 1), (True, 1)]
+@pytest.mark.parametrize("kind", ["dsa", "gqa"])
+def test_compile_decode_at_tp2_stays_eager_with_one_warning(ranks, mtp_dirs, kind):
+    """The all_reduces are not inside the compiled graphs: a TP model decodes eagerly and says so once; the
+    start-up warm-up (plain and speculative) runs on the rank's pool layout."""
+    assert ranks.run("compile_decode", model_dir=mtp_dirs[kind]) == [(True, 1), (True, 1)]
+
+
+def test_plan_start_sizes_the_rank_pool(mtp_dirs):
+    """A TP rank's worker sizes its pool in its own layout (GQA: half the KV heads, so twice the pages fit)."""
+    sizing = pool_sizing(None, "1MiB", None)
+    full = plan_start(mtp_dirs["gqa"], "float32", None, torch.device("cpu"), 16, sizing)
+    rank = plan_start(mtp_dirs["gqa"], "float32", None, torch.device("cpu"), 16, sizing, parallel=ParallelConfig(2, 1))
+    assert [list(c.shape) for c in rank.layout.components] == [[1, 16], [1, 16]]
+    assert rank.layout.bytes_per_page() * 2 == full.layout.bytes_per_page()
+    assert rank.pool.num_pages == 2 * full.pool.num_pages
 
 
 def test_tp1_model_has_no_parallel_modules(mtp_dirs):
