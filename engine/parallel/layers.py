@@ -16,7 +16,10 @@ pool: the latent (kv_lora_rank + rope dims per token) is one vector shared by AL
 heads read every token's whole latent. Sharding the pool by tokens or by latent dims would need a gather of
 the context's latents (or partial attention scores) every step and layer, i.e. communication growing with
 the context length; replicating costs each rank the full KV bytes (the latent is ~1/10 of what per-head K/V
-would be, the reason MLA exists) and no communication beyond the layer's two all_reduces. The indexer is
+would be, the reason MLA exists) and no communication beyond the layer's two all_reduces. The cost in numbers:
+GLM-5's latent + rope key + indexer key are 512 + 64 + 128 values per token per layer, 1408 bytes in bf16, held by
+each of the tp ranks (a TP4 worker holds 4 copies of its KV: its pool admits as many tokens per rank as a TP1
+worker's would with the same memory left after weights). The indexer is
 replicated for the same reason (its keys are per token, its top-k is needed by every rank's heads).
 GQA (glm4_moe) instead splits its KV heads: rank r's pool holds heads ``[r*h, (r+1)*h)`` only.
 

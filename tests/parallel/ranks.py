@@ -16,7 +16,7 @@ import torch
 from engine.checkpoint import TINY_GLM5
 from engine.load import load_model
 from engine.offline import Engine
-from engine.parallel import ParallelConfig, comm_stats, destroy_tp_group, init_tp_group
+from engine.parallel import ParallelConfig, check_same_on_all_ranks, comm_stats, destroy_tp_group, init_tp_group
 from engine.quant.prepare import model_weight_bytes, quantized_experts
 from engine.sampling import SamplingParams
 from engine.speculative import run_speculative
@@ -174,7 +174,16 @@ def job_compile_decode(model_dir: str, pc: ParallelConfig) -> tuple[bool, int]:
     return not any(layer.graphs.compiled for layer in layers), len(warnings)
 
 
-JOBS.update(prefill_kv=job_prefill_kv, compile_decode=job_compile_decode)
+def job_check_same(pc: ParallelConfig, values: list[str]) -> str:
+    """``check_same_on_all_ranks`` with rank r holding ``values[r]`` -> "same" or the error it raised."""
+    try:
+        check_same_on_all_ranks("model hash", values[pc.tp_rank])
+    except ValueError as e:
+        return str(e)
+    return "same"
+
+
+JOBS.update(prefill_kv=job_prefill_kv, compile_decode=job_compile_decode, check_same=job_check_same)
 
 
 def _dying_rank_main(rank: int, port: int, timeout_s: float, results: mp.Queue) -> None:

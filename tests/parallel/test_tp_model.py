@@ -173,3 +173,10 @@ def test_tp1_model_has_no_parallel_modules(mtp_dirs):
     model, _ = load_model(mtp_dirs["gqa"], "float32", "cpu")
     assert type(model.model.embed_tokens) is torch.nn.Embedding and type(model.lm_head) is torch.nn.Linear
     assert not model.parallel.is_tp and os.environ.get("MASTER_ADDR") is None
+
+
+def test_ranks_that_disagree_on_the_model_hash_fail_loudly(ranks):
+    assert ranks.run("check_same", values=["abc", "abc"]) == ["same", "same"]
+    errors = ranks.run("check_same", values=["abc", "abd"])
+    assert all("the 2 ranks disagree on model hash" in e for e in errors)
+    assert "rank 0 has 'abc'" in errors[0] and "rank 1 has 'abd'" in errors[1]
