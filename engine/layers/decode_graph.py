@@ -336,8 +336,11 @@ class DecodeGraphs:
     """The token-wise halves of an MLA decoder layer: ``pre`` = ``mla_tokenwise``, ``post`` =
     ``layer_post``, eager or compiled (shared by all layers of a model: one graph per shape class)."""
 
-    def __init__(self, compiled: bool, device: torch.device | str = "cpu") -> None:
+    def __init__(self, compiled: bool, device: torch.device | str = "cpu", exact_verify: bool = True) -> None:
         self.compiled = compiled
+        self.exact_verify = exact_verify
+        """Verify steps must round as decode steps do (a model that speculates): bf16 / fp16 routed experts
+        stay eager (``REDUCED_PRECISION``). False (no MTP layers, so no verify steps): they run inside."""
         if compiled:
             self.pre = _compile(mla_tokenwise, torch.device(device))
             self.post = _compile(layer_post, torch.device(device))
@@ -427,18 +430,20 @@ class DecodeGraphs:
         ``experts`` eagerly, with their own strategy choice). Inside means the gather path, which eager
         experts run for <= ``GATHER_MAX_PAIRS`` token-expert pairs too: dense-weight experts, or MX experts
         whose dequantized layer is cached (``MXRoutedExperts.gather_weights``)."""
-        if not self.compiled or num_pairs > GATHER_MAX_PAIRS or dtype in REDUCED_PRECISION:
+        if not self.compiled or num_pairs > GATHER_MAX_PAIRS or (self.exact_verify and dtype in REDUCED_PRECISION):
             return None
         fn = getattr(experts, "gather_weights", None)
         return None if fn is None else fn(dtype)
 
 
 REDUCED_PRECISION = (torch.bfloat16, torch.float16)
-"""Models in these dtypes run their routed experts eagerly between graphs, at every batch size. Inside a graph
+"""Models in these dtypes that speculate (``DecodeGraphs.exact_verify``: models with MTP layers) run their routed
+experts eagerly between graphs, at every batch size. Inside a graph
 inductor fuses the experts' math and rounds to bf16 once per fused kernel where eager rounds after every op;
 with the experts inside for small steps only (<= ``GATHER_MAX_PAIRS`` pairs), a decode step of 4 requests
 (inside) and their verify step (outside) rounded a token differently, and speculative greedy decoding of a
 batch diverged from plain decoding within 10-54 tokens (docs/performance.md). Eager experts round alike at
-any batch size. fp32 rounding differences are far below any greedy margin seen: fp32 keeps them inside."""
+any batch size. fp32 rounding differences are far below any greedy margin seen: fp32 keeps them inside. A model
+without MTP layers never verifies, so its bf16 experts run inside too (the whole batch-1 step one graph)."""
 
 EAGER = DecodeGraphs(compiled=False)

@@ -182,13 +182,15 @@ class GlmForCausalLM(nn.Module):
         """Run the token-wise parts of every MLA layer (the MTP layers' too) through compiled graphs in
         decode and verify steps (``engine.layers.decode_graph``); ``False`` returns to eager. Graphs
         compile on first use (seconds per shape class; inductor caches them on disk). The weights the graphs
-        read are collected once: after changing weights, call this again."""
+        read are collected once: after changing weights, call this again. A model without MTP layers never
+        runs verify steps, so its bf16 / fp16 routed experts run inside the graphs too
+        (``DecodeGraphs.exact_verify``)."""
         if enabled and self.parallel.is_tp:
             logger.warning("tensor parallel (tp_size %d): decode steps run EAGERLY, not through compiled graphs "
                            "(the all_reduces between a layer's attention and FFN are not inside the graphs yet); "
                            "expect slower decode steps than a compiled tp_size 1 worker", self.parallel.tp_size)
             enabled = False
-        g = DecodeGraphs(True, self.lm_head.weight.device) if enabled else EAGER
+        g = DecodeGraphs(True, self.lm_head.weight.device, exact_verify=self.has_mtp) if enabled else EAGER
         for layer in list(self.model.layers) + [m.block for m in self.mtp]:
             layer.graphs = g
             layer._frozen_args.clear()

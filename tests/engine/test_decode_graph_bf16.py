@@ -1,0 +1,123 @@
+"""bf16 models without MTP layers: their routed experts run inside the compiled decode graphs
+(``DecodeGraphs.exact_verify`` False), so a decode step of up to ``GATHER_MAX_PAIRS`` token-expert pairs is
+one graph (embedding, layers, experts, LM head) instead of a graph per layer with the experts eager between.
+
+* the step is one graph, and computes what the eager step computes (logits and every KV component written,
+  to bf16 rounding), GLM-4.5 (GQA) and GLM-5 (MLA) alike; larger batches keep the experts eager;
+* a bf16 model WITH MTP layers keeps its experts eager (speculative verify steps must round as decode does);
+* greedy decoding through the graphs picks eager's greedy tokens, up to bf16 ties;
+* after ``warm_up_decode`` serving compiles nothing.
+"""
+import pytest
+import torch
+from test_decode_graph import _prefill, _step
+from test_spec import TINY_DSA, TINY_GQA, make_engine, make_predictable, prompts_for
+from torch._dynamo.utils import counters
+
+from engine.batch import BatchRequest, ForwardBatch
+from engine.checkpoint import init_random_model
+from engine.kvcache import KVLayout, KVPool
+from engine.load import load_model
+from engine.sampling import SamplingParams
+from engine.warmup import warm_up_decode
+
+TIE_ULPS = 2
+"""Logits within this many bf16 ulps (of the best logit) of each other are a tie: the two paths' logits differ by
+up to a couple of ulps, so either token of such a pair is a greedy choice."""
+NO_MTP = {"gqa": dict(TINY_GQA, num_nextn_predict_layers=0), "dsa": dict(TINY_DSA, num_nextn_predict_layers=0),
+          "gqa-mtp": TINY_GQA}
+
+
+@pytest.fixture(scope="module")
+def bf16_dirs(tmp_path_factory):
+    """Predictable weights (``make_predictable``: clear greedy margins, which random tiny weights lack in bf16)."""
+    root = tmp_path_factory.mktemp("bf16")
+    return {name: make_predictable(init_random_model(cfg, str(root / f"random-{name}"), std=0.08), str(root / name))
+            for name, cfg in NO_MTP.items()}
+
+
+@pytest.fixture(scope="module")
+def compiled_bf16(bf16_dirs):
+    out = {}
+    for name, d in bf16_dirs.items():
+        model, cfg = load_model(d, "bfloat16", "cpu")
+        model.compile_decode()
+        out[name] = (model, cfg)
+    return out
+
+
+# GLM-5 contexts stay under index_topk (16): past it a bf16 rounding difference in the DSA indexer's scores may
+# select another key (a hard top-k), a different attention, not a rounding difference
+@pytest.mark.parametrize("name,lens", [("gqa", (40,)), ("gqa", (5, 23, 40)), ("gqa", (5, 23, 40, 7, 30, 19, 12, 33, 26)),
+                                       ("dsa", (12,)), ("dsa", (5, 9, 14)), ("gqa-mtp", (40,))])
+def test_bf16_step_is_one_graph_and_matches_eager(bf16_dirs, compiled_bf16, name, lens):
+    """One decode step, eager vs compiled, from the same prefilled KV: logits and the KV written agree to bf16
+    rounding. Without MTP layers, up to 16 token-expert pairs, the whole step is one graph (before: the bf16
+    experts always ran eagerly, a graph per layer); 9 requests (18 pairs) and a model with MTP layers keep
+    the experts eager."""
+    eager, cfg = load_model(bf16_dirs[name], "bfloat16", "cpu")
+    comp, _ = compiled_bf16[name]
+    prompts = prompts_for(cfg, lens, seed=len(lens))
+    new = [[3 + i] for i in range(len(lens))]
+    results = []
+    for model in (eager, comp):
+        pool, pages = _prefill(eager, cfg, prompts, "bfloat16")
+        for _ in range(2):  # the first call of a shape class compiles; the second runs the cached graph
+            snapshot = [{n: b.clone() for n, b in layer.items()} for layer in pool.buffers]
+            logits, slots, whole = _step(model, pool, pages, prompts, new)
+            written = [{n: pool.read(i, n, slots, torch.float32) for n in layer} for i, layer in enumerate(pool.buffers)]
+            for i, layer in enumerate(pool.buffers):
+                for n, b in layer.items():
+                    b.copy_(snapshot[i][n])
+        results.append((logits, written))
+        inside = model is comp and "mtp" not in name and len(lens) * cfg.num_experts_per_tok <= 16
+        assert whole == inside
+    (le, we), (lc, wc) = results
+    assert torch.isfinite(lc).all()
+    torch.testing.assert_close(lc, le, rtol=0.03, atol=0.03)
+    for i, (a, b) in enumerate(zip(we, wc)):
+        for n in a:
+            # a few bf16 ulps of the largest values (|k| ~ 3: an ulp is 0.016): layer 1 reads layer 0's output
+            torch.testing.assert_close(b[n], a[n], rtol=0.02, atol=0.05, msg=f"layer {i} {n}")
+
+
+@pytest.mark.parametrize("name", ["gqa", "dsa"])
+def test_bf16_compiled_greedy_is_eager_greedy_up_to_bf16_ties(bf16_dirs, compiled_bf16, name):
+    """Every token greedy decoding picks through the bf16 graphs (one request: one-graph steps; nine: per-layer
+    graphs) is eager's greedy choice on the same context, or within bf16 rounding of it: eager's logit of the
+    picked token is at most ``TIE_ULPS`` bf16 ulps below eager's best (teacher-forced: the eager model reads the compiled
+    path's prompt + tokens in one pass). Token-for-token equality over a long generation does not hold in
+    bf16 (fused kernels round differently, and a near-tie then flips; the eager-expert graphs of before
+    diverged as well), so a token within rounding of the best one is as greedy as eager's."""
+    model, cfg = compiled_bf16[name]
+    eager, _ = load_model(bf16_dirs[name], "bfloat16", "cpu")
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for lens in ((37,), (5, 23, 40, 7, 30, 19, 12, 33, 26)):
+        prompts = prompts_for(cfg, lens, seed=7)
+        got = make_engine(model, cfg, "bfloat16").generate(prompts, params)
+        for p, r in zip(prompts, got):
+            ids = p + r.token_ids
+            pool = KVPool(KVLayout.for_model(cfg, 8, "bfloat16"), len(ids) // 8 + 2)
+            batch = ForwardBatch.build([BatchRequest(list(range(len(ids) // 8 + 2)), 0, ids[:-1])], 8)
+            logits = eager(batch, pool, all_logits=True).logits[len(p) - 1:]  # [new tokens, V]: each one's context
+            picked = logits.gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
+            best = logits.max(dim=-1).values
+            ulp = torch.exp2(torch.floor(torch.log2(best.abs())) - 7)  # bf16: 8 significant bits
+            gap = best - picked
+            assert (gap <= TIE_ULPS * ulp).all(), \
+                f"{name}: token {int((gap / ulp).argmax())} is {float((gap / ulp).max()):.1f} ulps below eager's best"
+            assert (gap == 0).float().mean() >= 0.9  # nearly all exactly eager's choice
+
+
+def test_bf16_no_compile_after_warm_up(bf16_dirs):
+    """``warm_up_decode`` compiles the bf16 graphs with the experts inside (and the per-layer ones of larger
+    batches): decoding batches of other sizes and lengths afterwards compiles nothing."""
+    model, cfg = load_model(bf16_dirs["gqa"], "bfloat16", "cpu")
+    model.compile_decode()
+    warm_up_decode(model, cfg, "bfloat16", 8)
+    before = dict(counters["stats"])
+    assert before.get("unique_graphs", 0) > 0
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    for lens in ((11,), (3, 50), (5, 23, 40, 7, 30), (9,) * 12):
+        make_engine(model, cfg, "bfloat16").generate(prompts_for(cfg, lens), params)
+    assert dict(counters["stats"]) == before
