@@ -81,14 +81,16 @@ def test_bf16_step_is_one_graph_and_matches_eager(bf16_dirs, compiled_bf16, name
             torch.testing.assert_close(b[n], a[n], rtol=0.02, atol=0.05, msg=f"layer {i} {n}")
 
 
-@pytest.mark.parametrize("name", ["gqa", "dsa"])
+@pytest.mark.parametrize("name", ["gqa"])
 def test_bf16_compiled_greedy_is_eager_greedy_up_to_bf16_ties(bf16_dirs, compiled_bf16, name):
     """Every token greedy decoding picks through the bf16 graphs (one request: one-graph steps; nine: per-layer
     graphs) is eager's greedy choice on the same context, or within bf16 rounding of it: eager's logit of the
     picked token is at most ``TIE_ULPS`` bf16 ulps below eager's best (teacher-forced: the eager model reads the compiled
     path's prompt + tokens in one pass). Token-for-token equality over a long generation does not hold in
     bf16 (fused kernels round differently, and a near-tie then flips; the eager-expert graphs of before
-    diverged as well), so a token within rounding of the best one is as greedy as eager's."""
+    diverged as well), so a token within rounding of the best one is as greedy as eager's. GLM-4.5 only: past
+    index_topk GLM-5's DSA top-k is a hard selection that a rounding difference may change (then other keys are
+    attended, and the logits differ by more than rounding), so its check is the step test's, under index_topk."""
     model, cfg = compiled_bf16[name]
     eager, _ = load_model(bf16_dirs[name], "bfloat16", "cpu")
     params = SamplingParams(max_tokens=32, ignore_eos=True)
