@@ -60,7 +60,8 @@ def test_a_hung_follower_fails_the_call_within_the_timeout_and_then_exits(model_
         os.kill(follower.pid, signal.SIGCONT)
         assert exited_within(follower, TIMEOUT_S + 20) not in (None, 0), "the follower left its dead group"
     finally:
-        os.kill(follower.pid, signal.SIGCONT) if follower.poll() is None else None
+        if follower.poll() is None:
+            os.kill(follower.pid, signal.SIGCONT)
         group.close()
     assert follower.poll() is not None
 
