@@ -173,6 +173,8 @@ class RankGroup:
     """Rank 0's side of a worker's rank group (see the module docstring). Thread-safe."""
 
     def __init__(self, config: RankConfig, device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:  # nccl binds each rank to one indexed device: rank 0's
+            device = torch.device("cuda", 0)
         self.config, self.device = config, device
         self._procs: list[subprocess.Popen] = []
         self._lock = threading.RLock()
