@@ -12,7 +12,7 @@ import torch
 from ranks import TINY_DSA_MTP, TINY_GQA_MTP, RankPool, job_generate, job_logits, job_prefill_kv
 from tiny import make_hf_model
 
-from engine.checkpoint import TINY_GLM5, init_random_model
+from engine.checkpoint import TINY_GLM5, init_random_model, save_checkpoint
 from engine.config import ModelConfig
 from engine.kvcache.layout import gather_kv
 from engine.load import load_model
@@ -67,6 +67,21 @@ def ranks():
 def mtp_dirs(tmp_path_factory):
     return {k: init_random_model(c, str(tmp_path_factory.mktemp(f"tp_{k}")), seed=1)
             for k, c in (("dsa", TINY_DSA_MTP), ("gqa", TINY_GQA_MTP))}
+
+
+@pytest.fixture(scope="module")
+def biased_dsa_dir(tmp_path_factory):
+    """GLM-5 architecture with attention biases, all of them random (the row-parallel o_proj bias included: it
+    must be added once, not once per rank)."""
+    d = init_random_model(dict(TINY_DSA_MTP, attention_bias=True), str(tmp_path_factory.mktemp("tp_bias")), seed=2)
+    model, cfg = load_model(d, "float32", "cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    save_checkpoint(model, cfg, d)
+    return d
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +147,13 @@ def test_tp2_logits_close_to_tp1(ranks, mtp_dirs, references, kind, moe):
         got = torch.tensor(logits)
         assert got.shape == ref.shape == (len(ids), TINY_DSA_MTP["vocab_size"])
         assert (got - ref).abs().max().item() < LOGITS_TOL
+
+
+def test_tp2_logits_with_attention_biases(ranks, biased_dsa_dir):
+    ids = list(range(3, 40))
+    ref = torch.tensor(job_logits(biased_dsa_dir, TP1, ids))
+    for logits in ranks.run("logits", model_dir=biased_dsa_dir, ids=ids):
+        assert (torch.tensor(logits) - ref).abs().max().item() < LOGITS_TOL
 
 
 @pytest.mark.parametrize("kind", ["dsa", "gqa"])
