@@ -115,15 +115,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 code = (grpc.StatusCode.DEADLINE_EXCEEDED if e.reason is FailReason.TIMEOUT
                         else grpc.StatusCode.UNAVAILABLE)
                 await context.abort(code, f"KV transfer for {req_id} failed: {e}")
-            await self._mirror(res.page_ids, context)
+            page_ids = await self._to_every_rank(req_id, list(res.page_ids), context)
             output = list(request.output_prefix)
-            task = DecodeTask(req_id, prompt, output, params, list(res.page_ids),
+            task = DecodeTask(req_id, prompt, output, params, page_ids,
                               cached_len=len(prompt) + len(output) - 1, emit=emit, deadline=deadline,
                               draft_hidden=draft_state(res.draft, self.receiver.config.draft, self.sched.pool.device))
             try:
                 self.sched.add(task)
             except PoolExhausted as e:
-                self.receiver.pool.allocator.decref(list(res.page_ids))
+                self.sched.pool.allocator.decref(page_ids)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {e}")
         try:
             while True:
@@ -142,18 +142,45 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             self.sched.abort(req_id, AbortReason.STREAM_CLOSED)  # no-op when already finished
 
+    def _landing_info(self) -> dict[str, str]:
+        """Pages of the landing pool in use (a TP worker with split KV heads receives KV there first)."""
+        landing = self.receiver.pool
+        return {} if landing is self.sched.pool else {"kv_landing_pages_used": str(landing.allocator.num_used)}
+
     def rank_problem(self) -> str:
         return self.ranks.problem() if self.ranks is not None else ""
 
-    async def _mirror(self, page_ids, context) -> None:
-        """Received KV landed on rank 0 only: copy it to every rank before anything reads it (a failed
-        rank group frees the pages and ends the call UNAVAILABLE, so the router fails over)."""
+    async def _to_every_rank(self, req_id: str, page_ids: list[int], context) -> list[int]:
+        """Received KV landed on rank 0 only: give every rank its KV before anything reads it, and return the
+        request's pages in the scheduler's pool. Replicated KV (MLA): rank 0's pages are copied to the
+        followers. Split KV (GQA heads under TP): the pages landed whole in the landing pool; each rank takes
+        its heads into new pages of its pool and the landing pages are freed. A failed rank group frees the
+        pages and ends the call UNAVAILABLE (the router fails over)."""
         if self.ranks is None:
-            return
+            return page_ids
+        landing, pool = self.receiver.pool, self.sched.pool
         try:
-            await asyncio.to_thread(self.ranks.mirror_pages, self.sched.pool, page_ids)
+            if landing is pool:
+                try:
+                    await asyncio.to_thread(self.ranks.mirror_pages, pool, page_ids)
+                except RankFailure:
+                    pool.allocator.decref(page_ids)
+                    raise
+                return page_ids
+            try:
+                try:
+                    dst = pool.allocator.alloc(len(page_ids), req_id)
+                except PoolExhausted as e:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {e}")
+                try:
+                    await asyncio.to_thread(self.ranks.scatter_pages, landing, page_ids, pool, dst)
+                except RankFailure:
+                    pool.allocator.decref(dst)
+                    raise
+                return dst
+            finally:
+                landing.allocator.decref(page_ids)
         except RankFailure as e:
-            self.receiver.pool.allocator.decref(list(page_ids))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id}: {e}")
 
     async def Abort(self, request, context):
@@ -179,7 +206,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             pages_total=st.num_pages, pages_free=st.num_free,
             tokens_per_s=tps, model_hash=self.mhash, model=self.model,
             spec=spec_stats_to_proto(spec.stats(), str(spec.spec)) if spec is not None else None,
-            info={**self.info, "preempted": str(self.sched.num_preempted), "preemptions": str(self.sched.preemptions),
+            info={**self.info, **self._landing_info(), "preempted": str(self.sched.num_preempted), "preemptions": str(self.sched.preemptions),
                   "spec_fallbacks": str(self.sched.spec_fallbacks), **expert_status(self.sched.model),
                   **({"unhealthy": problem} if problem else {})})
 
@@ -269,10 +296,13 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     spec = build_speculator(wcfg, model, cfg, pool)
     # a speculating worker asks prefill for the MTP draft state with every KV transfer (first round speculates)
     draft = DraftLayout(cfg.hidden_size, str(model.lm_head.weight.dtype).removeprefix("torch.")) if spec else None
-    receiver = KVReceiver(pool, KVReceiverConfig(host=wcfg.host, port=wcfg.kv_port, draft=draft,
-                                                  cluster_secret=secret.encode() if secret else None,
-                                                  mooncake_protocol=receiver_mooncake_protocol(transport),
-                                                  tp_size=wcfg.tp, kv_split=ranks is not None and ranks.kv_split))
+    # split KV heads (GQA under TP): KV lands whole in a full-layout landing pool, then each rank takes its heads
+    landing = pool if ranks is None or not ranks.kv_split else \
+        _make_pool(plan.layout, max(1, plan.pool.num_pages // wcfg.tp), wcfg.shm)
+    receiver = KVReceiver(landing, KVReceiverConfig(host=wcfg.host, port=wcfg.kv_port, draft=draft,
+                                                     cluster_secret=secret.encode() if secret else None,
+                                                     mooncake_protocol=receiver_mooncake_protocol(transport),
+                                                     tp_size=wcfg.tp))
     await receiver.start()
     if wcfg.compile:
         model.compile_decode()

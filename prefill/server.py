@@ -29,6 +29,7 @@ from engine.parallel import SINGLE_RANK
 from kvtransfer import KVSender, KVSenderConfig, TransferTicket, TransportKind
 from kvtransfer.config import TransportConfig, add_transport_args
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
+from prefill.gather_sink import GatherSink
 from prefill.sink import LocalSink, TransferFailed
 from prefill.transfer import TransferSink
 from protos import rpc
@@ -89,6 +90,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             wait_s = self.sender.config.finish_timeout_s if remaining is None else \
                 max(0.001, min(self.sender.config.finish_timeout_s, remaining))
             sink = TransferSink(self.sender, ticket, self.sched.pool.layout.num_layers, timeout_s=wait_s)
+            if self.sender.pool is not self.sched.pool:  # split KV heads: gathered whole at the end (GatherSink)
+                sink = GatherSink(sink, lambda pages, staged: self.ranks.gather_pages(
+                    self.sched.pool, pages, self.sender.pool, staged), self.sender.pool,
+                    self.sched.pool.layout.num_layers, len(ids), request.request_id)
         fut = self.loop.create_future()
         task = PrefillTask(request.request_id, ids, params, sink=sink, priority=request.priority,
                            deadline=time.monotonic() + remaining if remaining is not None else None,
@@ -141,6 +146,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             pages_free=st.num_free, pages_cached=c.num_pages, cache_hit_rate=rate, tokens_per_s=tps,
             model_hash=self.mhash, model=self.model,
             info={**self.info, "pages_owned_by_requests": str(st.num_used - c.num_pages),
+                  **({} if self.sender.pool is self.sched.pool else
+                     {"kv_staging_pages_used": str(self.sender.pool.allocator.num_used)}),
                   "kv_drops_armed": str(self.sender.drops_armed), "kv_drops_fired": str(self.sender.drops_fired),
                   **({"unhealthy": problem} if problem else {})})
 
@@ -243,10 +250,12 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
         layout = KVLayout.for_model(cfg, wcfg.page_size, plan.layout.kv_dtype, parallel=ranks.parallel)  # rank 0's
         model = ModelProxy(model, ranks)
     pool = KVPool(layout, plan.pool.num_pages, model.lm_head.weight.device)
-    sender = KVSender(pool, KVSenderConfig(cluster_secret=secret.encode() if secret else None,
-                                           transport=TransportKind(transport.kv_transport),
-                                           mooncake_protocol=transport.mooncake_protocol, tp_size=wcfg.tp,
-                                           kv_split=ranks is not None and ranks.kv_split))
+    # split KV heads (GQA under TP): KV leaves whole, gathered from every rank into a full-layout staging pool
+    staging = pool if ranks is None or not ranks.kv_split else \
+        KVPool(plan.layout, max(1, plan.pool.num_pages // wcfg.tp), model.lm_head.weight.device)
+    sender = KVSender(staging, KVSenderConfig(cluster_secret=secret.encode() if secret else None,
+                                              transport=TransportKind(transport.kv_transport),
+                                              mooncake_protocol=transport.mooncake_protocol, tp_size=wcfg.tp))
     sched = PrefillScheduler(model, pool, PrefillConfig(chunk_size=wcfg.chunk_size,
                                                         max_batch_tokens=max(wcfg.chunk_size, wcfg.max_batch_tokens),
                                                         max_queue=wcfg.max_queue))

@@ -3,7 +3,7 @@
 
 It dies with rank 0 (``PR_SET_PDEATHSIG``), joins the group, loads the model, says it is ready (its model
 hash in the group's store), then runs rank 0's commands until ``exit``: a model call on its own model
-and pool, a pool write (``write_pages``, ``move_kv``), a new pool, a ``ping``. A command whose model call
+and pool, a pool write (``write_pages``, ``scatter_pages``, ``move_kv``), a gather of its KV heads (``gather_pages``), a new pool, a ``ping``. A command whose model call
 raises is logged and skipped (rank 0 ran the same inputs and failed the same way); a broken channel (rank
 0 gone, a collective timeout) ends the process.
 """
@@ -27,7 +27,8 @@ from engine.loader import model_hash
 from engine.parallel import ParallelConfig, destroy_tp_group, init_tp_group
 from engine.speculative.decoder import move_kv
 from worker.rank_wire import Command, CommandChannel
-from worker.ranks import backend_for, batch_from, gather_stats, output_stats, write_pages
+from worker.rank_pages import gather_heads, gather_stats, output_stats, write_head_slices, write_pages
+from worker.ranks import backend_for, batch_from
 
 logger = logging.getLogger("worker.follower")
 PR_SET_PDEATHSIG = 1
@@ -44,8 +45,8 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 class Follower:
-    def __init__(self, model, device: torch.device) -> None:
-        self.model, self.device = model, device
+    def __init__(self, model, device: torch.device, parallel: ParallelConfig) -> None:
+        self.model, self.device, self.parallel = model, device, parallel
         self.pools: dict[int, KVPool] = {}
 
     def run(self, chan: CommandChannel) -> None:
@@ -71,6 +72,10 @@ class Follower:
             logits = self.model.logits(t["hidden"])
         elif cmd.op == "write_pages":
             write_pages(self.pools[m["pool"]], t["pages"], t)
+        elif cmd.op == "gather_pages":
+            gather_heads(self.pools[m["pool"]], t["pages"], self.parallel.tp_size, root=False)
+        elif cmd.op == "scatter_pages":
+            write_head_slices(self.pools[m["pool"]], t["pages"], t, self.parallel)
         elif cmd.op == "move_kv":
             move_kv(self.pools[m["pool"]], range(m["start"], m["stop"]), t["src"], t["dst"])
         elif cmd.op == "forward":
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     store.set(f"ready/{args.rank}", model_hash(args.model))
     logger.info("follower rank %d/%d ready (pid %d)", args.rank, args.world_size, os.getpid())
     try:
-        Follower(model, device).run(CommandChannel(device))
+        Follower(model, device, pc).run(CommandChannel(device))
     except Exception as e:  # noqa: BLE001 - a broken channel (rank 0 gone, a collective timeout): leave loudly
         sys.exit(f"follower rank {args.rank}: the rank group is gone ({e})")
     destroy_tp_group()

@@ -20,8 +20,10 @@ KV pool mutations outside a model call, each mirrored to the followers (every ot
 happens inside a model call, which every rank runs on its own pool):
 
 1. KV landed by the KV receiver (decode; TCP, shared memory, Mooncake and staged transports alike): once
-   a transfer is complete and verified, rank 0 broadcasts the request's pages (every layer, every
-   component, fp8 scales) before the request joins a batch: ``RankGroup.mirror_pages``.
+   a transfer is complete and verified, before the request joins a batch, rank 0 broadcasts the request's
+   pages (every layer, every component, fp8 scales): ``RankGroup.mirror_pages`` (replicated KV: MLA); or,
+   when the ranks split the KV heads (GQA), the KV landed whole in a full-layout landing pool and each rank
+   takes its heads into new pages: ``RankGroup.scatter_pages``.
 2. ``move_kv`` of speculative decoding (an accepted draft-tree branch moved to its final slots):
    ``ModelProxy.move_kv``, handed to ``SpecDecoder`` as its ``move_kv``.
 3. A pool made after start-up (``engine.offline.Engine`` and ``SpecEngine`` build their own): registered
@@ -29,7 +31,9 @@ happens inside a model call, which every rank runs on its own pool):
 
 Not mutations, so nothing to mirror: the prefill prefix cache shares pages by reference (refcounts, no
 copy); page allocation, refcounts and frees are rank 0's bookkeeping (followers are addressed by slot);
-decode preemption recomputes through ``prefill_forward`` (model calls); the KV sender only reads.
+decode preemption recomputes through ``prefill_forward`` (model calls); the KV sender only reads (with
+split heads it reads a full-layout staging pool that ``RankGroup.gather_pages`` fills from every rank:
+``prefill.gather_sink``).
 
 Failure: a follower that exits, or a broadcast that raises (a peer gone, the collective timeout), marks
 the group failed: every later call raises ``RankFailure`` at once, ``problem()`` says why (the worker
@@ -57,6 +61,15 @@ from engine.config import ModelConfig
 from engine.kvcache import KVPool
 from engine.kvcache.layout import kv_is_split
 from engine.parallel import ParallelConfig, destroy_tp_group, init_tp_group
+from worker.rank_pages import (
+    full_page_tensors,
+    gather_heads,
+    gather_stats,
+    output_stats,
+    page_tensors,
+    write_full_pages,
+    write_head_slices,
+)
 from worker.rank_wire import CommandChannel
 
 logger = logging.getLogger(__name__)
@@ -135,38 +148,6 @@ def batch_from(meta: dict, tensors: dict[str, torch.Tensor]) -> ForwardBatch:
                         max_kv_len=meta["max_kv_len"], cached_lens=meta["cached_lens"],
                         tree_masks=[tensors[f"tree{i}"] if has else None for i, has in enumerate(meta["trees"])],
                         on_layer_done=(lambda layer: None) if meta["hook"] else None, _mask=tensors.get("mask"))
-
-
-def output_stats(logits: torch.Tensor) -> torch.Tensor:
-    """``[3]`` float64 fingerprint of a call's logits (sum, absolute sum, argmax sum) that ranks compare."""
-    x = logits.detach().double()
-    return torch.stack([x.sum(), x.abs().sum(), logits.argmax(-1).double().sum()])
-
-
-def gather_stats(stats: torch.Tensor, world_size: int, device: torch.device) -> list[torch.Tensor]:
-    out = [torch.empty(3, dtype=torch.float64, device=device) for _ in range(world_size)]
-    dist.all_gather(out, stats.to(device))
-    return out
-
-
-def page_tensors(pool: KVPool, page_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The bytes of ``page_ids`` in every layer and component of ``pool`` (fp8 scales too), keyed
-    ``L<layer>.<name>`` (``L<layer>.<name>.scale``); ``write_pages`` stores them."""
-    out = {}
-    for layer, bufs in enumerate(pool.buffers):
-        for name, buf in bufs.items():
-            out[f"L{layer}.{name}"] = buf.view(torch.uint8).index_select(0, page_ids)
-            if pool.layout.is_fp8:
-                out[f"L{layer}.{name}.scale"] = pool.scales[layer][name].index_select(0, page_ids)
-    return out
-
-
-def write_pages(pool: KVPool, page_ids: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-    for layer, bufs in enumerate(pool.buffers):
-        for name, buf in bufs.items():
-            buf.view(torch.uint8).index_copy_(0, page_ids, tensors[f"L{layer}.{name}"].to(buf.device))
-            if pool.layout.is_fp8:
-                pool.scales[layer][name].index_copy_(0, page_ids, tensors[f"L{layer}.{name}.scale"].to(buf.device))
 
 
 class RankGroup:
@@ -306,6 +287,23 @@ class RankGroup:
             return
         idx = torch.as_tensor(list(page_ids), dtype=torch.long, device=pool.device)
         self.call("write_pages", {}, {"pages": idx, **page_tensors(pool, idx)}, pool, lambda: None)
+
+    def scatter_pages(self, landing: KVPool, src_ids, pool: KVPool, dst_ids) -> None:
+        """KV that landed whole (every head, ``landing``'s full layout) goes to each rank's heads: pages
+        ``src_ids`` of ``landing`` -> pages ``dst_ids`` of every rank's pool (GQA heads split by rank)."""
+        src = torch.as_tensor(list(src_ids), dtype=torch.long, device=landing.device)
+        dst = torch.as_tensor(list(dst_ids), dtype=torch.long, device=pool.device)
+        full = full_page_tensors(landing, src)
+        self.call("scatter_pages", {}, {"pages": dst, **full}, pool,
+                  lambda: write_head_slices(pool, dst, full, self.parallel))
+
+    def gather_pages(self, pool: KVPool, page_ids, staging: KVPool, staging_ids) -> None:
+        """Every rank's heads of ``page_ids`` (its pool) -> pages ``staging_ids`` of the full-layout ``staging``
+        pool on rank 0 (split KV leaving a prefill worker whole)."""
+        src = torch.as_tensor(list(page_ids), dtype=torch.long, device=pool.device)
+        dst = torch.as_tensor(list(staging_ids), dtype=torch.long, device=staging.device)
+        self.call("gather_pages", {}, {"pages": src}, pool,
+                  lambda: write_full_pages(staging, dst, gather_heads(pool, src, self.size, root=True)))
 
     def _pool_handle(self, pool: KVPool) -> int:
         """This pool's id on the followers, announcing it first when it is new (under the lock)."""

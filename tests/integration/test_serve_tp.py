@@ -112,3 +112,32 @@ def test_prefill_tp1_to_decode_tp2_and_a_killed_rank_fails_over(reference, tmp_p
     finally:
         assert sp.stop() == 0
     assert not any(pid_alive(p) for p in seen), "every rank exits with its worker"
+
+
+def test_gqa_kv_heads_are_gathered_at_prefill_tp2_and_scattered_at_decode_tp2(tiny_dirs, tmp_path):
+    """GQA (glm4_moe) splits KV heads across ranks: the prefill TP2 worker gathers every rank's heads into a
+    full-layout staging pool and ships them whole; the decode TP2 worker's KV lands whole in its landing pool,
+    then each rank takes its heads. The greedy tokens are TP1's; every page of every pool is back."""
+    model, cfg = load_model(tiny_dirs["gqa"], "float32", "cpu")
+    eng = Engine(model, cfg, kv_dtype="float32", num_pages=64)
+    prompts = [[t % cfg.vocab_size for t in p] for p in PROMPTS]
+    want = [eng.generate([p], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
+            for p in prompts]
+    d = tmp_path / "gqa"
+    d.mkdir()
+    sp = ServeProcess(["--model", tiny_dirs["gqa"], "--port", "0", "--dtype", "float32", "--decode-weights", "model",
+                       "--no-speculative", "--num-pages", "128", "--local-prefill-below", "0",
+                       "--threads-per-worker", "1", "--prefill-tp", "2", "--decode-tp", "2", "--run-dir", str(d / "run")],
+                      str(d / "serve.out"), env={"PDSERVE_RANK_CHECK": "1"})
+    try:
+        sp.wait_listening()
+        with GenerationClient(sp.address, timeout_s=120) as client:
+            for prompt, expect in zip(prompts, want):
+                assert client.generate(token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids == expect
+            assert all(w.healthy for w in client.cluster_status().workers)
+            wait_until(lambda: pages_all_free(client), what="every page back")
+            [dec] = [w for w in client.cluster_status().workers if w.role == "decode"]
+            [pre] = [w for w in client.cluster_status().workers if w.role == "prefill"]
+            assert dec.info["kv_landing_pages_used"] == "0" and pre.info["kv_staging_pages_used"] == "0"
+    finally:
+        assert sp.stop() == 0
