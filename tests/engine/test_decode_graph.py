@@ -128,12 +128,12 @@ def _greedy_both(model, cfg, spec, num_tokens, kv_dtype=None):
     return eng.metrics
 
 
-@pytest.mark.parametrize("spec", ["5/1/6", "3/2/6"])
-def test_compiled_greedy_speculative_equals_plain(compiled, spec):
+def test_compiled_greedy_speculative_equals_plain(compiled):
     """Lossless within the compiled path: drafts, chained MTP steps, tree verification and KV rollback
-    through the graphs give plain compiled greedy decoding's tokens, with multi-token acceptance."""
+    through the graphs give plain compiled greedy decoding's tokens, with multi-token acceptance (a tree
+    here; a 5-step chain and a wider tree, fp32 and bf16, to 8x index_topk: test_spec_dsa's compiled test)."""
     model, cfg = compiled["pred-dsa"]
-    m = _greedy_both(model, cfg, spec, 128)
+    m = _greedy_both(model, cfg, "3/2/6", 64)
     assert m.accept_len > 1.5, m.as_dict(5)
 
 

@@ -4,6 +4,8 @@ import os
 import shutil
 import signal
 
+from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
 from engine.checkpoint import TINY_GLM5, init_random_model
 from serve_helpers import ServeProcess, children_of, pid_alive, wait_until
 
@@ -51,8 +53,10 @@ def test_ctrl_c_during_startup_stops_every_worker(tiny_dirs, tmp_path):
 
 def test_a_clean_stop_leaves_no_temporary_run_directory(tiny_dirs, tmp_path):
     """Without --run-dir the logs go to a temporary directory, removed when serve stops cleanly."""
+    # TMPDIR moves the run directory; inductor's cache (also under the temporary directory by default) stays
+    # where the other tests warmed it, or the workers' warm-up compiles every graph cold (~90 s)
     sp = ServeProcess(["--model", tiny_dirs["gqa"], "--port", "0"], str(tmp_path / "serve.out"),
-                      env={"TMPDIR": str(tmp_path)})
+                      env={"TMPDIR": str(tmp_path), "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()})
     sp.wait_listening()
     assert [n for n in os.listdir(tmp_path) if n.startswith("pdserve-run-")]
     assert sp.stop() == 0
