@@ -149,6 +149,9 @@ class HeadWeights:
     """Its epsilon."""
     lm_w: torch.Tensor
     """lm_head weight."""
+    row_gemv: bool = False
+    """One row of logits reads a bf16 / fp16 ``lm_w`` as a fused multiply-sum, not the small-M ``mm`` (``lm_head``);
+    only where verify steps need not round as decode steps do (``DecodeGraphs.exact_verify`` False)."""
 
 
 class GraphLayer(NamedTuple):
@@ -272,7 +275,17 @@ def mla_decode_stack(ids: torch.Tensor, step: StepInputs, layers: tuple[GraphLay
             prev_idx, prev_valid = idx, valid
     hidden = rms_norm(x, head.norm_w, head.norm_eps)
     sel = hidden if logits_index is None else hidden.index_select(0, logits_index)
-    return F.linear(sel, head.lm_w).float(), hidden
+    return lm_head(sel, head), hidden
+
+
+def lm_head(h: torch.Tensor, head: HeadWeights) -> torch.Tensor:
+    """``h`` [N, hidden] -> fp32 logits [N, vocab]. With ``head.row_gemv`` one row (a batch-1 decode step) is a
+    multiply-sum that inductor fuses into one reduction reading the narrow weight once: the bf16 ``mm`` of one
+    row (oneDNN's small-M path) took 1,440 us compiled for the peers' 32000 x 256 head, the reduction 801 us
+    (docs/performance.md). Rounded to the weight's dtype as ``F.linear`` rounds its output."""
+    if head.row_gemv and h.shape[0] == 1:
+        return (head.lm_w.float() * h.float()).sum(-1).to(head.lm_w.dtype).float()[None]
+    return F.linear(h, head.lm_w).float()
 
 
 MLA_KV = ("latent", "rope", "index")

@@ -19,6 +19,7 @@ from engine.kvcache.pool import KVPool
 from engine.layers.attention import MLA_ABSORB_MAX_Q, GQAAttention, MLAAttention
 from engine.layers.decode_graph import (
     EAGER,
+    REDUCED_PRECISION,
     DecodeGraphs,
     GQALayerWeights,
     HeadWeights,
@@ -227,8 +228,11 @@ class GlmForCausalLM(nn.Module):
     def _run_stack(self, layers: list, batch: ForwardBatch, pool: KVPool, norm: RMSNorm, all_logits: bool,
                    mtp: MTPInput | None = None) -> ForwardResult:
         cos, sin = self.rope().lookup(batch.positions, self.lm_head.weight.dtype)
-        head = HeadWeights(self.model.embed_tokens.weight, norm.weight, norm.eps, self.lm_head.weight)
-        logits, hidden = layers[0][0].graphs.run_stack(
+        g = layers[0][0].graphs
+        w = self.lm_head.weight
+        head = HeadWeights(self.model.embed_tokens.weight, norm.weight, norm.eps, w,
+                           row_gemv=not g.exact_verify and w.dtype in REDUCED_PRECISION)
+        logits, hidden = g.run_stack(
             [(layer.self_attn, w) for layer, w in layers], batch, pool, batch.input_ids, cos, sin, head, all_logits,
             mtp)
         return ForwardResult(logits, hidden)

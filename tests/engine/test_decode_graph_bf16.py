@@ -8,15 +8,19 @@ one graph (embedding, layers, experts, LM head) instead of a graph per layer wit
 * greedy decoding through the graphs picks eager's greedy tokens, up to bf16 ties;
 * after ``warm_up_decode`` serving compiles nothing.
 """
+import re
+
 import pytest
 import torch
 from test_decode_graph import _prefill, _step
 from test_spec import TINY_DSA, TINY_GQA, make_engine, make_predictable, prompts_for
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 
 from engine.batch import BatchRequest, ForwardBatch
 from engine.checkpoint import init_random_model
 from engine.kvcache import KVLayout, KVPool
+from engine.layers.decode_graph import HeadWeights, lm_head
 from engine.load import load_model
 from engine.sampling import SamplingParams
 from engine.warmup import warm_up_decode
@@ -123,3 +127,39 @@ def test_bf16_no_compile_after_warm_up(bf16_dirs):
     for lens in ((11,), (3, 50), (5, 23, 40, 7, 30), (9,) * 12):
         make_engine(model, cfg, "bfloat16").generate(prompts_for(cfg, lens), params)
     assert dict(counters["stats"]) == before
+
+
+def test_lm_head_row_gemv_is_one_reduction_rounded_as_linear():
+    """``lm_head`` with ``row_gemv``: one row of bf16 logits is a fused multiply-sum (no ``mm`` in inductor's code:
+    oneDNN's small-M bf16 path measured 1.45-1.65x slower for the whole glm4_moe step), rounded to bf16 as
+    ``F.linear``'s output is: within an ulp of it. Several rows keep the GEMM."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(1000, 64, generator=g) * 0.1).bfloat16()
+    embed, norm = torch.zeros(4, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+    fn = torch.compile(lm_head, fullgraph=True)
+    for rows, gemv, want_mm in ((1, True, False), (1, False, True), (3, True, True)):
+        h = torch.randn(rows, 64, generator=g).bfloat16()
+        head = HeadWeights(embed, norm, 1e-5, w, row_gemv=gemv)
+        out, code = run_and_get_code(fn, h, head)
+        ref = torch.nn.functional.linear(h, w).float()
+        assert out.dtype == torch.float32 and out.shape == (rows, 1000)
+        ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
+        assert ((out - ref).abs() <= ulp).all()
+        gemm = re.search(r"extern_kernels\.(mm|addmm)|aten\.mm|mm_out|mkldnn", " ".join(code)) is not None
+        assert gemm == want_mm, (rows, gemv)
+
+
+def test_row_gemv_only_where_verify_need_not_match(bf16_dirs, compiled_bf16):
+    """The whole-step graph of a bf16 model without MTP layers reads its LM head row-wise; one with MTP layers
+    (speculative verify steps must round as decode does) keeps the GEMM."""
+    for name, want in (("gqa", True), ("dsa", True), ("gqa-mtp", None)):
+        model, cfg = compiled_bf16[name]
+        g = model.model.layers[0].graphs
+        seen = []
+        g.run_stack = lambda *a, _orig=g.run_stack, _seen=seen, **k: (_seen.append(a[6].row_gemv), _orig(*a, **k))[1]
+        try:
+            prompts = prompts_for(cfg, (12,))
+            make_engine(model, cfg, "bfloat16").generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+        finally:
+            del g.run_stack
+        assert seen == ([] if want is None else [want] * 2), (name, seen)  # with MTP: experts eager, no whole step
