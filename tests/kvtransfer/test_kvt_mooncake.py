@@ -143,7 +143,9 @@ def test_decode_side_abort_mid_transfer(prefill):
 def test_stalled_and_expired_transfers_are_freed(prefill):
     pool = make_pool(make_layout(num_layers=4), 64)
     start = pool.allocator.num_used
-    with receiver(pool, stall_timeout_s=0.5, ticket_ttl_s=0.5, **MC) as h:
+    # the ticket's TTL outlasts a sender's Mooncake set-up (a stalled transfer must be leased before it can
+    # stall: at 0.5 s the TTL sometimes expired the ticket first); the stall timeout stays short
+    with receiver(pool, stall_timeout_s=0.5, ticket_ttl_s=3.0, **MC) as h:
         stalled = h.rx.reserve("s", 30)
         prefill_failed(prefill.run(ticket=stalled.to_dict(), transport="mooncake", stall_after=1),
                        FailReason.STALLED)
