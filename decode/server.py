@@ -26,10 +26,8 @@ from common.reasons import AbortReason, FinishReason, Role
 from decode.config import DecodeConfig
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
 from engine.defaults import default_model_dir
-from engine.kvcache import KVLayout, KVPool, PoolExhausted
-from engine.load import load_model
+from engine.kvcache import KVPool, PoolExhausted
 from engine.loader import model_hash
-from engine.parallel import SINGLE_RANK
 from engine.quant.prepare import expert_status, quantized_experts
 from engine.tokenizer import Tokenizer
 from engine.warmup import warm_up_decode
@@ -41,7 +39,7 @@ from worker import convert, heartbeat, process
 from worker.config import WorkerConfig, add_worker_args
 from worker.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
 from worker.metrics import serve_metrics
-from worker.model_proxy import ModelProxy
+from worker.model_proxy import load_rank_model
 from worker.ranks import RankFailure
 
 logger = logging.getLogger("decode.server")
@@ -285,13 +283,9 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     weights_dir = wcfg.quantized_model or model_dir
     plan = process.start_plan(wcfg, weights_dir, Role.DECODE)
     ranks = process.start_ranks(wcfg, weights_dir, plan.dtype.dtype, Role.DECODE)
-    model, cfg = load_model(weights_dir, plan.dtype.dtype, wcfg.device,
-                            parallel=ranks.parallel if ranks is not None else SINGLE_RANK)
-    local_model, layout = model, plan.layout
-    if ranks is not None:
-        ranks.wait_ready(model_hash(weights_dir), cfg)
-        layout = KVLayout.for_model(cfg, wcfg.page_size, plan.layout.kv_dtype, parallel=ranks.parallel)  # rank 0's
-        model = ModelProxy(model, ranks)
+    model, local_model, cfg, layout = load_rank_model(
+        weights_dir, plan.dtype.dtype, wcfg.device, plan.layout, ranks,
+        mhash if weights_dir == model_dir else model_hash(weights_dir))
     pool = _make_pool(layout, plan.pool.num_pages, wcfg.shm)
     spec = build_speculator(wcfg, model, cfg, pool)
     # a speculating worker asks prefill for the MTP draft state with every KV transfer (first round speculates)

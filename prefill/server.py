@@ -22,10 +22,8 @@ from common.flags import config_from_args
 from common.net import check_bind
 from common.reasons import AbortReason, Role
 from engine.defaults import default_model_dir
-from engine.kvcache import KVLayout, KVPool, PoolExhausted
-from engine.load import load_model
+from engine.kvcache import KVPool, PoolExhausted
 from engine.loader import model_hash
-from engine.parallel import SINGLE_RANK
 from kvtransfer import KVSender, KVSenderConfig, TransferTicket, TransportKind
 from kvtransfer.config import TransportConfig, add_transport_args
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
@@ -38,7 +36,7 @@ from worker import convert, heartbeat, process
 from worker.config import WorkerConfig, add_worker_args
 from worker.convert import sampling_from_proto
 from worker.metrics import serve_metrics
-from worker.model_proxy import ModelProxy
+from worker.model_proxy import load_rank_model
 
 logger = logging.getLogger("prefill.server")
 SERVICE = "pdserve.v1.PrefillWorker"
@@ -242,13 +240,7 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
         raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {wcfg.expect_model_hash}")
     plan = process.start_plan(wcfg, model_dir, Role.PREFILL)
     ranks = process.start_ranks(wcfg, model_dir, plan.dtype.dtype, Role.PREFILL)
-    model, cfg = load_model(model_dir, plan.dtype.dtype, wcfg.device,
-                            parallel=ranks.parallel if ranks is not None else SINGLE_RANK)
-    layout = plan.layout
-    if ranks is not None:
-        ranks.wait_ready(mhash, cfg)
-        layout = KVLayout.for_model(cfg, wcfg.page_size, plan.layout.kv_dtype, parallel=ranks.parallel)  # rank 0's
-        model = ModelProxy(model, ranks)
+    model, _, cfg, layout = load_rank_model(model_dir, plan.dtype.dtype, wcfg.device, plan.layout, ranks, mhash)
     pool = KVPool(layout, plan.pool.num_pages, model.lm_head.weight.device)
     # split KV heads (GQA under TP): KV leaves whole, gathered from every rank into a full-layout staging pool
     staging = pool if ranks is None or not ranks.kv_split else \

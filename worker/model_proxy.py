@@ -7,11 +7,16 @@ Everything else (``cfg``, ``has_mtp``, ``lm_head``, ...) is rank 0's model's.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from engine.batch import ForwardBatch
-from engine.kvcache import KVPool
+from engine.config import ModelConfig
+from engine.kvcache import KVLayout, KVPool
+from engine.load import load_model
 from engine.models.glm import ForwardResult, GlmForCausalLM
+from engine.parallel import SINGLE_RANK
 from engine.speculative.decoder import move_kv
 from worker.ranks import RankGroup, batch_tensors
 
@@ -59,3 +64,25 @@ class ModelProxy:
         """``engine.speculative.decoder.move_kv`` on every rank (a pool write outside a model call)."""
         self.group.call("move_kv", {"start": layers.start, "stop": layers.stop}, {"src": src, "dst": dst}, pool,
                         lambda: move_kv(pool, layers, src, dst))
+
+
+class RankModel(NamedTuple):
+    model: "GlmForCausalLM | ModelProxy"
+    """what the schedulers call (a ``ModelProxy`` driving the followers with ``--tp`` > 1)"""
+    local: GlmForCausalLM
+    """this rank's own model (shard)"""
+    cfg: ModelConfig
+    layout: KVLayout
+    """rank 0's KV pool layout (split GQA heads under TP)"""
+
+
+def load_rank_model(weights_dir: str, dtype: str, device: str, layout: KVLayout, ranks: RankGroup | None,
+                    weights_hash: str) -> RankModel:
+    """A worker's model on rank 0: its shard loaded, the followers (``ranks``, None at tp 1) checked ready on
+    ``weights_hash``, and the pool layout of this rank (``layout``: the whole model's, from ``start_plan``)."""
+    local, cfg = load_model(weights_dir, dtype, device, parallel=ranks.parallel if ranks is not None else SINGLE_RANK)
+    if ranks is None:
+        return RankModel(local, local, cfg, layout)
+    ranks.wait_ready(weights_hash, cfg)
+    return RankModel(ModelProxy(local, ranks), local, cfg,
+                     KVLayout.for_model(cfg, layout.page_size, layout.kv_dtype, parallel=ranks.parallel))
