@@ -152,12 +152,18 @@ def draw(probs: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [..., V]`` -> the index of each row's first maximum: ``argmax``'s answer (ties and NaN alike),
+    through ``max``, which is ~3x faster on CPU (32 x 32000 fp32, 2 threads: 258 vs 764 us)."""
+    return logits.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> SampleResult:
     """logits [B, V] fp32 -> one token per request (greedy rows: argmax)."""
     logits = apply_penalties(logits.float().clone() if any(s.params.has_penalties for s in states)
                              else logits.float(), states)
     if all(s.params.greedy for s in states):
-        ids = logits.argmax(dim=-1)
+        ids = greedy_ids(logits)
     else:
         ids = draw(probs_from_logits(logits, states), states)
     n = max(s.params.logprobs for s in states)

@@ -8,6 +8,7 @@ from engine.config import ModelConfig
 from engine.kvcache import KVLayout, KVPool
 from engine.layers.attention import MLA_ABSORB_MAX_Q
 from engine.models.glm import GlmForCausalLM
+from engine.layers.decode_graph import GRAPH_GATHER_MAX_PAIRS
 from engine.moe.experts import GATHER_MAX_PAIRS
 from engine.offline import Engine
 from engine.sampling import SamplingParams
@@ -19,16 +20,18 @@ def warm_up_decode(model: GlmForCausalLM, cfg: ModelConfig, kv_dtype: str, page_
     """Compile the decode graphs of ``model`` (``compile_decode``) for the shape classes a decode worker
     meets, before it serves, so no request waits for a compile: one and several requests, one and several
     tokens each (decode, verify, MTP extend, prompts of up to MLA_ABSORB_MAX_Q tokens) and mixed counts,
-    batches whose routed experts leave the graph (one request and several), short contexts (every key) and long ones (the DSA top-k); the MTP layer's draft steps too with
+    batches whose routed experts leave the graph or change strategy inside it (one request and several), short contexts (every key) and long ones (the DSA top-k); the MTP layer's draft steps too with
     ``spec``; then a few real generations. Runs on a scratch pool; returns the seconds it took."""
     t0 = time.perf_counter()
     long = (cfg.index_topk if cfg.is_mla else 0) + 2 * page_size
     # the routed experts leave the graph above GATHER_MAX_PAIRS token-expert pairs: one request with a few
     # tokens (a short prompt, a long verify) and several requests with several tokens each cross it too
     q_out = min(MLA_ABSORB_MAX_Q, GATHER_MAX_PAIRS // max(1, cfg.num_experts_per_tok) + 1)
-    shapes = [(1,), (1, 1), (2,), (2, 2), (1, 2), (1,) * 9, (q_out,), (2,) * 9]
+    # models without verify steps keep the experts inside the graph past GRAPH_GATHER_MAX_PAIRS (another strategy)
+    many = GRAPH_GATHER_MAX_PAIRS // max(1, cfg.num_experts_per_tok) + 1
+    shapes = [(1,), (1, 1), (2,), (2, 2), (1, 2), (1,) * 9, (q_out,), (2,) * 9, (1,) * many]
     per_req = -(-(long + MLA_ABSORB_MAX_Q) // page_size)
-    pool = KVPool(KVLayout.for_model(cfg, page_size, kv_dtype, model.parallel), per_req * 9 + 1,
+    pool = KVPool(KVLayout.for_model(cfg, page_size, kv_dtype, model.parallel), per_req * max(9, many) + 1,
                   device=model.lm_head.weight.device)
     for ctx in (4, long):
         for qs in shapes:

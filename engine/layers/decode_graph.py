@@ -438,15 +438,43 @@ class DecodeGraphs:
         return self.stack(ids, step, per_layer, head, li, mtp)
 
     def experts_in_graph(self, experts: torch.nn.Module, num_pairs: int, dtype: torch.dtype
-                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The routed experts' dense (w13, w2) when they run inside the graph, else None (the caller runs
-        ``experts`` eagerly, with their own strategy choice). Inside means the gather path, which eager
-        experts run for <= ``GATHER_MAX_PAIRS`` token-expert pairs too: dense-weight experts, or MX experts
-        whose dequantized layer is cached (``MXRoutedExperts.gather_weights``)."""
-        if not self.compiled or num_pairs > GATHER_MAX_PAIRS or (self.exact_verify and dtype in REDUCED_PRECISION):
+                         ) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+        """The routed experts' dense (w13, w2) and the strategy (``GRAPH_MOE_IMPLS``) when they run inside the
+        graph, else None (the caller runs ``experts`` eagerly, with their own strategy choice): dense-weight
+        experts, or MX experts whose dequantized layer is cached (``MXRoutedExperts.gather_weights``).
+
+        A model that verifies (``exact_verify``) runs them inside on the gather path only, as eager experts
+        do, for <= ``GATHER_MAX_PAIRS`` token-expert pairs and not in reduced precision (``REDUCED_PRECISION``).
+        One that never verifies runs them inside at any batch size (the whole step one graph):
+        ``gather_fused`` for <= ``GRAPH_GATHER_MAX_PAIRS`` pairs, then ``dense`` when every token through
+        every expert costs at most ``GRAPH_DENSE_MAX_WASTE`` times the routed work; larger layers stay eager."""
+        if not self.compiled:
             return None
+        if self.exact_verify:
+            strategy = "gather" if num_pairs <= GATHER_MAX_PAIRS and dtype not in REDUCED_PRECISION else None
+        else:
+            strategy = graph_moe_strategy(num_pairs, experts.num_experts, experts.topk)
         fn = getattr(experts, "gather_weights", None)
-        return None if fn is None else fn(dtype)
+        if strategy is None or fn is None:
+            return None
+        w = fn(dtype)
+        return None if w is None else (w[0], w[1], strategy)
+
+
+GRAPH_GATHER_MAX_PAIRS = 32
+"""Graphs of models without verify steps run ``gather_fused`` up to this many token-expert pairs. Measured
+on the peers' glm4_moe layer (E=16, H=256, I=128, top-4, bf16, 2 threads, us per layer, compiled): 8 tokens
+gather_fused 245 / dense 315 (eager: grouped 444, sorted 1,503); 32 tokens dense 338 / gather_fused 604 (eager
+grouped 506)."""
+GRAPH_DENSE_MAX_WASTE = 4
+"""``dense`` computes E / top-k times the routed work: beyond this ratio the experts stay eager."""
+
+
+def graph_moe_strategy(num_pairs: int, num_experts: int, topk: int) -> str | None:
+    """Inside-graph strategy of a model without verify steps (``DecodeGraphs.experts_in_graph``)."""
+    if num_pairs <= GRAPH_GATHER_MAX_PAIRS:
+        return "gather_fused"
+    return "dense" if num_experts <= GRAPH_DENSE_MAX_WASTE * topk else None
 
 
 REDUCED_PRECISION = (torch.bfloat16, torch.float16)

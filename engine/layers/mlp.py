@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.fused import FusedProjection
-from engine.moe.experts import RoutedExperts, moe_gather
+from engine.moe.experts import GRAPH_MOE_IMPLS, RoutedExperts
 from engine.moe.router import Routing, TopkRouter, route
 from engine.parallel.config import SINGLE_RANK, ParallelConfig
 
@@ -27,8 +27,9 @@ class FFNArgs(NamedTuple):
     routes: bool                      # an MoE block
     bias: torch.Tensor | None         # e_score_correction_bias
     route_consts: tuple               # (n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor)
-    w13: torch.Tensor | None          # routed experts run inside (the gather path), else by the caller
+    w13: torch.Tensor | None          # routed experts run inside (``moe``'s strategy), else by the caller
     w2: torch.Tensor | None
+    moe: str = "gather"               # the strategy inside a graph: ``engine.moe.experts.GRAPH_MOE_IMPLS``
 
 
 def ffn_tokenwise(h: torch.Tensor, f: FFNArgs) -> tuple[torch.Tensor, Routing | None]:
@@ -47,7 +48,7 @@ def ffn_tokenwise(h: torch.Tensor, f: FFNArgs) -> tuple[torch.Tensor, Routing | 
     routing = route(logits, f.bias, *f.route_consts)
     if f.w13 is None:
         return shared, routing
-    out = moe_gather(h, f.w13, f.w2, routing)
+    out = GRAPH_MOE_IMPLS[f.moe](h, f.w13, f.w2, routing)
     return (out if shared is None else out + shared), None
 
 
@@ -98,17 +99,19 @@ class MoE(nn.Module):
         return finish_ffn(self.experts, x, *ffn_tokenwise(x, self.tokenwise_args()))
 
     def tokenwise_args(self, experts_w: tuple | None = None) -> FFNArgs:
-        """``experts_w`` = dense (w13, w2): the routed experts run inside ``ffn_tokenwise`` (the gather path),
-        else (None) the caller runs ``self.experts`` (``finish_ffn``)."""
+        """``experts_w`` = dense (w13, w2, strategy): the routed experts run inside ``ffn_tokenwise``
+        (``GRAPH_MOE_IMPLS[strategy]``), else (None) the caller runs ``self.experts`` (``finish_ffn``)."""
         cfg, se, gate = self.gate.cfg, self.shared_experts, self.gate
         consts = (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-        w13, w2 = experts_w or (None, None)
+        w13, w2, moe = experts_w or (None, None, "gather")
         if se is None:
-            return FFNArgs(None, [], None, gate.weight.float(), True, gate.e_score_correction_bias, consts, w13, w2)
+            return FFNArgs(None, [], None, gate.weight.float(), True, gate.e_score_correction_bias, consts, w13, w2,
+                           moe)
         if gate.weight.dtype == se.gate_proj.weight.dtype:
             # fp32 model: the router's logits and the shared expert's gate/up read x in one GEMM
             w, _, sizes = self._x_proj.weight([(gate.weight, None)] + se.gate_up_parts())
-            return FFNArgs(w, sizes, se.down_proj.weight, None, True, gate.e_score_correction_bias, consts, w13, w2)
+            return FFNArgs(w, sizes, se.down_proj.weight, None, True, gate.e_score_correction_bias, consts, w13, w2,
+                           moe)
         w, _, sizes = se._gate_up.weight(se.gate_up_parts())
         return FFNArgs(w, sizes, se.down_proj.weight, gate.weight.float(), True, gate.e_score_correction_bias,
-                       consts, w13, w2)
+                       consts, w13, w2, moe)

@@ -114,7 +114,7 @@ class DecoderLayer(nn.Module):
         """The token-wise functions' weights. Compiled graphs take them collected once (weights are frozen
         while compiled), except the routed experts' dense weights: an MX layer's come from its DequantCache,
         which may drop and rebuild them."""
-        full = key + (experts_w is not None,)
+        full = key + (experts_w[2] if experts_w is not None else None,)
         w = self._frozen_args.get(full) if g.compiled else None
         if w is None:
             w = self._weight_args(*key, experts_w)
@@ -122,7 +122,7 @@ class DecoderLayer(nn.Module):
                 self._frozen_args[full] = w
         f = w.post.ffn
         if experts_w is not None and f.w13 is not experts_w[0]:
-            w = replace(w, post=replace(w.post, ffn=f._replace(w13=experts_w[0], w2=experts_w[1])))
+            w = replace(w, post=replace(w.post, ffn=f._replace(w13=experts_w[0], w2=experts_w[1], moe=experts_w[2])))
             if g.compiled:
                 self._frozen_args[full] = w
         return w

@@ -43,21 +43,39 @@ GROUPED_MAX_PAD = 2.0
 """``grouped`` computes E * max_count rows for T * K real ones; beyond this ratio ``sorted`` wins."""
 
 
+def row_bucket(n: int, device: torch.device) -> int:
+    """``n`` GEMM rows rounded up so that shapes repeat: on CPU one of 8 sizes per octave above 16 rows (at
+    most 12.5% more rows), elsewhere ``n``. oneDNN (bf16) and MKL's JIT (fp32) build a kernel per new shape:
+    ~1.7 ms per first-seen bf16 shape here, and the per-expert row counts of a prefill are new at nearly every
+    chunk (50 GEMMs of random M in [300, 1500), 256x256, 2 threads: 82 ms first-seen vs 7 ms repeated,
+    docs/performance.md)."""
+    if device.type != "cpu" or n <= 16:
+        return n
+    step = 1 << ((n - 1).bit_length() - 4)
+    return -(-n // step) * step
+
+
 def moe_sorted(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing) -> torch.Tensor:
     T, K = routing.ids.shape
     flat = routing.ids.reshape(-1)  # [T*K]
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     tok = order // K
-    xs = x[tok]  # [T*K, H] grouped by expert
-    ys = torch.empty_like(xs)
+    # each expert's GEMM runs over row_bucket(n) rows: the rows past its own n belong to the next expert
+    # (or to the zero slack at the end) and their results are dropped, so shapes repeat without a copy
+    slack = max((row_bucket(n, x.device) - n for n in counts if n), default=0)
+    xs = x.new_empty(T * K + slack, x.shape[1])  # [T*K (+ slack), H] grouped by expert
+    torch.index_select(x, 0, tok, out=xs[:T * K])
+    xs[T * K:] = 0
+    ys = torch.empty_like(xs[:T * K])
     I = w2.shape[2]
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        h = F.linear(xs[start:start + n], w13[e])
-        ys[start:start + n] = F.linear(F.silu(h[:, :I]) * h[:, I:], w2[e])
+        nb = row_bucket(n, x.device)
+        h = F.linear(xs[start:start + nb], w13[e])
+        ys[start:start + n] = F.linear(F.silu(h[:, :I]) * h[:, I:], w2[e])[:n]
         start += n
     ys = ys * routing.weights.reshape(-1)[order, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, tok, ys)
@@ -77,7 +95,7 @@ def moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: R
     expert = flat[order]  # [T*K] expert of each sorted pair
     slot = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[expert]
     tok = order // K
-    buf = x.new_zeros(E, int(counts.max()), x.shape[1])  # [E, max_count, H]
+    buf = x.new_zeros(E, row_bucket(int(counts.max()), x.device), x.shape[1])  # [E, max_count (bucketed), H]
     buf[expert, slot] = x[tok]
     h = torch.bmm(buf, w13.transpose(1, 2))  # [E, max_count, 2I]
     y = torch.bmm(F.silu(h[..., :I]) * h[..., I:], w2.transpose(1, 2))  # [E, max_count, H]
@@ -139,9 +157,43 @@ def moe_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Rou
     return torch.einsum("te,eth->th", coef, y)  # unselected experts weigh 0
 
 
+def moe_gather_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``moe_gather`` as multiply-sums in fp32 that a compiled graph fuses with the weight gather: one reduction
+    kernel reads each pair's expert rows in place (no per-pair weight copy, no small-M GEMM). Only inside graphs
+    of models without verify steps (``DecodeGraphs.experts_in_graph``): it rounds unlike the eager paths. Eager,
+    it would materialise an fp32 copy of every pair's weights."""
+    T, K = routing.ids.shape
+    flat = routing.ids.reshape(-1)
+    I = w2.shape[2]
+    xr = x.repeat_interleave(K, dim=0).float()
+    h = (w13.index_select(0, flat).float() * xr.unsqueeze(1)).sum(-1).to(x.dtype)  # [T*K, 2I]
+    a = (F.silu(h[:, :I]) * h[:, I:]).float()
+    y = (w2.index_select(0, flat).float() * a.unsqueeze(1)).sum(-1).to(x.dtype)  # [T*K, H]
+    y = y.view(T, K, -1) * routing.weights.unsqueeze(-1).to(y.dtype)
+    return y.sum(dim=1)
+
+
+def moe_dense_graph(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``moe_dense`` with the gate/up GEMM over all experts at once (``x`` against ``w13`` as one [E * 2I, H]
+    matrix): every token through every expert, the stacked weights read once; the graphs' choice for larger
+    batches of few experts (``DecodeGraphs.experts_in_graph``)."""
+    T, (E, I2, H) = x.shape[0], w13.shape
+    I = I2 // 2
+    h = F.linear(x, w13.reshape(E * I2, H)).view(T, E, I2).transpose(0, 1)  # [E, T, 2I]
+    y = torch.bmm(F.silu(h[..., :I]) * h[..., I:], w2.transpose(1, 2))  # [E, T, H]
+    coef = torch.zeros(T, E, device=x.device).scatter_(1, routing.ids, routing.weights.float())
+    # the weighted sum in fp32 (a fused reduction inside the graph): unselected experts weigh 0
+    return (coef.t().unsqueeze(-1) * y.float()).sum(0).to(x.dtype)
+
+
 MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Routing], torch.Tensor]
 MOE_IMPLS: dict[str, MoEFn] = {"sorted": moe_sorted, "grouped": moe_grouped, "gather": moe_gather,
                              "dense": moe_dense}
+
+
+GRAPH_MOE_IMPLS: dict[str, MoEFn] = {"gather": moe_gather, "gather_fused": moe_gather_fused,
+                                     "dense": moe_dense_graph}
+"""Routed-expert strategies inside the compiled decode graphs (``FFNArgs.moe``)."""
 
 
 MX_ONLY_IMPLS = ("mx_sorted", "mx_grouped", "mx_gather", "mx_dense", "cached_sorted", "cached_gather", "cached_dense",
@@ -169,6 +221,10 @@ class RoutedExperts(nn.Module):
         self.impl = impl
         self.last_impl = ""
         """Strategy the last forward ran (reported in worker metrics)."""
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
 
     def gather_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(w13, w2) for running the gather path elsewhere (the compiled decode graphs), when ``pick`` would

@@ -28,7 +28,7 @@ from common.reasons import FinishReason
 from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
-from engine.sampling import SamplerState, apply_penalties, probs_from_logits
+from engine.sampling import SamplerState, apply_penalties, greedy_ids, probs_from_logits
 from engine.speculative.config import SpecConfig
 from engine.speculative.metrics import SpecMetrics, step_depths
 from engine.speculative.proposer import MTPProposer
@@ -173,7 +173,7 @@ class SpecDecoder:
                                            s.output_ids + t.path_tokens(i), s.sampler.generator)
                               for i in range(t.num_nodes)]
                     apply_penalties(logits[off:off + t.num_nodes], states)
-        target_ids = logits.argmax(dim=-1).tolist()
+        target_ids = greedy_ids(logits).tolist()
         sampling = [b for b, s in enumerate(seqs) if not s.sampler.params.greedy]
         probs = {}
         if sampling:

@@ -31,7 +31,7 @@ import torch
 from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool
 from engine.models.glm import GlmForCausalLM
-from engine.sampling import SamplerState, draw, probs_from_logits
+from engine.sampling import SamplerState, draw, greedy_ids, probs_from_logits
 from engine.speculative.config import SpecConfig
 from engine.speculative.seq import SpecSeq
 from engine.speculative.tree import DraftTree
@@ -95,7 +95,7 @@ class MTPProposer:
             row_states = [st for st in states for _ in range(F)]
             q, logp = rank_logprobs(logits.reshape(B * F, -1), row_states)
             if spec.is_chain:
-                tok = (logp.argmax(-1) if q is None else draw(q, row_states)).view(B, 1, 1)
+                tok = (greedy_ids(logp) if q is None else draw(q, row_states)).view(B, 1, 1)
                 sc = f_score[:, :, None] + logp.gather(1, tok.view(-1, 1)).view(B, 1, 1)
                 qs.append(q)
             else:
@@ -127,7 +127,7 @@ class MTPProposer:
         hidden = torch.stack([s.draft_hidden for s in seqs])  # [B, H]
         toks = []
         for d in range(1, self.spec.num_steps + 1):
-            tok = logits.argmax(-1, keepdim=True)  # [B, 1]
+            tok = greedy_ids(logits)[:, None]  # [B, 1]
             toks.append(tok)
             if d == self.spec.num_steps:
                 break

@@ -223,9 +223,11 @@ def test_allocator_vector_paths_match_scalar(seed, monkeypatch):
         assert msg in said
 
 
-@pytest.mark.parametrize("impl", ["sorted", "grouped", "gather", "dense"])
+@pytest.mark.parametrize("impl", ["sorted", "grouped", "gather", "dense", "graph:gather_fused", "graph:dense"])
 def test_moe_strategies_agree(impl):
-    from engine.moe.experts import MOE_IMPLS
+    """Every strategy, the compiled graphs' ones (``GRAPH_MOE_IMPLS``) included, computes the definition; ~19
+    pairs per expert, so the CPU's GEMMs run on bucketed row counts (``row_bucket``)."""
+    from engine.moe.experts import GRAPH_MOE_IMPLS, MOE_IMPLS
     from engine.moe.router import Routing
     g = torch.Generator().manual_seed(0)
     E, H, I, T, K = 8, 32, 16, 50, 3
@@ -237,7 +239,8 @@ def test_moe_strategies_agree(impl):
         for k in range(K):
             h = w13[ids[t, k]] @ x[t]
             ref[t] += r.weights[t, k] * (w2[ids[t, k]] @ (torch.nn.functional.silu(h[:I]) * h[I:]))
-    assert (MOE_IMPLS[impl](x, w13, w2, r) - ref).abs().max() < 1e-5 * ref.abs().max()
+    fn = GRAPH_MOE_IMPLS[impl[6:]] if impl.startswith("graph:") else MOE_IMPLS[impl]
+    assert (fn(x, w13, w2, r) - ref).abs().max() < 1e-5 * ref.abs().max()
 
 
 @pytest.mark.parametrize("copy_max", [None, 0])
