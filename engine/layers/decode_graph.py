@@ -152,6 +152,9 @@ class HeadWeights:
     row_gemv: bool = False
     """One row of logits reads a bf16 / fp16 ``lm_w`` as a fused multiply-sum, not the small-M ``mm`` (``lm_head``);
     only where verify steps need not round as decode steps do (``DecodeGraphs.exact_verify`` False)."""
+    lm_w_narrow: torch.Tensor | None = None
+    """An fp32 model's LM head held in bf16 too, when every value is a bf16 value (a bf16 checkpoint read in
+    fp32): the row GEMV reads it instead of ``lm_w``, half the bytes, the same products (``lm_head``)."""
 
 
 class GraphLayer(NamedTuple):
@@ -282,8 +285,12 @@ def lm_head(h: torch.Tensor, head: HeadWeights) -> torch.Tensor:
     """``h`` [N, hidden] -> fp32 logits [N, vocab]. With ``head.row_gemv`` one row (a batch-1 decode step) is a
     multiply-sum that inductor fuses into one reduction reading the narrow weight once: the bf16 ``mm`` of one
     row (oneDNN's small-M path) took 1,440 us compiled for the peers' 32000 x 256 head, the reduction 801 us
-    (docs/performance.md). Rounded to the weight's dtype as ``F.linear`` rounds its output."""
+    (docs/performance.md). Rounded to the weight's dtype as ``F.linear`` rounds its output. An fp32 model whose
+    head holds bf16 values reads ``head.lm_w_narrow`` (16 of the 46 MB a batch-1 step of the peers' glm4_moe
+    read in fp32 are saved)."""
     if head.row_gemv and h.shape[0] == 1:
+        if head.lm_w_narrow is not None:  # fp32 logits from the exact bf16 copy: no rounding of the sum
+            return (head.lm_w_narrow.float() * h.float()).sum(-1)[None]
         return (head.lm_w.float() * h.float()).sum(-1).to(head.lm_w.dtype).float()[None]
     return F.linear(h, head.lm_w).float()
 

@@ -159,6 +159,15 @@ class MTPLayer(nn.Module):
         self.shared_head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def narrow_copy(w: torch.Tensor) -> torch.Tensor | None:
+    """``w`` in bf16 when it is fp32 and every value is a bf16 value (a bf16 checkpoint served in fp32), else
+    None: kernels that widen in registers then read half the bytes for the same products."""
+    if w.dtype != torch.float32:
+        return None
+    narrow = w.detach().to(torch.bfloat16)
+    return narrow if torch.equal(narrow.float(), w.detach()) else None
+
+
 class GlmForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, moe_impl: str = "auto", parallel: ParallelConfig = SINGLE_RANK) -> None:
         """``parallel``: this rank's share of a tensor-parallel worker (``engine.parallel``); the modules get
@@ -178,6 +187,8 @@ class GlmForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = nn.ModuleList([MTPLayer(rcfg, k, moe_impl, parallel) for k in range(cfg.num_mtp_layers)])
         self._rope: RotaryTable | None = None
+        self._lm_narrow: torch.Tensor | None = None
+        """The fp32 LM head's exact bf16 copy for batch-1 steps (``HeadWeights.lm_w_narrow``; ``compile_decode``)."""
 
     def compile_decode(self, enabled: bool = True) -> None:
         """Run the token-wise parts of every MLA layer (the MTP layers' too) through compiled graphs in
@@ -192,6 +203,7 @@ class GlmForCausalLM(nn.Module):
                            "expect slower decode steps than a compiled tp_size 1 worker", self.parallel.tp_size)
             enabled = False
         g = DecodeGraphs(True, self.lm_head.weight.device, exact_verify=self.has_mtp) if enabled else EAGER
+        self._lm_narrow = narrow_copy(self.lm_head.weight) if enabled else None
         for layer in list(self.model.layers) + [m.block for m in self.mtp]:
             layer.graphs = g
             layer._frozen_args.clear()
@@ -230,8 +242,10 @@ class GlmForCausalLM(nn.Module):
         cos, sin = self.rope().lookup(batch.positions, self.lm_head.weight.dtype)
         g = layers[0][0].graphs
         w = self.lm_head.weight
+        narrow = self._lm_narrow if not g.exact_verify else None
         head = HeadWeights(self.model.embed_tokens.weight, norm.weight, norm.eps, w,
-                           row_gemv=not g.exact_verify and w.dtype in REDUCED_PRECISION)
+                           row_gemv=not g.exact_verify and (w.dtype in REDUCED_PRECISION or narrow is not None),
+                           lm_w_narrow=narrow)
         logits, hidden = g.run_stack(
             [(layer.self_attn, w) for layer, w in layers], batch, pool, batch.input_ids, cos, sin, head, all_logits,
             mtp)

@@ -174,3 +174,38 @@ def test_row_gemv_only_where_verify_need_not_match(bf16_dirs, compiled_bf16):
         # the 12-token prompt (24 token-expert pairs: ``gather_fused``) and two decode steps; with MTP: experts
         # eager, no whole step
         assert seen == ([] if want is None else [want] * 3), (name, seen)
+
+
+def test_fp32_head_of_bf16_values_reads_its_bf16_copy(bf16_dirs):
+    """An fp32 model (no MTP layers) whose LM head holds bf16 values (a bf16 checkpoint served in fp32) reads
+    the head's exact bf16 copy in batch-1 steps: half the bytes, fp32 logits equal to the fp32 GEMM's up to
+    summation order. A head with one value off the bf16 grid gets no copy (the row GEMV would change it)."""
+    model, cfg = load_model(bf16_dirs["gqa"], "float32", "cpu")
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.lm_head.weight.bfloat16().float())
+    model.compile_decode()
+    assert model._lm_narrow is not None and model._lm_narrow.dtype == torch.bfloat16
+    g = model.model.layers[0].graphs
+    seen = []
+
+    def spy(*a, _orig=g.run_stack, **k):
+        logits, hidden = _orig(*a, **k)
+        seen.append((a[6], logits, hidden))
+        return logits, hidden
+    g.run_stack = spy
+    try:
+        make_engine(model, cfg, "float32").generate(prompts_for(cfg, (12,)), SamplingParams(max_tokens=3,
+                                                                                             ignore_eos=True))
+    finally:
+        del g.run_stack
+    steps = [(head, logits, hidden) for head, logits, hidden in seen if logits.shape[0] == 1]
+    assert len(steps) >= 2
+    for head, logits, hidden in steps:
+        assert head.row_gemv and head.lm_w_narrow is model._lm_narrow
+        with torch.no_grad():
+            ref = torch.nn.functional.linear(hidden[-1:], model.lm_head.weight)
+        torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        model.lm_head.weight[3, 5] += 1e-6
+    model.compile_decode()
+    assert model._lm_narrow is None
