@@ -8,7 +8,7 @@ from engine.config import ModelConfig
 from engine.kvcache import KVLayout, KVPool
 from engine.layers.attention import MLA_ABSORB_MAX_Q
 from engine.models.glm import GlmForCausalLM
-from engine.layers.decode_graph import GRAPH_GATHER_MAX_PAIRS
+from engine.layers.decode_graph import GRAPH_EXACT_GATHER_MAX_PAIRS, GRAPH_GATHER_MAX_PAIRS
 from engine.moe.experts import GATHER_MAX_PAIRS
 from engine.offline import Engine
 from engine.sampling import SamplingParams
@@ -27,15 +27,20 @@ def warm_up_decode(model: GlmForCausalLM, cfg: ModelConfig, kv_dtype: str, page_
     # the routed experts leave the graph above GATHER_MAX_PAIRS token-expert pairs: one request with a few
     # tokens (a short prompt, a long verify) and several requests with several tokens each cross it too
     q_out = min(MLA_ABSORB_MAX_Q, GATHER_MAX_PAIRS // max(1, cfg.num_experts_per_tok) + 1)
-    # models without verify steps keep the experts inside the graph past GRAPH_GATHER_MAX_PAIRS (another strategy)
-    many = GRAPH_GATHER_MAX_PAIRS // max(1, cfg.num_experts_per_tok) + 1
-    shapes = [(1,), (1, 1), (2,), (2, 2), (1, 2), (1,) * 9, (q_out,), (2,) * 9, (1,) * many]
+    # inside the graph the experts change strategy past GRAPH_GATHER_MAX_PAIRS (models without verify steps) and
+    # leave it past GRAPH_EXACT_GATHER_MAX_PAIRS (models that verify): many one-token and two-token requests
+    k = max(1, cfg.num_experts_per_tok)
+    many = [GRAPH_GATHER_MAX_PAIRS // k + 1, GRAPH_EXACT_GATHER_MAX_PAIRS // k + 1]
+    shapes = [(1,), (1, 1), (2,), (2, 2), (1, 2), (1,) * 9, (q_out,), (2,) * 9]
+    shapes += [(1,) * n for n in many] + [(2,) * (n // 2 + 1) for n in many]
     per_req = -(-(long + MLA_ABSORB_MAX_Q) // page_size)
-    pool = KVPool(KVLayout.for_model(cfg, page_size, kv_dtype, model.parallel), per_req * max(9, many) + 1,
+    pool = KVPool(KVLayout.for_model(cfg, page_size, kv_dtype, model.parallel), per_req * 9 + 1,
                   device=model.lm_head.weight.device)
     for ctx in (4, long):
         for qs in shapes:
-            reqs = [BatchRequest(list(range(i * per_req, (i + 1) * per_req)), ctx, [3] * q) for i, q in enumerate(qs)]
+            # past 9 requests the page lists repeat (a scratch pool: only the shapes matter, not the values)
+            reqs = [BatchRequest(list(range(i % 9 * per_req, (i % 9 + 1) * per_req)), ctx, [3] * q)
+                    for i, q in enumerate(qs)]
             batch = ForwardBatch.build(reqs, page_size, pool.device)
             out = model(batch, pool)
             if spec and model.has_mtp:

@@ -17,7 +17,7 @@ per-layer and the whole-step graphs. fp8 KV pools too: the graphs quantise write
 ``KVPool.write`` / ``read`` do (``kv_write`` / ``kv_read``). What the graphs do not cover runs the eager path
 (for MLA with the same token-wise functions, ``tokenwise`` and ``after_attention`` around
 ``MLAAttention.attend``): prefill and batches whose requests have different query counts. Routed experts run inside the graph on
-the gather path (<= ``GATHER_MAX_PAIRS`` token-expert pairs; dense-weight experts, or MXFP4 experts on
+the gather path (<= ``GRAPH_EXACT_GATHER_MAX_PAIRS`` token-expert pairs; dense-weight experts, or MXFP4 experts on
 the dense weights their DequantCache holds); larger batches run the experts' own eager strategies
 between the graph and the residual add. When every FFN of a step completes inside, the whole step
 (embedding, layers, final norm, LM head) is one graph: ``mla_decode_stack``.
@@ -60,7 +60,6 @@ from engine.layers.gqa_graph import (
 )
 from engine.layers.mlp import FFNArgs, ffn_tokenwise
 from engine.layers.norm import rms_norm
-from engine.moe.experts import GATHER_MAX_PAIRS
 from engine.moe.router import Routing
 
 __all__ = ["DecodeGraphs", "GQALayerWeights", "LayerWeights", "MLADims", "MTPInput", "PostWeights", "layer_post"]
@@ -451,14 +450,15 @@ class DecodeGraphs:
         experts, or MX experts whose dequantized layer is cached (``MXRoutedExperts.gather_weights``).
 
         A model that verifies (``exact_verify``) runs them inside on the gather path only, as eager experts
-        do, for <= ``GATHER_MAX_PAIRS`` token-expert pairs and not in reduced precision (``REDUCED_PRECISION``).
+        do, for <= ``GRAPH_EXACT_GATHER_MAX_PAIRS`` token-expert pairs and not in reduced precision (``REDUCED_PRECISION``).
         One that never verifies runs them inside at any batch size (the whole step one graph):
         ``gather_fused`` for <= ``GRAPH_GATHER_MAX_PAIRS`` pairs, then ``dense`` when every token through
         every expert costs at most ``GRAPH_DENSE_MAX_WASTE`` times the routed work; larger layers stay eager."""
         if not self.compiled:
             return None
         if self.exact_verify:
-            strategy = "gather" if num_pairs <= GATHER_MAX_PAIRS and dtype not in REDUCED_PRECISION else None
+            strategy = ("gather" if num_pairs <= GRAPH_EXACT_GATHER_MAX_PAIRS and dtype not in REDUCED_PRECISION
+                        else None)
         else:
             strategy = graph_moe_strategy(num_pairs, experts.num_experts, experts.topk)
         fn = getattr(experts, "gather_weights", None)
@@ -468,6 +468,11 @@ class DecodeGraphs:
         return None if w is None else (w[0], w[1], strategy)
 
 
+GRAPH_EXACT_GATHER_MAX_PAIRS = 64
+"""Graphs of models that verify run their fp32 experts on the (batch-invariant) gather path up to this many
+token-expert pairs: a decode step of 32 requests of a top-2 model is then one graph. Default model (glm5-tiny,
+E=8, top-2, fp32), ``bench.bench_decode --batches 8,32 --new 48``: 16 pairs (before) 4,397 / 6,452 tok/s, 64 pairs
+4,837 / 8,585 (transformers 980-1,050 / 1,727-1,879 in the same runs)."""
 GRAPH_GATHER_MAX_PAIRS = 32
 """Graphs of models without verify steps run ``gather_fused`` up to this many token-expert pairs. Measured
 on the peers' glm4_moe layer (E=16, H=256, I=128, top-4, bf16, 2 threads, us per layer, compiled): 8 tokens
@@ -488,7 +493,7 @@ REDUCED_PRECISION = (torch.bfloat16, torch.float16)
 """Models in these dtypes that speculate (``DecodeGraphs.exact_verify``: models with MTP layers) run their routed
 experts eagerly between graphs, at every batch size. Inside a graph
 inductor fuses the experts' math and rounds to bf16 once per fused kernel where eager rounds after every op;
-with the experts inside for small steps only (<= ``GATHER_MAX_PAIRS`` pairs), a decode step of 4 requests
+with the experts inside for small steps only (<= 16 pairs, as then), a decode step of 4 requests
 (inside) and their verify step (outside) rounded a token differently, and speculative greedy decoding of a
 batch diverged from plain decoding within 10-54 tokens (docs/performance.md). Eager experts round alike at
 any batch size. fp32 rounding differences are far below any greedy margin seen: fp32 keeps them inside. A model
