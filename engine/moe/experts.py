@@ -10,7 +10,8 @@ Strategies (registered by name in ``MOE_IMPLS``; all give the same result up to 
   prefill, where each expert sees many tokens.
 * ``grouped``: scatter the sorted pairs into a padded ``[E, max_count, H]`` buffer and run the whole
   layer as two batched GEMMs. One kernel instead of E small ones (small GEMMs run far below peak on
-  CPU); used when the padding stays under ``GROUPED_MAX_PAD`` times the real work.
+  CPU); used when the padding stays under ``GROUPED_MAX_PAD`` times the real work and the busiest expert
+  has at most ``GROUPED_MAX_COUNT`` rows.
 * ``gather``: gather each pair's expert weights and run one GEMV per pair (``pair_gemv``): no sort,
   no per-expert Python loop, but a weight copy per pair. ``auto`` picks it for a few tokens because it is
   batch-invariant (one GEMV per pair whatever T is): a 1-token decode and a 6-token speculative
@@ -39,8 +40,14 @@ GATHER_MAX_PAIRS = 16
 Measured on the default model's shape (E=8, H=I=128, top-2, fp32, 1 thread; us per layer, gather with
 ``pair_gemv``): T=1 gather 114 / dense 141 / sorted 184 / grouped 229; T=8 dense 271 / grouped 325 /
 gather 385 / sorted 486; T=32 grouped 394 / dense 521 / sorted 591 / gather 1299."""
-GROUPED_MAX_PAD = 2.0
+GROUPED_MAX_PAD = 4.0
 """``grouped`` computes E * max_count rows for T * K real ones; beyond this ratio ``sorted`` wins."""
+GROUPED_MAX_COUNT = 256
+"""... and ``grouped`` only while the busiest expert has at most this many rows: its batched GEMMs beat
+``sorted``'s per-expert ones while they are small. Measured (2 threads, Xeon, us per layer, sorted / grouped),
+glm4_moe's layer (E=16, top-4, bf16): T=8 1,261 / 432 (padding 1.5), T=128 1,732 / 645, T=512 (max count 146)
+2,899 / 2,509, T=2048 (max ~600) 7,700 / 11,200; fp32 T=8 at padding 2.5 678 / 333; the default model's
+(E=8, top-2, fp32) T=512 1,100 / 932."""
 
 
 def row_bucket(n: int, device: torch.device) -> int:
@@ -57,17 +64,21 @@ def row_bucket(n: int, device: torch.device) -> int:
 
 def moe_sorted(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing) -> torch.Tensor:
     T, K = routing.ids.shape
-    flat = routing.ids.reshape(-1)  # [T*K]
+    P = T * K
+    flat = routing.ids.reshape(-1)  # [P]
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     tok = order // K
-    # each expert's GEMM runs over row_bucket(n) rows: the rows past its own n belong to the next expert
-    # (or to the zero slack at the end) and their results are dropped, so shapes repeat without a copy
+    # each expert's GEMMs run over row_bucket(n) rows: the rows past its own n belong to the next expert (or to
+    # the zero slack at the end); their outputs land in the next expert's rows of ``ys``, which that expert
+    # then overwrites, so shapes repeat with no copy
     slack = max((row_bucket(n, x.device) - n for n in counts if n), default=0)
-    xs = x.new_empty(T * K + slack, x.shape[1])  # [T*K (+ slack), H] grouped by expert
-    torch.index_select(x, 0, tok, out=xs[:T * K])
-    xs[T * K:] = 0
-    ys = torch.empty_like(xs[:T * K])
+    xs = x.new_empty(P + slack, x.shape[1])  # [P (+ slack), H] grouped by expert
+    torch.index_select(x, 0, tok, out=xs[:P])
+    xs[P:] = 0
+    # the routing weight scales the activation (the down projection is linear): no pass over the outputs
+    wts = torch.cat([routing.weights.reshape(-1)[order].to(x.dtype), x.new_zeros(slack)])[:, None]
+    ys = x.new_empty(P + slack, x.shape[1])
     I = w2.shape[2]
     start = 0
     for e, n in enumerate(counts):
@@ -75,10 +86,10 @@ def moe_sorted(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Ro
             continue
         nb = row_bucket(n, x.device)
         h = F.linear(xs[start:start + nb], w13[e])
-        ys[start:start + n] = F.linear(F.silu(h[:, :I]) * h[:, I:], w2[e])[:n]
+        a = F.silu(h[:, :I]).mul_(h[:, I:]).mul_(wts[start:start + nb])
+        torch.mm(a, w2[e].t(), out=ys[start:start + nb])
         start += n
-    ys = ys * routing.weights.reshape(-1)[order, None].to(ys.dtype)
-    return torch.zeros_like(x).index_add_(0, tok, ys)
+    return torch.zeros_like(x).index_add_(0, tok, ys[:P])
 
 
 def _sort_pairs(routing: Routing, num_experts: int):
@@ -239,7 +250,10 @@ class RoutedExperts(nn.Module):
             return self.impl
         if routing.ids.numel() <= GATHER_MAX_PAIRS:
             return "gather"
-        return "grouped" if grouped_padding(routing, self.w13.shape[0]) <= GROUPED_MAX_PAD else "sorted"
+        counts = torch.bincount(routing.ids.reshape(-1), minlength=self.w13.shape[0])
+        most = int(counts.max())
+        small = most <= GROUPED_MAX_COUNT and self.w13.shape[0] * most <= GROUPED_MAX_PAD * routing.ids.numel()
+        return "grouped" if small else "sorted"
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         name = self.pick(routing)
