@@ -35,6 +35,7 @@ from common.reasons import AbortReason
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
+from engine.shapes import bucket_floor, buckets_steps
 from engine.speculative.prefill import PrefillChunk, prefill_forward
 from worker.scheduler_thread import SchedulerThread
 from prefill.radix import Match, RadixCache
@@ -121,6 +122,24 @@ class PrefillTask:
     t_forward_done: float = 0.0
 
 
+def bucket_chunks(chunks: list[tuple[PrefillTask, int, int]]) -> list[tuple[PrefillTask, int, int]]:
+    """Trim a step's chunks from the end until their total is a CPU row bucket (``engine.shapes.bucket_floor``:
+    at most 1/8 fewer tokens): the step's GEMMs then reuse their kernels. A chunk cut to nothing waits for the
+    next step (its task stays running); the first chunk always keeps a token."""
+    chunks = list(chunks)
+    while chunks:
+        total = sum(e - s for _, s, e in chunks)
+        excess = total - bucket_floor(total)
+        if excess == 0:
+            break
+        task, s, e = chunks[-1]
+        if e - s > excess:
+            chunks[-1] = (task, s, e - excess)
+            break
+        chunks.pop()
+    return chunks
+
+
 class PrefillScheduler(SchedulerThread):
     """Owns the model, the pool and the prefix cache of one prefill worker. Thread-safe API."""
 
@@ -128,6 +147,8 @@ class PrefillScheduler(SchedulerThread):
                  on_cache_event: Callable[[list[int], list[int]], None] | None = None) -> None:
         super().__init__()  # the scheduler thread, its condition variable and heartbeat
         self.model, self.pool, self.config = model, pool, config
+        self.bucketed = buckets_steps(pool.device, model.lm_head.weight.dtype)
+        """Steps take ``bucket_floor`` tokens (``engine.shapes``: bf16 / fp16 on CPU)."""
         self.cache = RadixCache(pool.allocator, pool.page_size, on_cache_event)
         self._queue: list[tuple[int, int, PrefillTask]] = []
         self._seq = itertools.count()
@@ -233,7 +254,7 @@ class PrefillScheduler(SchedulerThread):
             n = min(self.config.chunk_size, len(task.token_ids) - task.computed, budget)
             chunks.append((task, task.computed, task.computed + n))
             budget -= n
-        return chunks
+        return bucket_chunks(chunks) if self.bucketed else chunks
 
     def _admit(self, task: PrefillTask) -> bool | None:
         """True: running now. False: not enough pages yet. None: can never fit (failed)."""

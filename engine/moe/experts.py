@@ -32,6 +32,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.moe.router import Routing
+from engine.shapes import row_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +49,6 @@ GROUPED_MAX_COUNT = 256
 glm4_moe's layer (E=16, top-4, bf16): T=8 1,261 / 432 (padding 1.5), T=128 1,732 / 645, T=512 (max count 146)
 2,899 / 2,509, T=2048 (max ~600) 7,700 / 11,200; fp32 T=8 at padding 2.5 678 / 333; the default model's
 (E=8, top-2, fp32) T=512 1,100 / 932."""
-
-
-def row_bucket(n: int, device: torch.device) -> int:
-    """``n`` GEMM rows rounded up so that shapes repeat: on CPU one of 8 sizes per octave above 16 rows (at
-    most 12.5% more rows), elsewhere ``n``. oneDNN (bf16) and MKL's JIT (fp32) build a kernel per new shape:
-    ~1.7 ms per first-seen bf16 shape here, and the per-expert row counts of a prefill are new at nearly every
-    chunk (50 GEMMs of random M in [300, 1500), 256x256, 2 threads: 82 ms first-seen vs 7 ms repeated,
-    docs/performance.md)."""
-    if device.type != "cpu" or n <= 16:
-        return n
-    step = 1 << ((n - 1).bit_length() - 4)
-    return -(-n // step) * step
 
 
 def moe_sorted(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -9,7 +9,17 @@ from engine.checkpoint import TINY_GLM5, init_random_model
 from engine.kvcache import KVLayout, KVPool
 from engine.load import load_model
 from engine.sampling import SamplingParams
-from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
+import prefill.scheduler as ps
+from engine.shapes import row_bucket
+from prefill.scheduler import (
+    PrefillConfig,
+    PrefillResult,
+    PrefillScheduler,
+    PrefillTask,
+    QueueFull,
+    RequestAborted,
+    bucket_chunks,
+)
 from prefill.sink import KVSink, SinkResult
 
 PAGE = 16
@@ -244,3 +254,48 @@ def test_a_cancelled_queued_request_leaves_the_queue_at_once(tiny):
         gate.gate.set()
         sched.stop()
     assert sched.pool.allocator.num_free + sched.cache.num_pages == start and not sched._tasks
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny_glm5_bf16"))
+    init_random_model({**TINY_GLM5, "index_topk": 64}, d, seed=1)
+    return load_model(d, "bfloat16", "cpu")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_bf16_steps_take_bucketed_token_counts(tiny, tiny_bf16, dtype, monkeypatch):
+    """A bf16 model on CPU prefills in steps whose token count is a row bucket (``engine.shapes``: each new
+    GEMM shape costs a kernel build), trimming the last chunk and carrying the rest to the next step; every
+    request still completes its whole prompt and every page comes back. fp32 steps keep their lengths."""
+    model, cfg = tiny_bf16 if dtype == "bfloat16" else tiny
+    pool = KVPool(KVLayout.for_model(cfg, PAGE, dtype), 64)
+    sched = PrefillScheduler(model, pool, PrefillConfig(chunk_size=32, max_batch_tokens=64))
+    assert sched.bucketed == (dtype == "bfloat16")
+    totals, real = [], ps.prefill_forward
+
+    def spy(model, pool, plan, *a, **k):
+        totals.append(sum(len(c.token_ids) for c in plan))
+        return real(model, pool, plan, *a, **k)
+    monkeypatch.setattr(ps, "prefill_forward", spy)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (37, 50, 23, 45)]
+    start, res = pool.allocator.num_free, {}
+    run_all(sched, [task(f"r{i}", p, res) for i, p in enumerate(prompts)])
+    assert all(isinstance(res[f"r{i}"], PrefillResult) for i in range(len(prompts)))
+    assert sum(totals) == sum(map(len, prompts))  # every prompt token computed once
+    bucketed = [t == row_bucket(t, torch.device("cpu")) for t in totals]
+    if dtype == "bfloat16":
+        assert all(bucketed), totals
+    else:
+        assert not all(bucketed), totals  # the check bites: unbucketed totals occur here
+    sched.cache.evict(10 ** 6)  # the prefix cache holds the prompts' pages: give them back
+    assert pool.allocator.num_free == start and not sched._tasks
+
+
+def test_bucket_chunks_trims_from_the_end():
+    a, b, c = object(), object(), object()
+    assert bucket_chunks([(a, 0, 32), (b, 0, 32)]) == [(a, 0, 32), (b, 0, 32)]  # 64: a bucket
+    assert bucket_chunks([(a, 0, 32), (b, 0, 20), (c, 5, 8)]) == [(a, 0, 32), (b, 0, 20)]  # 55 -> 52: c waits
+    assert bucket_chunks([(a, 10, 47)]) == [(a, 10, 46)]  # 37 -> 36
+    assert bucket_chunks([(a, 0, 5)]) == [(a, 0, 5)]
