@@ -18,7 +18,6 @@ from engine.config import ModelConfig
 from engine.kvcache import KVLayout, KVPool
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
-from engine.shapes import bucket_floor, buckets_steps
 
 
 @dataclass(slots=True)
@@ -64,10 +63,8 @@ class Engine:
         """Run the prompt in chunks; returns last-token logits [1, V]."""
         ids = seq.prompt_ids
         logits = None
-        bucketed = buckets_steps(self.pool.device, self.model.lm_head.weight.dtype)
         while seq.cached_len < len(ids):
-            n = min(self.chunk_size, len(ids) - seq.cached_len)
-            chunk = ids[seq.cached_len:seq.cached_len + (bucket_floor(n) if bucketed else n)]
+            chunk = ids[seq.cached_len:seq.cached_len + self.chunk_size]
             self._ensure_pages(seq, seq.cached_len + len(chunk))
             batch = ForwardBatch.build([BatchRequest(seq.pages, seq.cached_len, chunk)], self.pool.page_size,
                                        self.pool.device)

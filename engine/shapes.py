@@ -6,11 +6,13 @@ first-seen vs 7 ms repeated). Two places make shapes repeat:
 
 * the routed experts' eager strategies run each expert's GEMMs over ``row_bucket(n)`` rows (padding the
   varying per-expert counts: ``engine.moe.experts``);
-* prefill steps of a bf16 / fp16 model on CPU take ``bucket_floor`` tokens (``Engine.prefill``, the prefill
-  worker's scheduler): every dense GEMM of the step then sees a row count from the same small set, the
-  leftover tokens go in the next step. Prompts of random lengths around 2k prefilled at 21.8k tok/s where a
-  fixed 2048 ran at 31.3k (peers' glm4_moe, bf16): each new length paid 20-45 ms of kernel builds. fp32 showed
-  no such cost end to end (15.5k vs 15.8k tok/s), so its steps keep their lengths.
+* the prefill worker's steps of a bf16 / fp16 model on CPU take ``bucket_floor`` tokens (its scheduler trims
+  a step's last chunk and carries the rest to the next step): every dense GEMM of the step then sees a row
+  count from the same small set. Prompts of random lengths in [1900, 2150) prefilled at 24.2k tok/s (warm)
+  with exact lengths and 26.3k in bucketed chunks (a fixed 2048: 31k; peers' glm4_moe, bf16): each new length
+  paid 20-45 ms of kernel builds. fp32 showed no such cost end to end (15.5k vs 15.8k tok/s), so its steps keep
+  their lengths. The offline ``Engine`` keeps its chunks: its plain and speculative greedy runs are compared
+  token for token in bf16 (tests/engine/test_spec.py), and other chunk boundaries move a near-tie there.
 
 Other devices keep exact shapes (their GEMM libraries build nothing per shape).
 """

@@ -6,19 +6,15 @@ docs/performance.md). The sorted and grouped strategies now run their GEMMs on r
 these tests check the set (bounded padding, few sizes per octave) and that the GEMMs only ever see it, with the
 results still the definition's.
 """
-import tempfile
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.checkpoint import TINY_GLM5, init_random_model
-from engine.load import load_model
 from engine.moe.experts import moe_grouped, moe_sorted
-from engine.offline import Engine, Seq
 from engine.shapes import bucket_floor, row_bucket
 from engine.moe.router import Routing
-from engine.sampling import SamplerState, SamplingParams, greedy_ids
+from engine.sampling import greedy_ids
 
 CPU = torch.device("cpu")
 
@@ -89,21 +85,3 @@ def test_bucket_floor_is_the_largest_bucket_below():
         assert m <= n and row_bucket(m, cpu) == m, n
         assert m >= min(n, 16) and (n <= 16 or m >= n * 7 / 8), n
         assert row_bucket(n, cpu) != n or m == n  # a bucket is its own floor
-
-
-def test_engine_prefill_chunks_are_buckets_for_bf16(monkeypatch):
-    """``Engine.prefill`` of a bf16 model on CPU runs bucketed chunks (a 2116-token prompt: 2048 + 64 + 4),
-    fp32 the prompt's own length; both end with the prompt's last-token logits."""
-    with tempfile.TemporaryDirectory() as d:
-        init_random_model(dict(TINY_GLM5, num_nextn_predict_layers=0), d, seed=2)
-        for dtype, want in (("bfloat16", [2048, 64, 4]), ("float32", [2116])):
-            model, cfg = load_model(d, dtype, "cpu")
-            eng = Engine(model, cfg, kv_dtype=dtype, page_size=16, num_pages=200, chunk_size=4096)
-            seen = []
-            real = model.forward
-            monkeypatch.setattr(model, "forward", lambda batch, pool, *a, _s=seen, _f=real, **k: (
-                _s.append(batch.num_tokens), _f(batch, pool, *a, **k))[1])
-            prompt = [2 + i % 100 for i in range(2116)]
-            seq = Seq("r", prompt, SamplerState(SamplingParams(max_tokens=1), prompt))
-            logits = eng.prefill(seq)
-            assert seen == want and seq.cached_len == 2116 and logits.shape == (1, cfg.vocab_size)
