@@ -18,7 +18,11 @@ Other devices keep exact shapes (their GEMM libraries build nothing per shape).
 """
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 EXACT_ROWS = 16
 """Row counts up to this stay exact (few distinct shapes; decode-sized steps)."""
@@ -45,3 +49,21 @@ def bucket_floor(n: int) -> int:
 def buckets_steps(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether prefill steps of a model of ``dtype`` on ``device`` take ``bucket_floor`` tokens."""
     return device.type == "cpu" and dtype in REDUCED_PRECISION
+
+
+def bucket_chunks(chunks: list[tuple[T, int, int]]) -> list[tuple[T, int, int]]:
+    """A step's ``(request, start, end)`` chunks trimmed from the end until their total is a row bucket
+    (``bucket_floor``: at most 1/8 fewer tokens): the step's GEMMs then reuse their kernels. A chunk cut to nothing
+    waits for the next step; the first chunk always keeps a token."""
+    chunks = list(chunks)
+    while chunks:
+        total = sum(e - s for _, s, e in chunks)
+        excess = total - bucket_floor(total)
+        if excess == 0:
+            break
+        req, s, e = chunks[-1]
+        if e - s > excess:
+            chunks[-1] = (req, s, e - excess)
+            break
+        chunks.pop()
+    return chunks

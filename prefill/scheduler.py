@@ -35,7 +35,7 @@ from common.reasons import AbortReason
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, SamplingParams, sample
-from engine.shapes import bucket_floor, buckets_steps
+from engine.shapes import bucket_chunks, buckets_steps
 from engine.speculative.prefill import PrefillChunk, prefill_forward
 from worker.scheduler_thread import SchedulerThread
 from prefill.radix import Match, RadixCache
@@ -120,24 +120,6 @@ class PrefillTask:
     draft_hidden: torch.Tensor | None = None
     """``[H]`` the MTP draft state after the last chunk (shipped with the KV when the decode side asks)."""
     t_forward_done: float = 0.0
-
-
-def bucket_chunks(chunks: list[tuple[PrefillTask, int, int]]) -> list[tuple[PrefillTask, int, int]]:
-    """Trim a step's chunks from the end until their total is a CPU row bucket (``engine.shapes.bucket_floor``:
-    at most 1/8 fewer tokens): the step's GEMMs then reuse their kernels. A chunk cut to nothing waits for the
-    next step (its task stays running); the first chunk always keeps a token."""
-    chunks = list(chunks)
-    while chunks:
-        total = sum(e - s for _, s, e in chunks)
-        excess = total - bucket_floor(total)
-        if excess == 0:
-            break
-        task, s, e = chunks[-1]
-        if e - s > excess:
-            chunks[-1] = (task, s, e - excess)
-            break
-        chunks.pop()
-    return chunks
 
 
 class PrefillScheduler(SchedulerThread):

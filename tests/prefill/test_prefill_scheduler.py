@@ -10,7 +10,7 @@ from engine.kvcache import KVLayout, KVPool
 from engine.load import load_model
 from engine.sampling import SamplingParams
 import prefill.scheduler as ps
-from engine.shapes import row_bucket
+from engine.shapes import bucket_chunks, row_bucket
 from prefill.scheduler import (
     PrefillConfig,
     PrefillResult,
@@ -18,7 +18,6 @@ from prefill.scheduler import (
     PrefillTask,
     QueueFull,
     RequestAborted,
-    bucket_chunks,
 )
 from prefill.sink import KVSink, SinkResult
 
