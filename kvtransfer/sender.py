@@ -23,6 +23,7 @@ once whether the transfer completes, fails or is cancelled.
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -81,6 +82,11 @@ class LayerHook:
                 self.sender.send_layer(s.ticket, layer, s.src_pages, s.token_start, s.token_end)
             except TransferError as e:
                 self.errors[s.ticket.req_id] = e
+
+
+SHUTDOWN_SETUP_WAIT_S = 3.0
+"""A closing sender waits this long (beyond the 1 s flush) for connections still being set up to carry their
+queued ABORTs (``TxPeer.flush``); ``close`` bounds its shutdown at ``grace_s + 5`` s."""
 
 
 class KVSender:
@@ -442,6 +448,9 @@ class KVSender:
             pending = list(self._sends.values())
         for st in pending:
             self.fail(st, TransferError(FailReason.SHUTDOWN, "sender closed", st.ticket.req_id))
-        for peer in list(self._peers.values()):
-            await peer.flush(timeout_s=1.0)  # let the ABORTs just spawned go out first
+        # let the ABORTs just spawned go out first, on connections still being set up too (all at once: one
+        # shared bound, under ``close``'s own)
+        peers = list(self._peers.values())
+        await asyncio.gather(*(p.flush(timeout_s=1.0, setup_s=SHUTDOWN_SETUP_WAIT_S) for p in peers))
+        for peer in peers:
             await peer.aclose()

@@ -41,6 +41,8 @@ from kvtransfer.tx_state import AbortItem, LayerItem, OpenItem, OutgoingTransfer
 log = logging.getLogger(__name__)
 
 RETRYABLE = frozenset({FailReason.BUSY, FailReason.TIMEOUT})
+FLUSH_POLL_S = 0.005
+"""How often a closing sender looks whether a connection's queued items went out (``TxPeer.flush``)."""
 """Receiver refusals (ERROR frames) worth another connect: its limits, a handshake it timed out."""
 
 class SenderOwner(Protocol):
@@ -452,10 +454,18 @@ class TxPeer:
         if not task.cancelled() and task.exception() is not None:
             self.fail(self._conn_error(task.exception(), "writing to"))  # type: ignore[arg-type]
 
-    async def flush(self, timeout_s: float) -> None:
+    async def flush(self, timeout_s: float, setup_s: float = 0.0) -> None:
+        """Wait at most ``timeout_s`` for the small writes in flight (ABORT, ABORT_ACK). A connection still being
+        set up gets up to ``setup_s`` more: its queue holds what was routed to it meanwhile, the ABORT of a
+        transfer cancelled before the handshake finished included, and closing it then would drop that ABORT
+        (the receiver would hold the reservation until its ticket expired; seen in CI as a Mooncake test whose
+        set-up outlasted the sender's 1 s shutdown grace)."""
+        end = self.loop.time() + timeout_s + (0.0 if self.ready else setup_s)
+        while not self.closed and not self.queue.empty() and self.loop.time() < end:
+            await asyncio.sleep(FLUSH_POLL_S)
         pending = [*self._tasks, *(self.writer.pending if self.writer is not None else ())]
         if pending:
-            await asyncio.wait(pending, timeout=timeout_s)
+            await asyncio.wait(pending, timeout=max(0.0, end - self.loop.time()))
 
     async def aclose(self) -> None:
         """Close the connection and wait for our tasks (sender shutdown)."""

@@ -1,6 +1,7 @@
 """Every failure ends in the right ``FailReason`` on both sides, with the pools back where they started."""
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import signal
@@ -534,3 +535,34 @@ def test_split_kv_heads_refused_in_the_handshake_with_both_layouts_named():
     finally:
         split.close()
         replicated.close()
+
+
+def test_a_cancel_during_connection_setup_reaches_the_receiver_when_the_sender_closes(monkeypatch):
+    """A transfer cancelled while its connection is still being set up (its ABORT waits in the connection's queue)
+    and the sender closed right after: the ABORT still goes out once the handshake completes, so the receiver
+    frees the reservation at once (CANCELLED) instead of holding it until its ticket expires. Before, the close
+    dropped the queued ABORT (the Mooncake CI flake: its set-up outlasted the sender's 1 s shutdown flush)."""
+    from kvtransfer.tx_peer import TxPeer
+    real = TxPeer._handshake
+
+    async def slow_handshake(self):
+        await asyncio.sleep(1.5)  # longer than the 1 s flush of a closing sender
+        return await real(self)
+    monkeypatch.setattr(TxPeer, "_handshake", slow_handshake)
+    lay = make_layout(num_layers=2)
+    src, dst = make_pool(lay, 64), make_pool(lay, 64)
+    with receiver(dst, ticket_ttl_s=60.0) as h:
+        start = dst.allocator.num_used
+        ticket = h.rx.reserve("early", 30)
+        sender = KVSender(src, KVSenderConfig(cluster_secret=SECRET))
+        pages = src.allocator.alloc(src.pages_for(30), "req")
+        write_layer(src, 0, pages, 0, 30, seed=1)
+        sender.send_layer(ticket, 0, pages, 0, 30)
+        sender.cancel(ticket)
+        t0 = time.monotonic()
+        sender.close(grace_s=1.0)
+        expect_failure(h, "early", FailReason.CANCELLED, timeout_s=10.0)
+        assert time.monotonic() - t0 < 10.0
+        h.wait_until(lambda: dst.allocator.num_used == start)
+        src.allocator.decref(pages)
+        assert src.allocator.num_used == 0
