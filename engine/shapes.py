@@ -27,6 +27,8 @@ T = TypeVar("T")
 EXACT_ROWS = 16
 """Row counts up to this stay exact (few distinct shapes; decode-sized steps)."""
 REDUCED_PRECISION = (torch.bfloat16, torch.float16)
+"""Narrow float dtypes: their prefill steps are bucketed here; models in them that speculate keep their routed
+experts out of the decode graphs (``engine.layers.decode_graph``)."""
 
 
 def row_bucket(n: int, device: torch.device) -> int:

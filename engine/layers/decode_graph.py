@@ -61,6 +61,7 @@ from engine.layers.gqa_graph import (
 from engine.layers.mlp import FFNArgs, ffn_tokenwise
 from engine.layers.norm import rms_norm
 from engine.moe.router import Routing
+from engine.shapes import REDUCED_PRECISION
 
 __all__ = ["DecodeGraphs", "GQALayerWeights", "LayerWeights", "MLADims", "MTPInput", "PostWeights", "layer_post"]
 
@@ -489,14 +490,12 @@ def graph_moe_strategy(num_pairs: int, num_experts: int, topk: int) -> str | Non
     return "dense" if num_experts <= GRAPH_DENSE_MAX_WASTE * topk else None
 
 
-REDUCED_PRECISION = (torch.bfloat16, torch.float16)
-"""Models in these dtypes that speculate (``DecodeGraphs.exact_verify``: models with MTP layers) run their routed
-experts eagerly between graphs, at every batch size. Inside a graph
-inductor fuses the experts' math and rounds to bf16 once per fused kernel where eager rounds after every op;
-with the experts inside for small steps only (<= 16 pairs, as then), a decode step of 4 requests
-(inside) and their verify step (outside) rounded a token differently, and speculative greedy decoding of a
-batch diverged from plain decoding within 10-54 tokens (docs/performance.md). Eager experts round alike at
-any batch size. fp32 rounding differences are far below any greedy margin seen: fp32 keeps them inside. A model
-without MTP layers never verifies, so its bf16 experts run inside too (the whole batch-1 step one graph)."""
-
+# REDUCED_PRECISION (engine.shapes): models in these dtypes that speculate (``DecodeGraphs.exact_verify``: models
+# with MTP layers) run their routed experts eagerly between graphs, at every batch size. Inside a graph
+# inductor fuses the experts' math and rounds to bf16 once per fused kernel where eager rounds after every op;
+# with the experts inside for small steps only (<= 16 pairs, as then), a decode step of 4 requests
+# (inside) and their verify step (outside) rounded a token differently, and speculative greedy decoding of a
+# batch diverged from plain decoding within 10-54 tokens (docs/performance.md). Eager experts round alike at
+# any batch size. fp32 rounding differences are far below any greedy margin seen: fp32 keeps them inside. A model
+# without MTP layers never verifies, so its bf16 experts run inside too (the whole batch-1 step one graph).
 EAGER = DecodeGraphs(compiled=False)

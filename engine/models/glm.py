@@ -203,7 +203,8 @@ class GlmForCausalLM(nn.Module):
                            "expect slower decode steps than a compiled tp_size 1 worker", self.parallel.tp_size)
             enabled = False
         g = DecodeGraphs(True, self.lm_head.weight.device, exact_verify=self.has_mtp) if enabled else EAGER
-        self._lm_narrow = narrow_copy(self.lm_head.weight) if enabled else None
+        # only a model that never verifies reads it (``_run_stack``): no copy for one with MTP layers
+        self._lm_narrow = narrow_copy(self.lm_head.weight) if enabled and not self.has_mtp else None
         for layer in list(self.model.layers) + [m.block for m in self.mtp]:
             layer.graphs = g
             layer._frozen_args.clear()
@@ -242,7 +243,7 @@ class GlmForCausalLM(nn.Module):
         cos, sin = self.rope().lookup(batch.positions, self.lm_head.weight.dtype)
         g = layers[0][0].graphs
         w = self.lm_head.weight
-        narrow = self._lm_narrow if not g.exact_verify else None
+        narrow = self._lm_narrow  # None for a model that verifies (``compile_decode``)
         head = HeadWeights(self.model.embed_tokens.weight, norm.weight, norm.eps, w,
                            row_gemv=not g.exact_verify and (w.dtype in REDUCED_PRECISION or narrow is not None),
                            lm_w_narrow=narrow)

@@ -103,11 +103,6 @@ def moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: R
     return torch.zeros_like(x).index_add_(0, tok, ys)
 
 
-def grouped_padding(routing: Routing, num_experts: int) -> float:
-    counts = torch.bincount(routing.ids.reshape(-1), minlength=num_experts)
-    return float(num_experts * counts.max()) / max(1, routing.ids.numel())
-
-
 PAIR_COPY_MAX_BYTES = 4 << 20
 """Above this many bytes per expert matrix the ``gather`` path stops copying weights per pair (GLM-5's
 w13 is 48 MB in bf16: 8 pairs would move ~600 MB per layer per decode step) and runs one GEMV per pair

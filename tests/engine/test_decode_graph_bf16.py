@@ -209,3 +209,9 @@ def test_fp32_head_of_bf16_values_reads_its_bf16_copy(bf16_dirs):
         model.lm_head.weight[3, 5] += 1e-6
     model.compile_decode()
     assert model._lm_narrow is None
+    # a model with MTP layers verifies: its steps never read the copy, so none is made
+    mtp, _ = load_model(bf16_dirs["gqa-mtp"], "float32", "cpu")
+    with torch.no_grad():
+        mtp.lm_head.weight.copy_(mtp.lm_head.weight.bfloat16().float())
+    mtp.compile_decode()
+    assert mtp._lm_narrow is None
