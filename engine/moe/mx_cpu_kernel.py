@@ -1,24 +1,16 @@
-"""The CPU fused MX MoE kernel (``csrc/mx_gemm.cpp``): built at first use, cached, or one loud WARNING.
-
-``torch.utils.cpp_extension.load`` compiles the source with ``-O3 -march=native`` into
-``$PDSERVE_HOME/torch_extensions/<name>`` where the name hashes the source and the CPU's flags, so a
-shared home directory holds one build per CPU type and a changed source rebuilds. The build takes
-~40 s on 2 cores the first time, milliseconds after. Without a working C++ compiler (or when the build
-fails) ``kernel()`` logs ONE WARNING and returns None: the ``fused_*`` strategies are then unavailable
-and ``auto`` runs the torch strategies.
+"""The CPU fused MX MoE kernel (``csrc/mx_gemm.cpp``), built by ``engine.cpu_ext`` at first use, cached, or
+one loud WARNING: without it the ``fused_*`` strategies are unavailable and ``auto`` runs the torch strategies.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import shutil
 from types import ModuleType
 
 import torch
 
-from common.env import pdserve_home
+from engine import cpu_ext
 from engine.quant.mx import MXFormat, code_values
 
 logger = logging.getLogger(__name__)
@@ -26,46 +18,11 @@ logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "mx_gemm.cpp")
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return ""
-
-
-def build_name() -> str:
-    """Extension name: a hash of the source, the CPU flags and torch's version."""
-    h = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        h.update(f.read())
-    h.update(_cpu_flags().encode())
-    h.update(torch.__version__.encode())
-    return f"pdserve_mx_gemm_{h.hexdigest()[:12]}"
-
-
 @functools.cache
 def kernel() -> ModuleType | None:
     """The compiled extension, or None after one WARNING (no compiler, or the build failed)."""
-    from torch.utils import cpp_extension  # heavy optional import: only when the kernel is wanted
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        logger.warning("MX fused CPU kernel unavailable: no C++ compiler (%r not on PATH); MX experts run the "
-                       "torch strategies (dequantize, then GEMM): slower decode, more memory", compiler)
-        return None
-    name = build_name()
-    build_dir = os.path.join(pdserve_home(), "torch_extensions", name)
-    os.makedirs(build_dir, exist_ok=True)
-    try:
-        return cpp_extension.load(name=name, sources=[SOURCE], build_directory=build_dir,
-                                  extra_cflags=["-O3", "-march=native", "-std=c++17"], verbose=False)
-    except Exception as e:  # noqa: BLE001 - any build/load failure: one loud fallback, never a crash
-        logger.warning("MX fused CPU kernel unavailable: building %s failed (%s); MX experts run the torch "
-                       "strategies (dequantize, then GEMM): slower decode, more memory", SOURCE, e)
-        return None
+    return cpu_ext.build("pdserve_mx_gemm", SOURCE, "MX experts run the torch strategies (dequantize, then "
+                         "GEMM): slower decode, more memory")
 
 
 _disabled: list[str] = []
