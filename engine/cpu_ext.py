@@ -22,11 +22,18 @@ from engine.precision import cpu_flags
 logger = logging.getLogger(__name__)
 
 
+CFLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp"]
+"""-fopenmp: ATen's ``parallel_for`` is inline in its header (an OpenMP pragma): built without it, every
+``at::parallel_for`` of a kernel ran on one thread."""
+
+
 def build_name(prefix: str, source: str) -> str:
-    """Extension name: ``prefix`` and a hash of the source, the CPU flags and torch's version."""
+    """Extension name: ``prefix`` and a hash of the source, the compiler flags, the CPU flags and torch's
+    version."""
     h = hashlib.sha256()
     with open(source, "rb") as f:
         h.update(f.read())
+    h.update(" ".join(CFLAGS).encode())
     h.update(" ".join(sorted(cpu_flags())).encode())
     h.update(torch.__version__.encode())
     return f"{prefix}_{h.hexdigest()[:12]}"
@@ -44,8 +51,8 @@ def build(prefix: str, source: str, instead: str) -> ModuleType | None:
     build_dir = os.path.join(pdserve_home(), "torch_extensions", name)
     os.makedirs(build_dir, exist_ok=True)
     try:
-        return cpp_extension.load(name=name, sources=[source], build_directory=build_dir,
-                                  extra_cflags=["-O3", "-march=native", "-std=c++17"], verbose=False)
+        return cpp_extension.load(name=name, sources=[source], build_directory=build_dir, extra_cflags=CFLAGS,
+                                  extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build/load failure: one loud fallback, never a crash
         logger.warning("CPU kernel %s unavailable: building %s failed (%s); %s", prefix, source, e, instead)
         return None
