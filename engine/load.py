@@ -13,6 +13,8 @@ import torch
 from engine.config import ModelConfig
 from engine.loader import checkpoint_names, detect_mtp_layers, load_weights
 from engine.models.glm import GlmForCausalLM
+from engine.moe import moe_cpu_kernel
+from engine.moe.experts import RoutedExperts
 from engine.parallel.config import SINGLE_RANK, ParallelConfig
 from engine.parallel.shard import shard_fn
 
@@ -61,6 +63,9 @@ def load_model(model_dir: str, dtype: str = "float32", device: str = "auto", moe
     from engine.quant import prepare_model_for_checkpoint  # quantized checkpoints: MX experts + rules
     extra_rules = prepare_model_for_checkpoint(model, cfg, model_dir)
     load_weights(model, model_dir, cfg, extra_rules, shard_fn(cfg, parallel))
+    if any(isinstance(m, RoutedExperts) and moe_cpu_kernel.supports(m.w13, m.w2)
+           for m in model.modules()):
+        moe_cpu_kernel.available()  # build the fused MoE kernel (or warn) while loading, not at the first prefill
     logger.info("loaded %s (%s, %d layers + %d MTP%s) in %.2fs", model_dir, cfg.model_type,
                 cfg.num_hidden_layers, cfg.num_mtp_layers,
                 f", tp rank {parallel.tp_rank}/{parallel.tp_size} {parallel.moe_parallel} MoE" if parallel.is_tp else "",

@@ -419,5 +419,7 @@ MX_MOE_IMPLS: dict[str, MXMoEFn] = {
     "fused_sorted": mx_fused.fused_sorted,
     "triton": mx_triton.triton_moe,
 }
-DENSE_TO_MX = {"sorted": "mx_sorted", "grouped": "mx_grouped", "gather": "mx_gather", "dense": "mx_dense"}
-"""A dense strategy forced with ``--moe-impl`` maps to its MX analogue on quantized layers."""
+DENSE_TO_MX = {"sorted": "mx_sorted", "grouped": "mx_grouped", "gather": "mx_gather", "dense": "mx_dense",
+               "fused_cpu": "auto"}
+"""A dense strategy forced with ``--moe-impl`` maps to its MX analogue on quantized layers (``fused_cpu``, for
+dense bf16 weights only, to ``auto``)."""

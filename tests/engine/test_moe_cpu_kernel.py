@@ -1,0 +1,177 @@
+"""The fused bf16 CPU MoE kernel (``engine/moe/csrc/moe_cpu.cpp``, strategy ``fused_cpu``): equal to the MoE
+definition within bf16 rounding for uneven expert loads, odd sizes and top-k 1/4/8; clear errors for what it cannot
+run; ``auto`` picks it for bf16 prefill (a real model's too) and never for decode-sized batches."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_ext
+from engine.checkpoint import init_random_model
+from engine.config import ModelConfig
+from engine.load import load_model
+from engine.moe import moe_cpu_kernel
+from engine.moe.experts import GATHER_MAX_PAIRS, MOE_IMPLS, RoutedExperts, moe_fused_cpu, moe_sorted
+from engine.moe.router import Routing
+from engine.offline import Engine
+from engine.sampling import SamplingParams
+
+pytestmark = [pytest.mark.skipif(not cpu_ext.has_amx(), reason="CPU without AMX: fused_cpu is never built or picked"),
+              pytest.mark.skipif(cpu_ext.has_amx() and not moe_cpu_kernel.available(),
+                                 reason="the fused MoE kernel did not build (no compiler?): the torch paths run")]
+
+TINY_MOE = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=128, hidden_size=64,
+                intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=4,
+                n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=1,
+                max_position_embeddings=4096, rope_theta=10000.0, partial_rotary_factor=0.5, use_qk_norm=True,
+                attention_bias=True, eos_token_id=1, bos_token_id=0, tie_word_embeddings=False)
+
+
+def reference(x, w13, w2, routing):
+    """The definition in float64: sum_k w[t,k] * W2[e] (silu(Wg[e] x) * (Wu[e] x)), e = ids[t,k]."""
+    x, w13, w2 = x.double(), w13.double(), w2.double()
+    I = w2.shape[2]
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        t, k = (routing.ids == e).nonzero(as_tuple=True)
+        if t.numel():
+            h = x[t] @ w13[e].t()
+            y = (F.silu(h[:, :I]) * h[:, I:]) @ w2[e].t()
+            out.index_add_(0, t, y * routing.weights[t, k, None].double())
+    return out
+
+
+def uneven_routing(T, E, K, g):
+    """Duplicate-free top-K per token, expert e drawn ~ e + 1 times as often, expert 0 never and expert 1 once
+    (when T * K leaves room)."""
+    p = torch.arange(1, E + 1, dtype=torch.float)
+    p[:2] = 0
+    ids = torch.multinomial(p.expand(T, E), K, replacement=False, generator=g)
+    if E > 2:
+        ids[0, 0] = 1
+    return Routing(ids, torch.rand(T, K, generator=g))
+
+
+def weights(E, H, I, g, dtype=torch.bfloat16):
+    return ((torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(dtype),
+            (torch.randn(E, H, I, generator=g) * I ** -0.5).to(dtype))
+
+
+@pytest.mark.parametrize("T,E,H,I,K", [(1, 4, 64, 32, 1), (3, 16, 256, 128, 4), (37, 16, 256, 128, 8),
+                                       (301, 16, 200, 72, 4), (1023, 8, 320, 130, 1), (3000, 16, 256, 128, 4),
+                                       (577, 64, 96, 66, 8)])
+def test_fused_equals_definition(T, E, H, I, K):
+    g = torch.Generator().manual_seed(T + E + H)
+    w13, w2 = weights(E, H, I, g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    r = uneven_routing(T, E, K, g)
+    counts = torch.bincount(r.ids.reshape(-1), minlength=E)
+    assert counts[0] == 0 and (E <= 2 or counts[1] == 1)
+    want = reference(x, w13, w2, r)
+    got = moe_fused_cpu(x, w13, w2, r, moe_cpu_kernel.pack(w13, w2))
+    assert got.dtype == torch.bfloat16 and got.shape == (T, H)
+    err = (got.double() - want).abs()
+    scale = want.abs().max()
+    # bf16 rounds the activation, each pair's output and the sum: a few ulps (2^-8) of the output's scale
+    assert err.max() <= 0.02 * scale and err.mean() <= 2e-3 * scale, (err.max(), scale)
+    # as close as the torch strategy that rounds the same intermediates
+    sorted_err = (moe_sorted(x, w13, w2, r).double() - want).abs()
+    assert err.mean() <= 1.5 * sorted_err.mean()
+
+
+def test_unsupported_shapes_and_inputs_are_refused():
+    g = torch.Generator().manual_seed(0)
+    r = uneven_routing(5, 4, 2, g)
+    with pytest.raises(ValueError, match="even"):
+        moe_cpu_kernel.pack(*weights(4, 63, 32, g))
+    with pytest.raises(ValueError, match="even"):
+        moe_cpu_kernel.pack(*weights(4, 64, 33, g))
+    with pytest.raises(ValueError, match="bf16"):
+        moe_cpu_kernel.pack(*weights(4, 64, 32, g, torch.float32))
+    packed = moe_cpu_kernel.pack(*weights(4, 64, 32, g))
+    with pytest.raises(RuntimeError, match="out of range"):
+        moe_cpu_kernel.fused_moe(torch.zeros(5, 64, dtype=torch.bfloat16), packed, r.ids + 3, r.weights)
+    with pytest.raises(RuntimeError, match="do not match"):
+        moe_cpu_kernel.fused_moe(torch.zeros(5, 66, dtype=torch.bfloat16), packed, r.ids, r.weights)
+    assert moe_cpu_kernel.fused_moe(torch.zeros(0, 64, dtype=torch.bfloat16), packed, r.ids[:0], r.weights[:0]).shape == (0, 64)
+
+
+def experts_module(dtype=torch.bfloat16, impl="auto", E=16, H=256, I=128, K=4):
+    cfg = dataclasses.replace(ModelConfig.from_dict(TINY_MOE), hidden_size=H, moe_intermediate_size=I,
+                              n_routed_experts=E, num_experts_per_tok=K)
+    m = RoutedExperts(cfg, impl)
+    g = torch.Generator().manual_seed(1)
+    w13, w2 = weights(E, H, I, g, dtype)
+    with torch.no_grad():
+        m.w13.data, m.w2.data = w13, w2
+    return m
+
+
+def test_auto_picks_fused_for_bf16_prefill_only(monkeypatch):
+    m = experts_module()
+    g = torch.Generator().manual_seed(2)
+    for T, want in ((1, "gather"), (GATHER_MAX_PAIRS // 4, "gather"), (GATHER_MAX_PAIRS // 4 + 1, "fused_cpu"),
+                    (2048, "fused_cpu")):
+        r = uneven_routing(T, 16, 4, g)
+        x = torch.randn(T, 256, generator=g).to(torch.bfloat16)
+        y = m(x, r)
+        assert m.last_impl == want, T
+        assert torch.allclose(y.double(), reference(x, m.w13, m.w2, r), atol=0.02 * y.abs().max().item())
+    fp32 = experts_module(torch.float32)
+    fp32(torch.randn(64, 256), uneven_routing(64, 16, 4, g))
+    assert fp32.last_impl in ("sorted", "grouped")
+    # a layer too large to keep a packed copy: auto keeps the torch strategies; forced, it packs per call
+    monkeypatch.setattr(moe_cpu_kernel, "PACK_CACHE_MAX_BYTES", 1 << 20)
+    r = uneven_routing(64, 16, 4, g)
+    x = torch.randn(64, 256, generator=g).to(torch.bfloat16)
+    big = experts_module()
+    big(x, r)
+    assert big.last_impl in ("sorted", "grouped") and big.packed() is None
+    forced = experts_module(impl="fused_cpu")
+    y = forced(x, r)
+    assert forced.last_impl == "fused_cpu" and forced._packed is None
+    assert torch.equal(y, MOE_IMPLS["fused_cpu"](x, forced.w13, forced.w2, r))
+
+
+def test_packed_copy_follows_weight_updates():
+    m = experts_module()
+    g = torch.Generator().manual_seed(3)
+    r = uneven_routing(64, 16, 4, g)
+    x = torch.randn(64, 256, generator=g).to(torch.bfloat16)
+    m(x, r)
+    first = m._packed
+    assert m.last_impl == "fused_cpu" and first is not None
+    m(x, r)
+    assert m._packed is first  # packed once
+    with torch.no_grad():
+        m.w2.mul_(2)  # an in-place update (a weight load): the packed copy is stale
+    y = m(x, r)
+    assert m._packed is not first
+    assert torch.allclose(y.double(), reference(x, m.w13, m.w2, r), atol=0.02 * y.abs().max().item())
+
+
+def test_kernel_runs_on_all_threads():
+    """Built with OpenMP (cpu_ext.CFLAGS): without -fopenmp ATen's parallel_for silently runs every kernel on one thread."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread")
+    assert moe_cpu_kernel.kernel().parallel_threads() == torch.get_num_threads()
+
+
+def test_bf16_model_prefill_runs_fused(tmp_path):
+    init_random_model(TINY_MOE, str(tmp_path))
+    prompt = [5, 77, 30, 12, 9, 64, 33, 102, 7, 88]  # 10 tokens x top-4: 40 pairs
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    outs = {}
+    for impl in ("auto", "sorted"):
+        model, cfg = load_model(str(tmp_path), "bfloat16", "cpu", impl)
+        engine = Engine(model, cfg)
+        outs[impl] = engine.generate([prompt], params)[0].token_ids
+        moe = [layer.mlp.experts for i, layer in enumerate(model.model.layers) if cfg.is_moe_layer(i)]
+        if impl == "auto":
+            # the prefill ran fused_cpu; decode (4 pairs a step) went back to the batch-invariant gather
+            assert all(m._packed is not None for m in moe)
+            assert {m.last_impl for m in moe} == {"gather"}
+            assert {m.pick(Routing(torch.zeros(10, 4, dtype=torch.long), torch.ones(10, 4))) for m in moe} == {"fused_cpu"}
+    assert outs["auto"] == outs["sorted"] and len(outs["auto"]) == 8
