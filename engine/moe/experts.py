@@ -57,9 +57,10 @@ glm4_moe's layer (E=16, top-4, bf16): T=8 1,261 / 432 (padding 1.5), T=128 1,732
 FUSED_CPU_MIN_PAIRS = 17
 """``auto`` runs ``fused_cpu`` (bf16, AMX, kernel built, layer small enough to keep its packed weights) from this
 many (token, expert) pairs: always above ``GATHER_MAX_PAIRS``, whose batch-invariant path decode and verify
-keep. It wins at every larger size measured: glm4_moe's layer (E=16, H=256, I=128, top-4, bf16, 1 thread, Xeon with
-AMX; ms per layer fused_cpu / grouped / sorted): T=5 (20 pairs) 0.14 / 0.54 / 1.36, T=16 0.17 / 0.54 / 1.59,
-T=64 0.21 / 0.81 / 1.75, T=256 0.47 / 1.60 / 2.21, T=1024 1.91 / 8.64 / 4.56, T=2048 3.51 / 17.3 / 8.79."""
+keep. It wins at every larger size measured: glm4_moe's layer (E=16, H=256, I=128, top-4, bf16, Xeon with AMX,
+the second core busy; ms per layer fused_cpu / grouped / sorted), 1 thread: T=5 (20 pairs) 0.14 / 0.54 / 1.36,
+T=16 0.26 / 0.71 / 1.99, T=64 0.25 / 0.91 / 2.14, T=256 0.53 / 1.68 / 2.43, T=1024 2.19 / 9.01 / 5.87,
+T=2048 4.24 / 20.8 / 11.7; 2 threads: T=16 0.29 / 0.51 / 1.85, T=256 0.35 / 1.11 / 2.37, T=2048 2.61 / 15.3 / 10.9."""
 
 
 def moe_sorted(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -9,13 +9,13 @@
 // One call: a counting sort of the (token, slot) pairs by expert (stable: pairs of an expert keep token order),
 // then the pairs of each expert in blocks of block_m rows, handed to threads from an atomic counter. Per block:
 // gather its x rows into a thread-local bf16 buffer; per w13 tile one brgemm (AMX) into fp32, silu(gate) * up
-// in fp32, rounded to bf16 into a thread-local [rows, I] buffer; per w2 tile one brgemm, times the routing
-// weight in fp32, rounded to bf16 into that pair's row of a [T*K, H] buffer (each pair's row is written by one
+// rounded to bf16 into a thread-local [rows, I] buffer; per w2 tile one brgemm, times the routing
+// weight, rounded to bf16 into that pair's row of a [T*K, H] buffer (each pair's row is written by one
 // block only: no races). Last, per token, the K rows summed in fp32 in slot order, rounded once to bf16.
 //
-// The result does not depend on the thread count (each output element is one fixed sequence of operations),
-// but brgemm's blocking depends on the block's row count, so it does depend on how many rows share an expert:
-// never use it where decode and verify must round alike.
+// The result does not depend on the thread count (each output element is one fixed sequence of operations), and
+// the epilogues round where the torch strategies' bf16 tensors do (below), so it equals the ``gather`` strategy
+// but for the GEMMs' fp32 summation order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -73,38 +73,46 @@ inline __m512 from_bf16(const bf16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
+// fp32 -> the nearest bf16, as fp32
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+}
+
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
 #endif
 
+// The epilogues round where the torch strategies' bf16 tensors do (each GEMM output, silu's, the product's,
+// y * w's), so the kernel agrees with the batch-invariant ``gather`` path up to the GEMMs' fp32 summation
+// order: a verify step run by this kernel decodes as the gather-run decode steps do (lossless greedy
+// speculation).
+inline float rb(float v) { return float(bf16(v)); }
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
-// out[c] = bf16(silu(g[c]) * u[c]), c < n
+// out[c] = bf16(bf16(silu(bf16(g[c]))) * bf16(u[c])), c < n
 void silu_mul(const float* g, const float* u, bf16* out, int64_t n) {
   int64_t c = 0;
 #if defined(__AVX512F__)
   for (; c < n; c += 16) {
     const __mmask16 m = tail_mask(n - c);
-    const __m512 gv = _mm512_maskz_loadu_ps(m, g + c), uv = _mm512_maskz_loadu_ps(m, u + c);
-    // silu(g) = g / (1 + exp(-g)): the reciprocal by rcp14 and one Newton step (~23 bits; vdivps is slow)
+    const __m512 gv = round_bf16(_mm512_maskz_loadu_ps(m, g + c)), uv = round_bf16(_mm512_maskz_loadu_ps(m, u + c));
     const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-    __m512 inv = _mm512_rcp14_ps(d);
-    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f)));
-    _mm256_mask_storeu_epi16(out + c, m, to_bf16(_mm512_mul_ps(_mm512_mul_ps(gv, inv), uv)));
+    _mm256_mask_storeu_epi16(out + c, m, to_bf16(_mm512_mul_ps(round_bf16(_mm512_div_ps(gv, d)), uv)));
   }
 #endif
-  for (; c < n; ++c) out[c] = bf16(silu(g[c]) * u[c]);
+  for (; c < n; ++c) out[c] = bf16(rb(silu(rb(g[c]))) * rb(u[c]));
 }
 
-// out[c] = bf16(w * y[c]), c < n
+// out[c] = bf16(bf16(y[c]) * bf16(w)), c < n
 void scale_round(const float* y, float w, bf16* out, int64_t n) {
   int64_t c = 0;
+  w = rb(w);
 #if defined(__AVX512F__)
   for (; c < n; c += 16) {
     const __mmask16 m = tail_mask(n - c);
-    _mm256_mask_storeu_epi16(out + c, m, to_bf16(_mm512_mul_ps(_mm512_set1_ps(w), _mm512_maskz_loadu_ps(m, y + c))));
+    _mm256_mask_storeu_epi16(out + c, m, to_bf16(_mm512_mul_ps(_mm512_set1_ps(w), round_bf16(_mm512_maskz_loadu_ps(m, y + c)))));
   }
 #endif
-  for (; c < n; ++c) out[c] = bf16(w * y[c]);
+  for (; c < n; ++c) out[c] = bf16(w * rb(y[c]));
 }
 
 // out[c] = bf16(sum_k rows[k * H + c]) in fp32, k in order, c < H
