@@ -12,6 +12,7 @@ from torch import nn
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kvcache.pool import KVPool
+from engine.layers import cpu_attention
 from engine.layers.fused import FusedProjection
 from engine.layers.gqa_graph import GQAArgs
 from engine.layers.norm import RMSNorm, rms_norm
@@ -93,7 +94,14 @@ class GQAAttention(nn.Module):
         cos, sin = rope.lookup(batch.positions, x.dtype)
         q = apply_half(q, cos, sin)
         k, v = self._store_kv(x, batch, pool, cos, sin)
-        if batch.single_fresh and not pool.layout.is_fp8:
+        start = batch.single_causal_start
+        if start is not None and cpu_attention.usable(q, k, v):
+            # a prompt's chunk on a CPU with AMX: our kernel (decode and verify steps, a few queries, keep SDPA)
+            if start or pool.layout.is_fp8:  # the cached prefix (or fp8 KV as decode will read it)
+                k = pool.read(self.layer_idx, "k", batch.kv_slots, x.dtype)[0]
+                v = pool.read(self.layer_idx, "v", batch.kv_slots, x.dtype)[0]
+            o = cpu_attention.causal_attention(q, k, v, cfg.softmax_scale)
+        elif batch.single_fresh and not pool.layout.is_fp8:
             o = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,
                      cfg.softmax_scale, causal=True)[0].transpose(0, 1)  # [T, H, D]
         else:
