@@ -11,6 +11,7 @@ import time
 import torch
 
 from engine.config import ModelConfig
+from engine.layers import cpu_attention, cpu_tokenwise
 from engine.loader import checkpoint_names, detect_mtp_layers, load_weights
 from engine.models.glm import GlmForCausalLM
 from engine.moe import moe_cpu_kernel
@@ -66,6 +67,9 @@ def load_model(model_dir: str, dtype: str = "float32", device: str = "auto", moe
     if any(isinstance(m, RoutedExperts) and moe_cpu_kernel.supports(m.w13, m.w2)
            for m in model.modules()):
         moe_cpu_kernel.available()  # build the fused MoE kernel (or warn) while loading, not at the first prefill
+    if dtype == "bfloat16" and model.lm_head.weight.device.type == "cpu":
+        cpu_tokenwise.kernel()  # likewise the bf16 token-wise and prompt attention kernels
+        cpu_attention.kernel()
     logger.info("loaded %s (%s, %d layers + %d MTP%s) in %.2fs", model_dir, cfg.model_type,
                 cfg.num_hidden_layers, cfg.num_mtp_layers,
                 f", tp rank {parallel.tp_rank}/{parallel.tp_size} {parallel.moe_parallel} MoE" if parallel.is_tp else "",

@@ -28,7 +28,7 @@ from engine.layers.decode_graph import (
     PostWeights,
 )
 from engine.layers.mlp import MLP, MoE, finish_ffn
-from engine.layers.norm import RMSNorm
+from engine.layers.norm import RMSNorm, add_rms_norm
 from engine.layers.rotary import RotaryTable
 from engine.parallel.config import SINGLE_RANK, ParallelConfig
 from engine.parallel.layers import VocabParallelEmbedding, VocabParallelHead, tp_layer_forward
@@ -72,8 +72,8 @@ class DecoderLayer(nn.Module):
                 x, h, y, routing = g.run_gqa_layer(attn, x, cos, sin, batch, pool, self._args(g, (False, True), experts_w))
                 return (x if routing is None else x + finish_ffn(experts, h, y, routing)), topk
             h, topk = attn(self.input_layernorm(x), batch, pool, rope, topk)
-            x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x)), topk
+            x, n = add_rms_norm(x, h, self.post_attention_layernorm)
+            return x + self.mlp(n), topk
         # MLA: token-wise parts (eager, or compiled graphs for decode / verify) around the paged attention
         cfg = attn.cfg
         absorb = max(batch.q_lens) <= MLA_ABSORB_MAX_Q

@@ -1,0 +1,109 @@
+// Token-wise bf16 ops of a prompt's layers, one pass each (torch runs a bf16 RMSNorm as seven: cast up,
+// square, mean, rsqrt, scale, cast down, weight; ~0.3 ms each at 2k x 256 on one core).
+//
+// rms_norm: GLM's / transformers' definition and rounding: y = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))
+// with x, the mean and the scaling in fp32 (a bf16 x bf16 product is exact in fp32, so the last rounding is
+// the only one after the normalised value's). Each row is summed in one fixed order whatever the number of
+// rows (batch invariant). add_rms_norm: s = bf16(x + h) (torch's bf16 add), then rms_norm(s); returns both.
+//
+// Plain loops over uint16 bit patterns that the compiler vectorises for the host (-march=native): the
+// same source serves AVX-512 and AVX2 machines.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t MAX_DIM = 16384;  // per-row fp32 scratch on the stack
+constexpr int64_t LANES = 16;       // partial sums per row (the fixed summation order)
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// one row: xs fp32 [n] -> out bf16, weight w (bf16 or fp32, as fp32 values)
+inline void norm_row(const float* xs, int64_t n, const float* w, float eps, uint16_t* out) {
+  float part[LANES] = {0.f};
+  int64_t j = 0;
+  for (; j + LANES <= n; j += LANES)
+    for (int64_t l = 0; l < LANES; ++l) part[l] += xs[j + l] * xs[j + l];
+  for (int64_t l = 0; j + l < n; ++l) part[l] += xs[j + l] * xs[j + l];
+  float ss = 0.f;
+  for (int64_t l = 0; l < LANES; ++l) ss += part[l];
+  const float r = 1.f / std::sqrt(ss / float(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(w[i] * bf16_to_f32(f32_to_bf16(xs[i] * r)));
+}
+
+void check(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be bfloat16 [rows, dim] with contiguous rows");
+  TORCH_CHECK(x.size(1) <= MAX_DIM, "dim ", x.size(1), " over ", MAX_DIM);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1), "weight must be [dim]");
+}
+
+torch::Tensor weight_f32(const torch::Tensor& w) { return w.to(at::kFloat).contiguous(); }
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check(x, w);
+  const int64_t T = x.size(0), n = x.size(1), ld = x.stride(0);
+  auto out = torch::empty({T, n}, x.options());
+  const auto wf = weight_f32(w);
+  const float* wp = wf.data_ptr<float>();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / n), [&](int64_t t0, int64_t t1) {
+    float xs[MAX_DIM];
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t i = 0; i < n; ++i) xs[i] = bf16_to_f32(xp[t * ld + i]);
+      norm_row(xs, n, wp, float(eps), op + t * n);
+    }
+  });
+  return out;
+}
+
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& h, const torch::Tensor& w,
+                                        double eps) {
+  check(x, w);
+  check(h, w);
+  TORCH_CHECK(h.size(0) == x.size(0), "x and h must have the same rows");
+  const int64_t T = x.size(0), n = x.size(1), ldx = x.stride(0), ldh = h.stride(0);
+  auto sum = torch::empty({T, n}, x.options()), out = torch::empty({T, n}, x.options());
+  const auto wf = weight_f32(w);
+  const float* wp = wf.data_ptr<float>();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* hp = reinterpret_cast<const uint16_t*>(h.data_ptr<at::BFloat16>());
+  uint16_t* sp = reinterpret_cast<uint16_t*>(sum.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / n), [&](int64_t t0, int64_t t1) {
+    float xs[MAX_DIM];
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t s = f32_to_bf16(bf16_to_f32(xp[t * ldx + i]) + bf16_to_f32(hp[t * ldh + i]));
+        sp[t * n + i] = s;
+        xs[i] = bf16_to_f32(s);
+      }
+      norm_row(xs, n, wp, float(eps), op + t * n);
+    }
+  });
+  return {sum, out};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "GLM RMSNorm of bf16 rows in one pass");
+  m.def("add_rms_norm", &add_rms_norm, "bf16 residual add, then RMSNorm of the sum: (sum, normed)");
+}
