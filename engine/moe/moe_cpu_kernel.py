@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import NamedTuple
 
 import torch
+from torch.profiler import record_function
 
 from engine import cpu_ext
 
@@ -25,6 +26,10 @@ TILE_DOWN = 256
 """Output columns per w2 tile."""
 BLOCK_ROWS = 32
 """Pairs of one expert per work item (brgemm's M)."""
+CHUNK_BYTES = 4 << 20
+"""The kernel runs a chunk of tokens at a time whose per-pair outputs (tokens * top-k * H bf16) take about this
+many bytes (at least ``CHUNK_MIN_TOKENS`` tokens): they stay in cache until summed."""
+CHUNK_MIN_TOKENS = 256
 PACK_CACHE_MAX_BYTES = 64 << 20
 """A layer's packed copy is cached while its expert weights (w13 + w2) take at most this many bytes (glm4_moe
 test model: 3 MiB per layer). Above it a cached copy would double the experts' memory, which model sizing does
@@ -84,5 +89,7 @@ def fresh(packed: PackedExperts | None, w13: torch.Tensor, w2: torch.Tensor) -> 
 def fused_moe(x: torch.Tensor, packed: PackedExperts, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``x [T, H]`` bf16, routing ``ids [T, K]`` / ``weights [T, K]`` -> ``[T, H]`` bf16: the routing-weighted sum
     of each token's experts' ``w2 (silu(gate x) * up x)``."""
-    return kernel().fused_moe(x.contiguous(), packed.w13, packed.w2, ids.contiguous(),
-                              weights.float().contiguous(), TILE_GATE_UP, TILE_DOWN, BLOCK_ROWS)
+    chunk = max(CHUNK_MIN_TOKENS, CHUNK_BYTES // (2 * ids.shape[1] * x.shape[1]))
+    with record_function("moe_fused_cpu"):  # pybind calls are invisible to torch's profiler otherwise
+        return kernel().fused_moe(x.contiguous(), packed.w13, packed.w2, ids.contiguous(),
+                                  weights.float().contiguous(), TILE_GATE_UP, TILE_DOWN, BLOCK_ROWS, chunk)

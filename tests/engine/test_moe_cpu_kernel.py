@@ -81,6 +81,19 @@ def test_fused_equals_definition(T, E, H, I, K):
     assert err.mean() <= 1.5 * sorted_err.mean()
 
 
+def test_token_chunks_change_nothing(monkeypatch):
+    """The kernel runs chunks of tokens (its pair buffer stays in cache); each token's result is the same."""
+    g = torch.Generator().manual_seed(5)
+    w13, w2 = weights(16, 96, 48, g)
+    x = torch.randn(303, 96, generator=g).to(torch.bfloat16)
+    r = uneven_routing(303, 16, 4, g)
+    packed = moe_cpu_kernel.pack(w13, w2)
+    whole = moe_fused_cpu(x, w13, w2, r, packed)
+    monkeypatch.setattr(moe_cpu_kernel, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(moe_cpu_kernel, "CHUNK_MIN_TOKENS", 7)  # 44 chunks, the last of 303 % 7 = 2 tokens
+    assert torch.equal(moe_fused_cpu(x, w13, w2, r, packed), whole)
+
+
 @pytest.mark.parametrize("T,E,H,I,K", [(40, 8, 64, 32, 2), (64, 16, 256, 128, 4), (300, 16, 200, 72, 8)])
 def test_rounds_as_gather(T, E, H, I, K):
     """A verify step large enough for fused_cpu must decode as the gather-run steps (lossless greedy speculation):

@@ -6,7 +6,7 @@
 // columns (so silu(gate) * up pairs sit in one tile); w2 [E, H, I] -> tiles of `bn2` output columns. A last,
 // narrower tile takes the remainder, so any even H and I work.
 //
-// One call: a counting sort of the (token, slot) pairs by expert (stable: pairs of an expert keep token order),
+// One chunk of tokens: a counting sort of its (token, slot) pairs by expert (stable: pairs of an expert keep token order),
 // then the pairs of each expert in blocks of block_m rows, handed to threads from an atomic counter. Per block:
 // gather its x rows into a thread-local bf16 buffer; per w13 tile one brgemm (AMX) into fp32, silu(gate) * up
 // rounded to bf16 into a thread-local [rows, I] buffer; per w2 tile one brgemm, times the routing
@@ -168,32 +168,17 @@ struct Block {
   int64_t expert, start, rows;  // rows [start, start + rows) of the expert-sorted pairs
 };
 
-// x [T, H] bf16, w13p / w2p from pack_vnni (bn1 gate_up, bn2 plain), ids [T, K] int64, weights [T, K] fp32
-at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13p, const at::Tensor& w2p, const at::Tensor& ids,
-                     const at::Tensor& weights, int64_t bn1, int64_t bn2, int64_t block_m) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
-              "fused_moe: x must be a contiguous CPU bf16 [T, H] tensor");
-  TORCH_CHECK(w13p.scalar_type() == at::kBFloat16 && w13p.dim() == 3 && w13p.is_contiguous() &&
-              w2p.scalar_type() == at::kBFloat16 && w2p.dim() == 3 && w2p.is_contiguous(),
-              "fused_moe: packed weights must be contiguous bf16 [E, N, K]");
-  const int64_t T = x.size(0), H = x.size(1), E = w13p.size(0), I = w13p.size(1) / 2;
-  TORCH_CHECK(w13p.size(2) == H && w2p.size(0) == E && w2p.size(1) == H && w2p.size(2) == I && H % 2 == 0 &&
-              I % 2 == 0, "fused_moe: weight shapes do not match x (need w13 [E, 2I, H], w2 [E, H, I], H, I even)");
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 2 && ids.size(0) == T && ids.is_contiguous() &&
-              weights.scalar_type() == at::kFloat && weights.sizes() == ids.sizes() && weights.is_contiguous(),
-              "fused_moe: ids int64 [T, K] and weights fp32 [T, K], contiguous");
-  TORCH_CHECK(bn1 > 0 && bn2 > 0 && block_m > 0, "fused_moe: tile widths and block rows must be positive");
-  const int64_t K = ids.size(1), P = T * K;
-  at::Tensor out = at::empty({T, H}, x.options());
-  if (T == 0) return out;
+struct Shapes {
+  int64_t H, I, E, K, bn1, bn2, block_m;
+};
 
+// Tokens [0, T) of a chunk: x [T, H], id / wt [T, K], out [T, H]; po a [T*K, H] scratch buffer.
+void moe_chunk(const Shapes& sh, const bf16* xd, const int64_t* id, const float* wt, const bf16* w13d,
+               const bf16* w2d, bf16* po, bf16* od, int64_t T) {
+  const int64_t H = sh.H, I = sh.I, E = sh.E, K = sh.K, bn1 = sh.bn1, bn2 = sh.bn2, block_m = sh.block_m, P = T * K;
   // counting sort of the pairs by expert (stable)
-  const int64_t* id = ids.data_ptr<int64_t>();
   std::vector<int64_t> offset(E + 1, 0), order(P);
-  for (int64_t p = 0; p < P; ++p) {
-    TORCH_CHECK(id[p] >= 0 && id[p] < E, "fused_moe: expert id ", id[p], " out of range [0, ", E, ")");
-    ++offset[id[p] + 1];
-  }
+  for (int64_t p = 0; p < P; ++p) ++offset[id[p] + 1];
   for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
   {
     std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
@@ -202,26 +187,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13p, const at::Tens
   std::vector<Block> blocks;
   for (int64_t e = 0; e < E; ++e)
     for (int64_t s = offset[e]; s < offset[e + 1]; s += block_m) blocks.push_back({e, s, std::min(block_m, offset[e + 1] - s)});
-
-  // [T*K, H]: each pair's weighted expert output. Up to KEEP_BYTES it is kept per calling thread (grown, never
-  // shrunk): a fresh allocation of this size comes from mmap, and its first-touch page faults cost about as
-  // much as the reduction that reads it.
-  thread_local std::vector<bf16> kept;
-  at::Tensor fresh;
-  bf16* po;
-  if (P * H * int64_t(sizeof(bf16)) <= KEEP_BYTES) {
-    if (static_cast<int64_t>(kept.size()) < P * H) kept.resize(P * H);
-    po = kept.data();
-  } else {
-    fresh = at::empty({P, H}, x.options());
-    po = fresh.data_ptr<bf16>();
-  }
-  const bf16* xd = x.data_ptr<bf16>();
-  const bf16* w13d = w13p.data_ptr<bf16>();
-  const bf16* w2d = w2p.data_ptr<bf16>();
-  const float* wt = weights.data_ptr<float>();
-  const int64_t nt1 = (I + bn1 - 1) / bn1, nt2 = (H + bn2 - 1) / bn2;
-  const int64_t ldc = std::max(2 * bn1, bn2);
+  const int64_t nt1 = (I + bn1 - 1) / bn1, nt2 = (H + bn2 - 1) / bn2, ldc = std::max(2 * bn1, bn2);
   std::atomic<int64_t> next{0};
   const int64_t nthr = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(blocks.size()));
   at::parallel_for(0, nthr, 1, [&](int64_t tb, int64_t te) {
@@ -251,10 +217,56 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13p, const at::Tens
     }
     at::native::cpublas::brgemm_release();
   });
-  bf16* od = out.data_ptr<bf16>();
   at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) sum_rows(po + t * K * H, K, H, od + t * H);
   });
+}
+
+// x [T, H] bf16, w13p / w2p from pack_vnni (bn1 gate_up, bn2 plain), ids [T, K] int64, weights [T, K] fp32.
+// Runs chunk_tokens tokens at a time: the chunk's [tokens*K, H] pair buffer then stays in cache between the
+// expert pass that writes it and the sum that reads it (at 8k tokens of glm4_moe it would be 16 MiB).
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13p, const at::Tensor& w2p, const at::Tensor& ids,
+                     const at::Tensor& weights, int64_t bn1, int64_t bn2, int64_t block_m, int64_t chunk_tokens) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "fused_moe: x must be a contiguous CPU bf16 [T, H] tensor");
+  TORCH_CHECK(w13p.scalar_type() == at::kBFloat16 && w13p.dim() == 3 && w13p.is_contiguous() &&
+              w2p.scalar_type() == at::kBFloat16 && w2p.dim() == 3 && w2p.is_contiguous(),
+              "fused_moe: packed weights must be contiguous bf16 [E, N, K]");
+  const int64_t T = x.size(0), H = x.size(1), E = w13p.size(0), I = w13p.size(1) / 2;
+  TORCH_CHECK(w13p.size(2) == H && w2p.size(0) == E && w2p.size(1) == H && w2p.size(2) == I && H % 2 == 0 &&
+              I % 2 == 0, "fused_moe: weight shapes do not match x (need w13 [E, 2I, H], w2 [E, H, I], H, I even)");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 2 && ids.size(0) == T && ids.is_contiguous() &&
+              weights.scalar_type() == at::kFloat && weights.sizes() == ids.sizes() && weights.is_contiguous(),
+              "fused_moe: ids int64 [T, K] and weights fp32 [T, K], contiguous");
+  TORCH_CHECK(bn1 > 0 && bn2 > 0 && block_m > 0 && chunk_tokens > 0,
+              "fused_moe: tile widths, block rows and chunk tokens must be positive");
+  const int64_t K = ids.size(1);
+  at::Tensor out = at::empty({T, H}, x.options());
+  if (T == 0) return out;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t p = 0; p < T * K; ++p)
+    TORCH_CHECK(id[p] >= 0 && id[p] < E, "fused_moe: expert id ", id[p], " out of range [0, ", E, ")");
+  const int64_t chunk = std::min(T, chunk_tokens), pairs = chunk * K;
+  // the chunk's pair buffer. Up to KEEP_BYTES it is kept per calling thread (grown, never shrunk): a fresh
+  // allocation of this size comes from mmap, and its first-touch page faults cost about as much as the sum
+  // that reads it.
+  thread_local std::vector<bf16> kept;
+  at::Tensor fresh;
+  bf16* po;
+  if (pairs * H * int64_t(sizeof(bf16)) <= KEEP_BYTES) {
+    if (static_cast<int64_t>(kept.size()) < pairs * H) kept.resize(pairs * H);
+    po = kept.data();
+  } else {
+    fresh = at::empty({pairs, H}, x.options());
+    po = fresh.data_ptr<bf16>();
+  }
+  const Shapes sh{H, I, E, K, bn1, bn2, block_m};
+  const bf16* xd = x.data_ptr<bf16>();
+  const float* wt = weights.data_ptr<float>();
+  bf16* od = out.data_ptr<bf16>();
+  for (int64_t t0 = 0; t0 < T; t0 += chunk)
+    moe_chunk(sh, xd + t0 * H, id + t0 * K, wt + t0 * K, w13p.data_ptr<bf16>(), w2p.data_ptr<bf16>(), po,
+              od + t0 * H, std::min(chunk, T - t0));
   return out;
 }
 
