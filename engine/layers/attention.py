@@ -68,18 +68,19 @@ class GQAAttention(nn.Module):
 
     def write_kv(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, rope: RotaryTable) -> None:
         """Only the new tokens' K/V, as ``forward`` writes them, without attention (see ``MLAAttention``)."""
-        self._store_kv(x, batch, pool, *rope.lookup(batch.positions, x.dtype))
+        self._store_kv(self.k_proj(x), self.v_proj(x), batch, pool, *rope.lookup(batch.positions, x.dtype))
 
-    def _store_kv(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool, cos: torch.Tensor,
+    def _store_kv(self, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, pool: KVPool, cos: torch.Tensor,
                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Project, normalise and rotate the new tokens' K/V, write them, return them ``[T, KVH, D]``."""
+        """Normalise and rotate the new tokens' projected K ``[T, KVH * D]``, write it and V, return them
+        ``[T, KVH, D]``."""
         cfg = self.cfg
-        T = x.shape[0]
-        k = self.k_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
+        T = k.shape[0]
+        k = k.view(T, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.use_qk_norm:
             k = self.k_norm(k)
         k = apply_half(k, cos, sin)
-        v = self.v_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.view(T, cfg.num_key_value_heads, cfg.head_dim)
         pool.write(self.layer_idx, "k", batch.out_slots, k)
         pool.write(self.layer_idx, "v", batch.out_slots, v)
         return k, v
@@ -88,12 +89,13 @@ class GQAAttention(nn.Module):
                 topk_prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.cfg
         T = x.shape[0]
-        q = self.q_proj(x).view(T, cfg.num_attention_heads, cfg.head_dim)
+        q, k, v = self._fused_qkv(x, [(m.weight, m.bias) for m in (self.q_proj, self.k_proj, self.v_proj)])
+        q = q.view(T, cfg.num_attention_heads, cfg.head_dim)
         if cfg.use_qk_norm:
             q = self.q_norm(q)
         cos, sin = rope.lookup(batch.positions, x.dtype)
         q = apply_half(q, cos, sin)
-        k, v = self._store_kv(x, batch, pool, cos, sin)
+        k, v = self._store_kv(k, v, batch, pool, cos, sin)
         start = batch.single_causal_start
         if start is not None and cpu_attention.usable(q, k, v):
             # a prompt's chunk on a CPU with AMX: our kernel (decode and verify steps, a few queries, keep SDPA)

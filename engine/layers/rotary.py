@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.layers import cpu_tokenwise
+
 
 class RotaryTable:
     """cos/sin of ``position * inv_freq`` in fp32, cached up to the longest position seen."""
@@ -78,6 +80,8 @@ def apply_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 def apply_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x ``[T, heads, head_dim]``; rotate-half on the first ``2 * cos.shape[-1]`` dims."""
+    if cos.dtype == sin.dtype == x.dtype and cpu_tokenwise.usable(x, 3) and x.stride(1) == x.shape[2]:
+        return cpu_tokenwise.kernel().rope_half(x, cos, sin)  # eager bf16 on a CPU: one pass, the same rounding
     half = cos.shape[-1]
     rot = 2 * half
     c = torch.cat([cos, cos], dim=-1)[:, None, :]

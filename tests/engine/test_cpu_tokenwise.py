@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from engine.layers import cpu_tokenwise
 from engine.layers.norm import RMSNorm, add_rms_norm, rms_norm
+from engine.layers.rotary import apply_half
 
 pytestmark = pytest.mark.skipif(cpu_tokenwise.kernel() is None, reason="no C++ compiler: torch's ops run")
 
@@ -65,3 +66,23 @@ def test_kernel_rejects_bad_input():
         k.rms_norm(torch.randn(4, 8).bfloat16(), torch.ones(7), 1e-5)
     with pytest.raises(RuntimeError, match="same rows"):
         k.add_rms_norm(torch.randn(4, 8).bfloat16(), torch.randn(3, 8).bfloat16(), torch.ones(8), 1e-5)
+
+
+def rotate_half_definition(x, cos, sin):
+    """transformers' ``apply_rotary_pos_emb`` (rotate-half) on the first 2 * half dims, in x's dtype."""
+    half = cos.shape[-1]
+    c, s = torch.cat([cos, cos], -1)[:, None], torch.cat([sin, sin], -1)[:, None]
+    xr, xp = x[..., :2 * half], x[..., 2 * half:]
+    return torch.cat([xr * c + torch.cat([-xr[..., half:], xr[..., :half]], -1) * s, xp], -1)
+
+
+@pytest.mark.parametrize("T,heads,D,half", [(1, 4, 64, 16), (300, 2, 64, 32), (2048, 4, 64, 16), (9, 3, 40, 10)])
+def test_rope_half_is_the_definition_bitwise(T, heads, D, half):
+    torch.manual_seed(T)
+    fused = torch.randn(T, (heads + 1) * D).bfloat16() * 4  # a row-strided view, as a fused projection gives
+    x = fused[:, :heads * D].view(T, heads, D)
+    cos, sin = torch.randn(T, half).bfloat16(), torch.randn(T, half).bfloat16()
+    assert torch.equal(cpu_tokenwise.kernel().rope_half(x, cos, sin), rotate_half_definition(x, cos, sin))
+    assert torch.equal(apply_half(x, cos, sin), rotate_half_definition(x, cos, sin))  # the model's entry point
+    with pytest.raises(RuntimeError, match="over the head dim"):
+        cpu_tokenwise.kernel().rope_half(x, torch.cat([cos] * 4, 1), torch.cat([sin] * 4, 1))

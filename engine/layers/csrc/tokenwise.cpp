@@ -6,6 +6,10 @@
 // the only one after the normalised value's). Each row is summed in one fixed order whatever the number of
 // rows (batch invariant). add_rms_norm: s = bf16(x + h) (torch's bf16 add), then rms_norm(s); returns both.
 //
+// rope_half: rotate-half RoPE on the first 2 * half dims of each head, the rest copied: out1 = x1 c - x2 s,
+// out2 = x2 c + x1 s with torch's roundings of ``x * cos + rotate_half(x) * sin`` in bf16 (each product, then
+// the sum).
+//
 // Plain loops over uint16 bit patterns that the compiler vectorises for the host (-march=native): the
 // same source serves AVX-512 and AVX2 machines.
 #include <torch/extension.h>
@@ -101,9 +105,42 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Ten
   return {sum, out};
 }
 
+torch::Tensor rope_half(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x must be bfloat16 [tokens, heads, dim] with contiguous heads");
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.dim() == 2 &&
+                  sin.sizes() == cos.sizes() && cos.size(0) == x.size(0) && cos.stride(1) == 1 && sin.stride(1) == 1,
+              "cos and sin must be bfloat16 [tokens, half] with contiguous rows");
+  const int64_t T = x.size(0), nh = x.size(1), D = x.size(2), half = cos.size(1), ldx = x.stride(0);
+  TORCH_CHECK(2 * half <= D, "2 * half (", 2 * half, ") over the head dim (", D, ")");
+  auto out = torch::empty({T, nh, D}, x.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t ldc = cos.stride(0), lds = sin.stride(0);
+  auto r = [](float a) { return bf16_to_f32(f32_to_bf16(a)); };
+  at::parallel_for(0, T, std::max<int64_t>(1, 8192 / std::max<int64_t>(nh * D, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < nh; ++h) {
+        const uint16_t* xr = xp + t * ldx + h * D;
+        uint16_t* o = op + (t * nh + h) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float c = bf16_to_f32(cp[t * ldc + i]), s = bf16_to_f32(sp[t * lds + i]);
+          const float x1 = bf16_to_f32(xr[i]), x2 = bf16_to_f32(xr[half + i]);
+          o[i] = f32_to_bf16(r(x1 * c) + r(-x2 * s));
+          o[half + i] = f32_to_bf16(r(x2 * c) + r(x1 * s));
+        }
+        for (int64_t i = 2 * half; i < D; ++i) o[i] = xr[i];
+      }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "GLM RMSNorm of bf16 rows in one pass");
   m.def("add_rms_norm", &add_rms_norm, "bf16 residual add, then RMSNorm of the sum: (sum, normed)");
+  m.def("rope_half", &rope_half, "bf16 rotate-half RoPE on the first 2 * half dims of each head");
 }
