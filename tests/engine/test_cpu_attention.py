@@ -51,6 +51,20 @@ def test_kernel_equals_attention(T, S, H, Hk, D, Dv):
     assert ours <= theirs * 1.5 + 8e-3, (ours, theirs)
 
 
+def test_kernel_rescales_when_later_keys_score_higher():
+    """Scores that grow along the keys by far more than the kernel's lazy-rescale margin (2^16): rows move their
+    reference max many times and must still match."""
+    torch.manual_seed(0)
+    T, H, Hk, D = 1500, 4, 2, 64
+    q = torch.randn(T, H, D).abs().bfloat16()
+    k = (torch.randn(T, Hk, D).abs() * torch.linspace(0.1, 8, T)[:, None, None]).bfloat16()
+    v = torch.randn(T, Hk, D).bfloat16()
+    ref = reference(q, k, v, 0.125)
+    ours = (cpu_attention.causal_attention(q, k, v, 0.125).double() - ref).abs().max().item()
+    theirs = (torch_bf16(q, k, v, 0.125).double() - ref).abs().max().item()
+    assert ours <= theirs * 1.5 + 8e-3, (ours, theirs)
+
+
 def test_kernel_takes_strided_views():
     """q / k / v as column slices of one fused projection output (row stride > heads * dim)."""
     torch.manual_seed(0)

@@ -49,10 +49,9 @@ bool supported() {
 
 #if defined(__AVX512F__)
 
-// 2^x for x in [-150, 0]: x = n + f, |f| <= 1/2, 2^f by its Taylor series to degree 6 (relative error < 2e-7),
-// scaled by 2^n in vscalefps (exact, denormals included; x clamped so n stays finite).
+// 2^x for finite x: x = n + f, |f| <= 1/2, 2^f by its Taylor series to degree 6 (relative error < 2e-7),
+// scaled by 2^n in vscalefps (exact, denormals included; 0 below 2^-149, inf above 2^128).
 inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
@@ -65,46 +64,73 @@ inline __m512 exp2_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline void store_bf16(bf16* dst, __m512 v, __mmask16 m) {
+inline void store_bf16(bf16* dst, __m512 v) {
 #if defined(__AVX512BF16__)
-  _mm256_mask_storeu_epi16(dst, m, (__m256i)_mm512_cvtneps_pbh(v));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
 #else  // round to nearest even by hand (no NaN can reach here: scores are finite)
   __m512i u = _mm512_castps_si512(v);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  _mm256_mask_storeu_epi16(dst, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 #endif
 }
 
 inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
 
-// One query row of a key block: n valid scores s[0..n) (fp32, unscaled), the row's running max m (in
-// scaled log2 units) and sum l. Writes p[0..width) as bf16 (zeros past n) and returns the factor alpha the
-// row's accumulated output must be multiplied by.
-inline float softmax_row(const float* s, int64_t n, int64_t width, float c, float& m, float& l, bf16* p) {
-  __m512 vmax = _mm512_set1_ps(-INFINITY);
+// exp2(x - m) of one row's n valid scaled scores x = s * c into p[0..n) (bf16, zeros up to width); returns
+// their sum and sets xmax to max(x - m) (-inf for n <= 0).
+inline float exp_row(const float* s, int64_t n, int64_t width, __m512 vc, __m512 vm, bf16* p, float& xmax) {
+  __m512 vsum = _mm512_setzero_ps(), vmax = _mm512_set1_ps(-INFINITY);
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
-  if (j < n) vmax = _mm512_mask_max_ps(vmax, tail_mask(n - j), vmax, _mm512_maskz_loadu_ps(tail_mask(n - j), s + j));
-  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax) * c);
-  const float alpha = m == -INFINITY ? 0.f : std::exp2(m - m_new);
-  const __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(m_new);
-  __m512 vsum = _mm512_setzero_ps();
-  j = 0;
   for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vc, vm));
+    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), vc, vm);
+    vmax = _mm512_max_ps(vmax, x);
+    const __m512 e = exp2_ps(x);
     vsum = _mm512_add_ps(vsum, e);
-    store_bf16(p + j, e, 0xffff);
+    store_bf16(p + j, e);
   }
   if (j < n) {
     const __mmask16 k = tail_mask(n - j);
-    const __m512 e = _mm512_maskz_mov_ps(k, exp2_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), vc, vm)));
+    const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), vc, vm);
+    vmax = _mm512_mask_max_ps(vmax, k, vmax, x);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp2_ps(x));
     vsum = _mm512_add_ps(vsum, e);
-    store_bf16(p + j, e, 0xffff);  // masked lanes hold 0: the row's tail of this vector is zeroed too
+    store_bf16(p + j, e);  // masked lanes hold 0: the row's tail of this vector is zeroed too
     j += 16;
   }
   for (; j < width; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), _mm256_setzero_si256());
-  l = l * alpha + _mm512_reduce_add_ps(vsum);
+  xmax = _mm512_reduce_max_ps(vmax);
+  return _mm512_reduce_add_ps(vsum);
+}
+
+// Lazy rescaling (as FlashAttention-4 does): a row's reference m is its exact max after its first key block;
+// later blocks exponentiate against it unchanged while their scores stay below m + RESCALE_ABOVE (P <= 2^16:
+// no overflow in fp32 sums or bf16 P, and P's relative rounding does not depend on its scale), so the
+// output needs no rescaling and the scores no max pass. Only a block that overshoots moves m (and is redone).
+constexpr float RESCALE_ABOVE = 16.f;
+
+// One query row of a key block: n valid scores s[0..n) (fp32, unscaled), the row's reference m (scaled log2
+// units; -inf before its first block) and sum l. Writes p[0..width) as bf16 (zeros past n) and returns the
+// factor alpha the row's accumulated output must be multiplied by (1: unchanged).
+inline float softmax_row(const float* s, int64_t n, int64_t width, float c, float& m, float& l, bf16* p) {
+  const __m512 vc = _mm512_set1_ps(c);
+  float xmax;
+  if (m == -INFINITY) {  // the row's first block: its exact max
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
+    if (j < n) vmax = _mm512_mask_max_ps(vmax, tail_mask(n - j), vmax, _mm512_maskz_loadu_ps(tail_mask(n - j), s + j));
+    m = _mm512_reduce_max_ps(vmax) * c;
+    l = exp_row(s, n, width, vc, _mm512_set1_ps(m), p, xmax);
+    return 0.f;
+  }
+  const float sum = exp_row(s, n, width, vc, _mm512_set1_ps(m), p, xmax);
+  if (xmax <= RESCALE_ABOVE) {
+    l += sum;
+    return 1.f;
+  }
+  const float m_new = m + xmax, alpha = std::exp2(m - m_new);
+  l = l * alpha + exp_row(s, n, width, vc, _mm512_set1_ps(m_new), p, xmax);
   m = m_new;
   return alpha;
 }
@@ -207,7 +233,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
         const __m512 inv = _mm512_set1_ps(1.f / l_buf[r]);
         bf16* dst = op + (i0 + r / group) * H * Dv + (hk * group + r % group) * Dv;
         for (int64_t d = 0; d < Dv; d += 16)
-          store_bf16(dst + d, _mm512_mul_ps(inv, _mm512_loadu_ps(o_buf.get() + r * Dv + d)), 0xffff);
+          store_bf16(dst + d, _mm512_mul_ps(inv, _mm512_loadu_ps(o_buf.get() + r * Dv + d)));
       }
     }
     at::native::cpublas::brgemm_release();
