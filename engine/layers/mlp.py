@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers.cpu_tokenwise import silu_mul
 from engine.layers.fused import FusedProjection
 from engine.moe.experts import GRAPH_MOE_IMPLS, RoutedExperts
 from engine.moe.router import Routing, TopkRouter, route
@@ -38,7 +39,7 @@ def ffn_tokenwise(h: torch.Tensor, f: FFNArgs) -> tuple[torch.Tensor, Routing | 
     if f.w_x is not None:
         parts = F.linear(h, f.w_x).split(f.sizes, dim=-1)
         logits, (g, u) = (parts[0], parts[1:]) if f.routes and f.w_router is None else (None, parts)
-        shared = F.linear(F.silu(g) * u, f.w_down)
+        shared = F.linear(silu_mul(g, u), f.w_down)
     else:
         logits, shared = None, None
     if not f.routes:

@@ -86,3 +86,16 @@ def test_rope_half_is_the_definition_bitwise(T, heads, D, half):
     assert torch.equal(apply_half(x, cos, sin), rotate_half_definition(x, cos, sin))  # the model's entry point
     with pytest.raises(RuntimeError, match="over the head dim"):
         cpu_tokenwise.kernel().rope_half(x, torch.cat([cos] * 4, 1), torch.cat([sin] * 4, 1))
+
+
+@pytest.mark.skipif(not cpu_tokenwise.kernel().simd(), reason="silu_mul is built for AVX-512 CPUs only")
+@pytest.mark.parametrize("T,I", [(1, 128), (37, 100), (2048, 128), (300, 512)])
+def test_silu_mul_is_torchs(T, I):
+    """Bitwise torch's F.silu(g) * u (both bf16 roundings) on split views of one gate/up GEMM output, extreme
+    inputs included; reached through the FFN's entry point."""
+    torch.manual_seed(I + T)
+    gu = torch.randn(T, 2 * I + 16).bfloat16() * 4
+    g, u = gu[:, 16:16 + I], gu[:, 16 + I:]
+    g[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).bfloat16()
+    assert torch.equal(cpu_tokenwise.kernel().silu_mul(g, u), F.silu(g) * u)
+    assert torch.equal(cpu_tokenwise.silu_mul(g, u), F.silu(g) * u)
