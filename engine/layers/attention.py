@@ -96,13 +96,10 @@ class GQAAttention(nn.Module):
         cos, sin = rope.lookup(batch.positions, x.dtype)
         q = apply_half(q, cos, sin)
         k, v = self._store_kv(k, v, batch, pool, cos, sin)
-        start = batch.single_causal_start
-        if start is not None and cpu_attention.usable(q, k, v):
-            # a prompt's chunk on a CPU with AMX: our kernel (decode and verify steps, a few queries, keep SDPA)
-            if start or pool.layout.is_fp8:  # the cached prefix (or fp8 KV as decode will read it)
-                k = pool.read(self.layer_idx, "k", batch.kv_slots, x.dtype)[0]
-                v = pool.read(self.layer_idx, "v", batch.kv_slots, x.dtype)[0]
-            o = cpu_attention.causal_attention(q, k, v, cfg.softmax_scale)
+        if (min(batch.q_lens) >= cpu_attention.MIN_TOKENS and all(m is None for m in batch.tree_masks)
+                and cpu_attention.usable(q, k, v)):
+            # prompt chunks on a CPU with AMX (decode and verify steps, a few queries each, keep SDPA)
+            o = self._prompts_attention(q, k, v, batch, pool)
         elif batch.single_fresh and not pool.layout.is_fp8:
             o = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,
                      cfg.softmax_scale, causal=True)[0].transpose(0, 1)  # [T, H, D]
@@ -112,6 +109,24 @@ class GQAAttention(nn.Module):
             qq = batch.pad_q(q).transpose(1, 2)  # [B, H, Tq, D]
             o = batch.unpad_q(sdpa(qq, kk, vv, batch.attn_mask, cfg.softmax_scale).transpose(1, 2))
         return self.o_proj(o.reshape(T, -1)), None
+
+
+    def _prompts_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                           pool: KVPool) -> torch.Tensor:
+        """Causal attention of each request's chunk (its rows of q ``[T, H, D]``) over its own keys, in our CPU
+        kernel, one call per request: the chunk's own K/V for a fresh prompt, else its pages (the cached prefix,
+        or fp8 KV as decode steps will read it) -> ``[T, H, D]``."""
+        outs, s = [], 0
+        for b, (n, cached, kv_len) in enumerate(zip(batch.q_lens, batch.cached_lens, batch.kv_lens)):
+            if cached or pool.layout.is_fp8:
+                slots = batch.kv_slots[b, :kv_len]
+                kb = pool.read(self.layer_idx, "k", slots, q.dtype)
+                vb = pool.read(self.layer_idx, "v", slots, q.dtype)
+            else:
+                kb, vb = k[s:s + n], v[s:s + n]
+            outs.append(cpu_attention.causal_attention(q[s:s + n], kb, vb, self.cfg.softmax_scale))
+            s += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def dsa_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -121,3 +121,32 @@ def test_bf16_model_prompts_run_the_kernel(tiny_dirs, monkeypatch):
     err_ours, err_sdpa = (ours - ref).abs().amax(-1), (sdpa - ref).abs().amax(-1)  # per token
     assert err_ours.mean() <= 1.2 * err_sdpa.mean() + 5e-3, (err_ours.mean(), err_sdpa.mean())
     assert err_ours.max() <= 1.5 * err_sdpa.max() + 1e-2, (err_ours.max(), err_sdpa.max())
+
+
+def test_bf16_batch_of_prompts_runs_the_kernel_per_request(tiny_dirs, monkeypatch):
+    """A prefill step of two requests (a fresh 80-token prompt and a 66-token chunk over a 70-token cached
+    prefix), as the prefill worker batches them: one kernel call per request and layer, each over its own keys,
+    the logits those of the requests run one at a time."""
+    model, cfg = load_model(tiny_dirs["gqa"], "bfloat16", "cpu")
+    torch.manual_seed(3)
+    a, b = torch.randint(2, 128, (80,)).tolist(), torch.randint(2, 128, (136,)).tolist()
+
+    def fresh():
+        pool = KVPool(KVLayout.for_model(cfg, 8, "bfloat16"), 48)
+        pa, pb = pool.allocator.alloc(10, "a"), pool.allocator.alloc(17, "b")
+        model(ForwardBatch.build([BatchRequest(pb, 0, b[:70])], 8), pool)  # b's cached prefix
+        return pool, pa, pb
+
+    pool, pa, pb = fresh()
+    alone = [model(ForwardBatch.build([BatchRequest(pa, 0, a)], 8), pool, all_logits=True).logits,
+             model(ForwardBatch.build([BatchRequest(pb, 70, b[70:])], 8), pool, all_logits=True).logits]
+    pool, pa, pb = fresh()
+    calls = []
+    real = cpu_attention.causal_attention
+    monkeypatch.setattr(cpu_attention, "causal_attention", lambda *x: calls.append((x[0].shape[0], x[1].shape[0]))
+                        or real(*x))
+    both = model(ForwardBatch.build([BatchRequest(pa, 0, a), BatchRequest(pb, 70, b[70:])], 8), pool,
+                 all_logits=True).logits
+    layers = len(calls) // 2
+    assert layers >= 1 and calls == [(80, 80), (66, 136)] * layers  # (queries, keys) per request and layer
+    torch.testing.assert_close(both.float(), torch.cat(alone).float(), rtol=0.02, atol=0.02)
