@@ -29,6 +29,11 @@ RANK_CHECK = "PDSERVE_RANK_CHECK"
 PEERS_DIR = "PDSERVE_PEERS_DIR"
 
 
+def cxx() -> str:
+    """``$CXX``: the C++ compiler our CPU kernels build with (``engine.cpu_ext``), ``c++`` when unset."""
+    return os.environ.get("CXX") or "c++"
+
+
 def pdserve_home() -> str:
     return os.environ.get(HOME, os.path.join(os.path.expanduser("~"), ".cache", "pdserve"))
 

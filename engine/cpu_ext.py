@@ -16,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from common.env import pdserve_home
+from common.env import cxx, pdserve_home
 from engine.precision import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def build(prefix: str, source: str, instead: str) -> ModuleType | None:
     """The compiled extension of ``source``, or None after one WARNING saying that ``instead`` runs
     (no compiler, or the build failed). Callers cache the result (``functools.cache``)."""
     from torch.utils import cpp_extension  # heavy optional import: only when a kernel is wanted
-    compiler = os.environ.get("CXX", "c++")
+    compiler = cxx()
     if shutil.which(compiler) is None:
         logger.warning("CPU kernel %s unavailable: no C++ compiler (%r not on PATH); %s", prefix, compiler, instead)
         return None
