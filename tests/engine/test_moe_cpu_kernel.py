@@ -3,6 +3,8 @@ definition within bf16 rounding for uneven expert loads, odd sizes and top-k 1/4
 run; ``auto`` picks it for bf16 prefill (a real model's too) and never for decode-sized batches."""
 import dataclasses
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -181,10 +183,16 @@ def test_packed_copy_follows_weight_updates():
 
 
 def test_kernel_runs_on_all_threads():
-    """Built with OpenMP (cpu_ext.CFLAGS): without -fopenmp ATen's parallel_for silently runs every kernel on one thread."""
-    if torch.get_num_threads() < 2:
-        pytest.skip("one intra-op thread")
-    assert moe_cpu_kernel.kernel().parallel_threads() == torch.get_num_threads()
+    """Built with OpenMP (cpu_ext.CFLAGS): without -fopenmp ATen's parallel_for silently runs every kernel on one thread.
+    Sets two threads itself: a test module imported earlier in the session (test_malloc) leaves the process at one."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert moe_cpu_kernel.kernel().parallel_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_bf16_model_prefill_runs_fused(tmp_path):
