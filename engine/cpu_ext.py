@@ -28,11 +28,13 @@ CFLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp"]
 
 
 def build_name(prefix: str, source: str) -> str:
-    """Extension name: ``prefix`` and a hash of the source, the compiler flags, the CPU flags and torch's
-    version."""
+    """Extension name: ``prefix`` and a hash of the source (and the ``.h`` files beside it), the compiler flags,
+    the CPU flags and torch's version."""
     h = hashlib.sha256()
-    with open(source, "rb") as f:
-        h.update(f.read())
+    here = os.path.dirname(source)
+    for path in [source] + sorted(os.path.join(here, n) for n in os.listdir(here) if n.endswith(".h")):
+        with open(path, "rb") as f:  # the source and the headers beside it that it may include
+            h.update(f.read())
     h.update(" ".join(CFLAGS).encode())
     h.update(" ".join(sorted(cpu_flags())).encode())
     h.update(torch.__version__.encode())

@@ -23,9 +23,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd_math.h"
 
 namespace {
 
@@ -114,18 +112,8 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Ten
 }
 
 #if defined(__AVX512F__)
-inline __m512 exp_ps(__m512 x) {  // e^x = 2^(x log2 e): 2^f by its Taylor series to degree 6, scaled by 2^n
-  x = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+inline __m512 exp_ps(__m512 x) {  // e^x = 2^(x log2 e)
+  return exp2_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)));
 }
 
 inline __m512 load_bf16(const uint16_t* p, __mmask16 k) {
