@@ -17,8 +17,18 @@ class DecodeConfig:
     """Speculative rounds a request runs before ``spec_fallback`` judges it."""
     recompute_chunk: int = 2048
     """Tokens per forward when a preempted request's KV is recomputed."""
+    prefill_chunk: int = 2048
+    """Local prefill (``add_local``: conditional disaggregation, or every prompt in aggregated mode): tokens of one
+    prompt per step; a longer prompt continues over the next steps, decode steps of the running requests between."""
+    prefill_budget: int = 2048
+    """Local prefill tokens of all prompts in one step (one forward, then one decode step over the running
+    requests): bounds how long a prefilling prompt holds up the streams that are running. At least
+    ``prefill_chunk``."""
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "spec_probe_rounds", "recompute_chunk"):
+        for name in ("max_running", "spec_probe_rounds", "recompute_chunk", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_budget < self.prefill_chunk:
+            raise ValueError(f"prefill_budget ({self.prefill_budget}) must be >= prefill_chunk "
+                             f"({self.prefill_chunk})")

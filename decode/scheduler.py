@@ -10,7 +10,10 @@ A request walks through::
                  └──abort / deadline / needs more than the whole pool──> ABORTED (abort | error)
 
 A request joins once its KV has arrived (the server adds it after ``kvtransfer`` reports a complete,
-verified transfer into pages this worker reserved) and leaves when finished; every ``step()`` is one
+verified transfer into pages this worker reserved), or prefills here (``add_local``: conditional
+disaggregation, and every prompt of an aggregated cluster), and leaves when finished; every ``step()`` is
+at most one local prefill forward (chunked: ``prefill_chunk`` tokens of a prompt, ``prefill_budget`` in all,
+so a long prompt takes several steps and the running requests keep streaming between them) then one
 batched forward over all running requests (or one speculative draft+verify round when a
 ``spec`` decoder is attached): schedule -> forward -> sample -> postprocess. Tokens are emitted
 through each request's ``emit`` callback as they are produced. Pages grow one page at a time; when
@@ -60,6 +63,7 @@ class DecodeScheduler(SchedulerThread):
         self._running: list[DecodeTask] = []
         self._arrivals = 0
         self._pending_prefill: list[DecodeTask] = []
+        """Local prefills in arrival order, each ``cached_len`` tokens into its prompt (its pages hold it all)."""
         self._tasks: dict[str, DecodeTask] = {}
         self.tokens_out = 0
         self.busy_s = 0.0
@@ -82,10 +86,11 @@ class DecodeScheduler(SchedulerThread):
                 self._finish(task, done)
 
     def add_local(self, task: DecodeTask) -> None:
-        """Conditional disaggregation: prefill ``task.prompt_ids`` here (no transfer), then decode.
+        """Prefill ``task.prompt_ids`` here (no transfer: conditional disaggregation, aggregated mode), then decode.
 
-        Pages are allocated now (``PoolExhausted`` propagates: nothing is kept); the first token is
-        emitted like any other. ``task.output_ids`` must be empty and ``cached_len`` 0.
+        Pages for the whole prompt are allocated now (``PoolExhausted`` propagates: nothing is kept); the prompt
+        is prefilled in chunks over the next steps (``DecodeConfig.prefill_chunk``) and its first token, sampled
+        after the last chunk, is emitted like any other. ``task.output_ids`` must be empty and ``cached_len`` 0.
         """
         if task.output_ids or task.cached_len:
             raise ValueError("a local prefill starts from the prompt alone")
@@ -157,13 +162,13 @@ class DecodeScheduler(SchedulerThread):
         return bool(self._running or self._pending_prefill or self.preemption.preempted)
 
     def on_step_error(self) -> None:
-        for t in list(self._running):
+        for t in self._running + self._pending_prefill:
             self._finish(t, FinishReason.ERROR, "internal error in decode step")
 
     def stop(self) -> None:
         self.stop_thread()
         with self._cv:
-            for t in self._running + self.preemption.preempted:
+            for t in self._running + self._pending_prefill + self.preemption.preempted:
                 t.abort_reason = t.abort_reason or AbortReason.SHUTDOWN
             self._reap()
 
@@ -171,14 +176,14 @@ class DecodeScheduler(SchedulerThread):
     def step(self) -> bool:
         with self._cv:
             self._reap()
-            local, self._pending_prefill = self._pending_prefill, []
+            local = self._schedule_prefill()
         if local:
             try:
                 self._local_prefill(local)
             except Exception:  # noqa: BLE001 - fail these requests (pages freed, event sent), keep decoding
-                logger.exception("local prefill of %d requests failed", len(local))
+                logger.exception("local prefill of %d chunks failed", len(local))
                 with self._cv:
-                    for t in local:
+                    for t, _, _ in local:
                         self._finish(t, FinishReason.ERROR, "internal error in local prefill")
         resumed = self._resume_preempted()
         with self._cv:
@@ -200,26 +205,41 @@ class DecodeScheduler(SchedulerThread):
                 self._deliver(task, toks)
         return True
 
-    def _local_prefill(self, tasks: list[DecodeTask]) -> None:
-        """One batched forward over the prompts (short by construction), first tokens, MTP pass."""
-        def sample_first(logits: torch.Tensor, rows: list[int]) -> list[int]:
-            return sample(logits, [tasks[i].sampler for i in rows]).token_ids.tolist()
+    def _schedule_prefill(self) -> list[tuple[DecodeTask, int, int]]:
+        """This step's local prefill chunks ``(task, start, end)``, under the lock: the prompts in arrival order,
+        each at most ``prefill_chunk`` tokens, all together at most ``prefill_budget``. Unlike the prefill
+        worker's, these steps keep their lengths (no ``engine.shapes.bucket_chunks``): in bf16 the trimmed chunk
+        boundaries moved near-ties, so greedy output left the offline engine's at the same chunk size (3 of 6
+        tiny-model prompts); with whole chunks it equals it (tests/decode/test_decode_local_prefill.py)."""
+        budget, chunks = self.config.prefill_budget, []
+        for t in self._pending_prefill:
+            if budget <= 0:
+                break
+            n = min(self.config.prefill_chunk, len(t.prompt_ids) - t.cached_len, budget)
+            chunks.append((t, t.cached_len, t.cached_len + n))
+            budget -= n
+        return chunks
 
-        # the draft layer's KV over the prompt and, when speculating, the draft state
-        plan = [PrefillChunk(t.pages, 0, t.prompt_ids, draft=self.speculation is not None) for t in tasks]
+    def _local_prefill(self, chunks: list[tuple[DecodeTask, int, int]]) -> None:
+        """One batched forward over this step's prompt chunks (and the MTP layer's KV). An inner chunk's next
+        token is the prompt's own; a prompt's last chunk samples its first token (and, when speculating, the
+        draft state), and the request starts running."""
+        def sample_first(logits: torch.Tensor, rows: list[int]) -> list[int]:
+            return sample(logits, [chunks[i][0].sampler for i in rows]).token_ids.tolist()
+
+        plan = [PrefillChunk(t.pages, s, t.prompt_ids[s:e], t.prompt_ids[e] if e < len(t.prompt_ids) else None,
+                             draft=e == len(t.prompt_ids) and self.speculation is not None) for t, s, e in chunks]
         results = prefill_forward(self.model, self.pool, plan, sample_first)
-        firsts = [r.next_token for r in results]
-        for t, r in zip(tasks, results):
-            t.draft_hidden = r.draft_hidden
         with self._cv:
-            for t, f in zip(tasks, firsts):
-                t.cached_len = len(t.prompt_ids)
-                if t.abort_reason:
-                    t.state = State.RUNNING
-                    self._running.append(t)
-                    continue  # reaped (and its pages freed) at the next step
+            for (t, _, e), r in zip(chunks, results):
+                t.cached_len = e
+                if e < len(t.prompt_ids):
+                    continue  # more chunks in the next steps (or reaped there, if aborted meanwhile)
+                t.draft_hidden = r.draft_hidden
+                self._pending_prefill.remove(t)
                 self._running.append(t)
-                self._deliver(t, [f])
+                if not t.abort_reason:  # an aborted one is reaped (its pages freed) at the next step
+                    self._deliver(t, [r.next_token])
 
     # -- preemption (decode.preemption) -------------------------------------------------------------
     def _resume_preempted(self) -> bool:
@@ -309,6 +329,8 @@ class DecodeScheduler(SchedulerThread):
         task.state = State.FINISHED if reason in (FinishReason.STOP, FinishReason.LENGTH) else State.ABORTED
         if task in self._running:
             self._running.remove(task)
+        if task in self._pending_prefill:
+            self._pending_prefill.remove(task)
         self._tasks.pop(task.req_id, None)
         release_pages(self.pool, task)
         task.emit(TokenEvent(new_tokens or [], reason, message, logprobs or [], accept_len))
@@ -316,10 +338,7 @@ class DecodeScheduler(SchedulerThread):
     def _reap(self) -> None:
         now = time.monotonic()
         self._running += self.preemption.take_ended(now)  # finished just below, like any running request
-        for task in [t for t in self._pending_prefill if t.abort_reason]:
-            self._pending_prefill.remove(task)
-            self._running.append(task)
-        for task in list(self._running):
+        for task in self._running + self._pending_prefill:
             if task.deadline is not None and now > task.deadline and not task.abort_reason:
                 task.abort_reason = AbortReason.DEADLINE
             if task.abort_reason:
