@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"router: error: {e}", file=sys.stderr)
         return 2
-    if not cfg.prefill or not cfg.decode:
-        print("router: error: give at least one --prefill and one --decode worker address", file=sys.stderr)
+    if (not cfg.prefill and not cfg.aggregated) or not cfg.decode:
+        print("router: error: give at least one --prefill (or --aggregated) and one --decode worker address",
+              file=sys.stderr)
         return 2
     run(amain(cfg))
     return 0

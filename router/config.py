@@ -53,6 +53,11 @@ class RouterConfig:
     """... and max load exceeds min load times this; imbalanced -> least load, else the longest prefix."""
     local_prefill_below: int = 0
     """Prompts shorter than this are prefilled on the decode worker itself (0: always disaggregate)."""
+    aggregated: bool = False
+    """No prefill workers (``pdserve serve --prefill 0``): every prompt is prefilled on its decode worker
+    (``Decode(local_prefill=True)``, chunked there) and the router serves with decode workers alone. A decode
+    worker that cannot prefill (``info['local_prefill'] == '0'``) is never asked; with none that can, requests
+    end UNAVAILABLE saying so."""
     max_request_bytes: int = 0
     """Largest GenerateRequest the public port accepts (gRPC's max receive message length: larger messages
     get RESOURCE_EXHAUSTED from gRPC itself). 0: derived from the served model at start, max_context * 32
@@ -114,6 +119,8 @@ class RouterConfig:
                              f"{self.balance_abs_threshold} and {self.balance_rel_threshold}")
         if self.local_prefill_below < 0:
             raise ValueError(f"local_prefill_below must be >= 0, got {self.local_prefill_below}")
+        if self.aggregated and self.prefill:
+            raise ValueError(f"an aggregated router takes no prefill workers, got {', '.join(self.prefill)}")
         tls_config(self.tls_cert, self.tls_key, self.tls_ca)  # ValueError for a half-given pair or a bad file
         for addr in self.prefill + self.decode:
             host, _, port = addr.rpartition(":")

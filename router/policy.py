@@ -136,5 +136,6 @@ def order_decode(candidates: Sequence[Candidate], need_pages: int) -> list[Candi
 
 
 def use_local_prefill(prompt_len: int, cfg: RouterConfig, decode: Candidate) -> bool:
-    """Conditional disaggregation: prefill short prompts on the decode worker itself when it can."""
-    return prompt_len < cfg.local_prefill_below and decode.supports_local_prefill
+    """Conditional disaggregation: prefill short prompts (every prompt when ``cfg.aggregated``) on the decode
+    worker itself when it can."""
+    return (cfg.aggregated or prompt_len < cfg.local_prefill_below) and decode.supports_local_prefill

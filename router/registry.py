@@ -273,7 +273,9 @@ class Registry:
         return info
 
     def serving(self) -> bool:
-        return bool(self.healthy(Role.PREFILL)) and bool(self.healthy(Role.DECODE))
+        """A healthy decode worker and (unless ``aggregated``: decode workers prefill every prompt) a healthy
+        prefill worker."""
+        return (self.cfg.aggregated or bool(self.healthy(Role.PREFILL))) and bool(self.healthy(Role.DECODE))
 
     # -- health ------------------------------------------------------------------------------------
     async def poll_once(self, w: Worker, timeout_s: float | None = None) -> bool:

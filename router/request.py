@@ -15,7 +15,9 @@ token, max_tokens == 1): it answers with a finish chunk and frees the reservatio
 Conditional disaggregation: when the prompt is shorter than ``local_prefill_below``, reservation and
 prefill are skipped: ``Decode(local_prefill=True)`` goes straight to the best decode worker, which
 prefills the prompt itself (no transfer) and streams the first token as its first chunk. A decode
-worker whose status says ``info['local_prefill'] == '0'`` is never asked to.
+worker whose status says ``info['local_prefill'] == '0'`` is never asked to. An aggregated router
+(``RouterConfig.aggregated``: no prefill workers) takes this path for every prompt; when no decode worker
+can prefill, the request ends UNAVAILABLE saying why (never silently refused for want of a prefill worker).
 """
 from __future__ import annotations
 
@@ -257,16 +259,22 @@ class GenerateRun:
         holds.callback(w.track(Span()).end)
 
     def _local_decode_worker(self) -> Worker | None:
-        """Conditional disaggregation: the decode worker to prefill this (short) prompt itself, if any."""
-        n = len(self.valid.prompt_ids)
-        if n >= self.core.cfg.local_prefill_below:
+        """Conditional disaggregation: the decode worker to prefill this (short) prompt itself, if any. An
+        aggregated router has no other way: no such worker is ``RequestError`` UNAVAILABLE."""
+        n, cfg = len(self.valid.prompt_ids), self.core.cfg
+        if n >= cfg.local_prefill_below and not cfg.aggregated:
             return None
         page = max(1, self.core.page_size())
         order = order_decode([w.candidate() for w in self._decode_workers()],
                              math.ceil((n + self.valid.max_tokens) / page))
         for c in order:
-            if use_local_prefill(n, self.core.cfg, c):
+            if use_local_prefill(n, cfg, c):
                 return self.core.registry.workers[c.worker_id]
+        if cfg.aggregated:
+            names = ", ".join(self.core.registry.workers[c.worker_id].name for c in order)
+            why = f"decode workers {names} do not prefill prompts themselves" if order else "no healthy decode worker"
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"this cluster has no prefill workers (aggregated) "
+                               f"and {why}")
         return None
 
     def _decode_workers(self) -> list[Worker]:
