@@ -19,7 +19,9 @@ class _Shutdown(Exception):
 def register(sub) -> None:
     s = sub.add_parser("serve", help="start a router plus prefill and decode workers on this machine")
     s.add_argument("--model", default=None, help="model directory (default: the shipped default model)")
-    s.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
+    s.add_argument("--prefill", type=int, default=1,
+                   help="prefill worker processes; 0: aggregated (no prefill workers: each decode worker prefills "
+                        "every prompt itself, chunked, on all the cores; for a small machine or a single node)")
     s.add_argument("--decode", type=int, default=1, help="decode worker processes")
     s.add_argument("--dp", type=int, default=None,
                    help="data-parallel size: identical workers per role (--prefill K --decode K at once; TP4 x DP2 "
@@ -71,6 +73,9 @@ def register(sub) -> None:
     s.add_argument("--routing", default="cache_aware", choices=["cache_aware", "round_robin", "least_load", "random"], help="router prefill policy")
     s.add_argument("--local-prefill-below", type=int, default=0,
                    help="prefill prompts shorter than this on the decode worker (0: always disaggregate)")
+    s.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="decode workers' own prefill (--prefill 0, --local-prefill-below): prompt tokens per step; a "
+                        "longer prompt continues over the next steps while the running requests keep decoding")
     s.add_argument("--max-inflight", type=int, default=256,
                    help="router: requests in flight at once (more get RESOURCE_EXHAUSTED)")
     s.add_argument("--request-timeout-s", type=float, default=600.0,
@@ -147,7 +152,7 @@ def serve_config(args: argparse.Namespace):
         decode_weights=args.decode_weights,
         compile_decode=args.compile,
         api_key=api_key, routing=args.routing, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-        local_prefill_below=args.local_prefill_below, max_failovers=args.max_failovers,
+        local_prefill_below=args.local_prefill_below, prefill_chunk=args.prefill_chunk, max_failovers=args.max_failovers,
         max_inflight=args.max_inflight, request_timeout_s=args.request_timeout_s,
         decode_stall_timeout_s=args.decode_stall_timeout, fault_injection=args.fault_injection, shm=not args.no_shm,
         stall_after_s=args.stall_after,
@@ -171,9 +176,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     rc, cluster = 0, None
     try:
         cluster = LocalCluster(cfg)
-        print(f"pdserve: run directory {cluster.run_dir} (logs); starting {cfg.num_prefill} prefill + "
-              f"{cfg.num_decode} decode workers for {cluster.model} (decode weights: "
-              f"{cluster.decode_weights or 'as in the model'})", flush=True)
+        workers = (f"{cfg.num_decode} decode workers, aggregated (each prefills its own prompts)" if cfg.aggregated
+                   else f"{cfg.num_prefill} prefill + {cfg.num_decode} decode workers")
+        print(f"pdserve: run directory {cluster.run_dir} (logs); starting {workers} for {cluster.model} (decode "
+              f"weights: {cluster.decode_weights or 'as in the model'})", flush=True)
         cluster.start()
         print(f"pdserve: listening on {cluster.router_address}", flush=True)
         if cluster.http_address:

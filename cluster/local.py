@@ -78,7 +78,8 @@ class LocalClusterConfig:
     model: str | None = None
     """Model directory (None: ``engine.defaults.default_model_dir()``)."""
     num_prefill: int = 1
-    """Prefill worker processes."""
+    """Prefill worker processes; 0: aggregated (each decode worker prefills every prompt itself, chunked, and
+    the machine's cores are split between the decode workers alone)."""
     num_decode: int = 1
     """Decode worker processes."""
     host: str = "127.0.0.1"
@@ -132,6 +133,9 @@ class LocalClusterConfig:
     """Router prefill policy."""
     local_prefill_below: int = 0
     """Router: prefill prompts shorter than this on the decode worker (0: off)."""
+    prefill_chunk: int = 2048
+    """Decode workers' local prefill (``local_prefill_below``, aggregated mode): tokens of one prompt per step
+    (``decode.server --prefill-chunk``; a longer prompt continues over the next steps)."""
     max_inflight: int = 256
     """Router: requests in flight at once; more are refused with RESOURCE_EXHAUSTED."""
     request_timeout_s: float = 600.0
@@ -173,10 +177,12 @@ class LocalClusterConfig:
     def __post_init__(self) -> None:
         if self.log_format not in logs.LOG_FORMATS:
             raise ValueError(f"log_format must be one of {logs.LOG_FORMATS}, got {self.log_format!r}")
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError(f"need at least one prefill and one decode worker, got {self.num_prefill} + "
-                             f"{self.num_decode}")
-        if self.prefill_tp < 1 or self.decode_tp < 1 or self.moe_parallel not in ("tp", "ep"):
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError(f"need at least one decode worker and no negative count of prefill workers (0: "
+                             f"aggregated), got {self.num_prefill} + {self.num_decode}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if (self.num_prefill and self.prefill_tp < 1) or self.decode_tp < 1 or self.moe_parallel not in ("tp", "ep"):
             raise ValueError(f"need --prefill-tp ({self.prefill_tp}) and --decode-tp ({self.decode_tp}) >= 1 and "
                              f"--moe-parallel tp or ep (got {self.moe_parallel!r})")
         if self.startup_timeout_s <= 0 or self.stall_after_s <= 0 or self.grace_s < 0 or self.stop_margin_s <= 0:
@@ -184,6 +190,11 @@ class LocalClusterConfig:
                              f"and stop_margin_s ({self.stop_margin_s}) must be > 0, grace_s ({self.grace_s}) >= 0")
         check_bind(self.host, self.api_key, "the router (give --api-key)")
         tls.tls_config(self.tls_cert, self.tls_key, self.tls_ca)  # ValueError for a half-given pair or a bad file
+
+    @property
+    def aggregated(self) -> bool:
+        """No prefill workers: the decode workers prefill every prompt."""
+        return self.num_prefill == 0
 
     @property
     def stop_grace_s(self) -> float:
@@ -317,6 +328,7 @@ class LocalCluster:
             cmd += ["--speculative", c.speculative] if c.speculative else ["--no-speculative"]
             cmd += [] if c.spec_fallback else ["--no-spec-fallback"]
             cmd += ["--compile"] if c.compile_decode else []
+            cmd += ["--prefill-chunk", str(c.prefill_chunk)]
         return cmd + list(c.extra_worker_args)
 
     def start(self) -> None:
@@ -341,7 +353,7 @@ class LocalCluster:
         pre = ",".join(w.address for w in self.workers if w.name.startswith(Role.PREFILL))
         dec = ",".join(w.address for w in self.workers if w.name.startswith(Role.DECODE))
         cmd = [sys.executable, "-m", "router", "--host", c.host, "--port", str(c.port),
-               "--http-port", str(c.http_port), "--prefill", pre,
+               "--http-port", str(c.http_port), *(["--aggregated"] if c.aggregated else ["--prefill", pre]),
                "--decode", dec, "--routing", c.routing, "--model", self.model,
                "--local-prefill-below", str(c.local_prefill_below), "--max-failovers", str(c.max_failovers),
                "--decode-stall-timeout-s", str(c.decode_stall_timeout_s),

@@ -44,3 +44,27 @@ def test_kv_transport_reaches_both_workers_and_both_parse_it(tmp_path):
         == "rdma"
     assert receiver_mooncake_protocol(p.parse_args([])) is None
     assert "--kv-transport" not in worker_cmds(tmp_path)["prefill"]  # auto: the workers' default, not passed
+
+
+def test_prefill_0_is_aggregated_all_cores_to_the_decode_workers(tmp_path, monkeypatch):
+    """``--prefill 0``: no prefill worker, the router started aggregated (no --prefill list), the cores split
+    between the decode workers alone, the decode workers' prefill chunk passed on; ``--prefill 1`` unchanged."""
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+
+    def cluster(*flags):
+        args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--decode-weights", "model",
+                                          "--run-dir", str(tmp_path / "run"), *flags])
+        return LocalCluster(serve_config(args))
+
+    def threads(cmd):
+        return int(cmd[cmd.index("--threads") + 1])
+    agg = cluster("--prefill", "0", "--decode", "2", "--prefill-chunk", "512")
+    assert agg.cfg.aggregated and threads(agg._worker_cmd("decode", 0)) == 4
+    dec = agg._worker_cmd("decode", 0)
+    assert dec[dec.index("--prefill-chunk") + 1] == "512"
+    router = agg._router_cmd()
+    assert "--aggregated" in router and "--prefill" not in router
+    disagg = cluster("--prefill", "1", "--decode", "2")
+    assert not disagg.cfg.aggregated and threads(disagg._worker_cmd("decode", 0)) == 2
+    router = disagg._router_cmd()
+    assert "--aggregated" not in router and "--prefill" in router
