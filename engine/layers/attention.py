@@ -103,6 +103,11 @@ class GQAAttention(nn.Module):
         elif batch.single_fresh and not pool.layout.is_fp8:
             o = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,
                      cfg.softmax_scale, causal=True)[0].transpose(0, 1)  # [T, H, D]
+        elif self.paged_kernel(pool):  # decode / verify: the context read in place by slot
+            mask = None if batch.num_reqs == 1 and batch.q_lens[0] == 1 else batch.attn_mask[:, 0]
+            o = batch.unpad_q(cpu_attention.paged_attention(
+                batch.pad_q(q), pool.flat(self.layer_idx, "k"), pool.flat(self.layer_idx, "v"), batch.kv_slots, mask,
+                cfg.softmax_scale))
         else:
             kk = pool.read(self.layer_idx, "k", batch.kv_slots, x.dtype).transpose(1, 2)  # [B, KVH, S, D]
             vv = pool.read(self.layer_idx, "v", batch.kv_slots, x.dtype).transpose(1, 2)
@@ -110,6 +115,13 @@ class GQAAttention(nn.Module):
             o = batch.unpad_q(sdpa(qq, kk, vv, batch.attn_mask, cfg.softmax_scale).transpose(1, 2))
         return self.o_proj(o.reshape(T, -1)), None
 
+
+    @staticmethod
+    def paged_kernel(pool: KVPool) -> bool:
+        """Decode and verify steps attend in ``cpu_attention.paged_attention`` (CPU, a pool it reads as stored, the
+        kernel built): eager steps here and the compiled graphs (``gqa_graph.GQAConsts``) alike, so both round the
+        same way."""
+        return pool.device.type == "cpu" and not pool.layout.is_fp8 and cpu_attention.decode_kernel()
 
     def _prompts_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                            pool: KVPool) -> torch.Tensor:

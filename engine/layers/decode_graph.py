@@ -385,7 +385,7 @@ class DecodeGraphs:
                   batch: ForwardBatch, pool: KVPool, topk: TopK | None, w: LayerWeights):
         """``mla_decode_layer`` for ``attn``'s layer over a batch of requests with equal query counts ->
         (``layer_post``'s outputs, the DSA selection)."""
-        c = self.consts(attn, batch)
+        c = self.consts(attn, batch, pool)
         if c.sparse and not c.score and topk is None:
             raise ValueError(f"layer {attn.layer_idx} shares the DSA top-k but no previous layer produced one")
         mask = self.batch_inputs(batch, x, cos, sin)
@@ -402,12 +402,12 @@ class DecodeGraphs:
         ``layer_post``'s outputs."""
         mask = self.batch_inputs(batch, x, cos, sin)
         step = StepInputs(cos, sin, batch.out_slots, batch.kv_slots, mask)
-        return self.gqa_layer(x, step, pool_views(pool, attn.layer_idx, GQA_KV), self.consts(attn, batch), w)
+        return self.gqa_layer(x, step, pool_views(pool, attn.layer_idx, GQA_KV), self.consts(attn, batch, pool), w)
 
     @staticmethod
-    def consts(attn: MLAAttention | GQAAttention, batch: ForwardBatch) -> PagedConsts | GQAConsts:
+    def consts(attn: MLAAttention | GQAAttention, batch: ForwardBatch, pool: KVPool) -> PagedConsts | GQAConsts:
         if isinstance(attn, GQAAttention):
-            return GQAConsts(attn.cfg.softmax_scale)
+            return GQAConsts(attn.cfg.softmax_scale, attn.paged_kernel(pool))
         cfg = attn.cfg
         need = batch.max_kv_len > cfg.index_topk
         return PagedConsts(cfg.index_topk, need and attn.indexer is not None, need, cfg.softmax_scale,
@@ -440,7 +440,7 @@ class DecodeGraphs:
         if li is not None and li.shape[0] > 1:
             torch._dynamo.mark_dynamic(li, 0)
         per_layer = tuple(GraphLayer(pool_views(pool, a.layer_idx, GQA_KV if isinstance(a, GQAAttention) else MLA_KV),
-                                     self.consts(a, batch), w) for a, w in layers)
+                                     self.consts(a, batch, pool), w) for a, w in layers)
         step = StepInputs(cos, sin, batch.out_slots, batch.kv_slots, mask)
         return self.stack(ids, step, per_layer, head, li, mtp)
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kvcache.pool import quantize_fp8
+from engine.layers import cpu_attention
 from engine.layers.norm import rms_norm
 from engine.layers.rotary import apply_half
 
@@ -61,6 +62,7 @@ class GQAArgs(NamedTuple):
 class GQAConsts(NamedTuple):
     """Constants of one ``paged_gqa_attention`` call."""
     scale: float                      # softmax scale
+    paged_kernel: bool = False        # attend in ``cpu_attention.paged_attention`` (CPU pools it reads as stored)
 
 
 def gqa_tokenwise(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a: GQAArgs
@@ -88,6 +90,9 @@ def paged_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bufs:
     kv_write(v_buf, out_slots, v)
     B, S = kv_slots.shape
     T, H, D = q.shape
+    if c.paged_kernel and k_buf[1] is None:  # the context read in place by slot (no gathered copy)
+        o = cpu_attention.paged_attention(q.view(B, T // B, H, D), k_buf[0], v_buf[0], kv_slots, mask, c.scale)
+        return o.view(T, H, -1)
     KVH = k.shape[1]
     G, tq = H // KVH, T // B
     flat = kv_slots.reshape(-1)

@@ -21,14 +21,18 @@ from torch._inductor.utils import run_and_get_code
 from engine.batch import BatchRequest, ForwardBatch
 from engine.checkpoint import init_random_model
 from engine.kvcache import KVLayout, KVPool
+from engine.layers import mlp
 from engine.layers.decode_graph import HeadWeights, graph_moe_strategy, lm_head
 from engine.load import load_model
+from engine.moe.router import route
 from engine.sampling import SamplingParams
 from engine.warmup import warm_up_decode
 
 TIE_ULPS = 2
 """Logits within this many bf16 ulps (of the best logit) of each other are a tie: the two paths' logits differ by
 up to a couple of ulps, so either token of such a pair is a greedy choice."""
+ROUTING_TIE = 0.002
+"""Router scores (sigmoid, ~0.5-0.7) closer than this are a tie: the two paths' hidden states differ by bf16 roundings, which move a score by up to ~1e-3."""
 NO_MTP = {"gqa": dict(TINY_GQA, num_nextn_predict_layers=0), "dsa": dict(TINY_DSA, num_nextn_predict_layers=0),
           "gqa-mtp": TINY_GQA}
 
@@ -59,7 +63,7 @@ MANY = tuple(5 + 3 * i for i in range(17))
 
 @pytest.mark.parametrize("name,lens", [("gqa", (40,)), ("gqa", (5, 23, 40)), ("gqa", (5, 23, 40, 7, 30, 19, 12, 33, 26)),
                                        ("gqa", MANY), ("dsa", (12,)), ("dsa", (5, 9, 14)), ("gqa-mtp", (40,))])
-def test_bf16_step_is_one_graph_and_matches_eager(bf16_dirs, compiled_bf16, name, lens):
+def test_bf16_step_is_one_graph_and_matches_eager(bf16_dirs, compiled_bf16, name, lens, monkeypatch):
     """One decode step, eager vs compiled, from the same prefilled KV: logits and the KV written agree to bf16
     rounding. Without MTP layers the whole step is one graph (before: the bf16 experts ran eagerly, a graph per
     layer, past 16 pairs), ``gather_fused`` for 1 / 3 / 9 requests, ``dense`` for 17; a model with MTP layers
@@ -68,9 +72,16 @@ def test_bf16_step_is_one_graph_and_matches_eager(bf16_dirs, compiled_bf16, name
     comp, _ = compiled_bf16[name]
     prompts = prompts_for(cfg, lens, seed=len(lens))
     new = [[3 + i] for i in range(len(lens))]
-    results = []
+    results, margins = [], []
+
+    def spy_route(logits, bias, *args):  # the eager step's routing: how close each token's k-th and k+1-th expert are
+        top = (logits.float().sigmoid() + bias.float()).topk(cfg.num_experts_per_tok + 1, dim=-1)[0]
+        margins.append(top[:, -2] - top[:, -1])
+        return route(logits, bias, *args)
     for model in (eager, comp):
         pool, pages = _prefill(eager, cfg, prompts, "bfloat16")
+        if model is eager:
+            monkeypatch.setattr(mlp, "route", spy_route)
         for _ in range(2):  # the first call of a shape class compiles; the second runs the cached graph
             snapshot = [{n: b.clone() for n, b in layer.items()} for layer in pool.buffers]
             logits, slots, whole = _step(model, pool, pages, prompts, new)
@@ -78,6 +89,7 @@ def test_bf16_step_is_one_graph_and_matches_eager(bf16_dirs, compiled_bf16, name
             for i, layer in enumerate(pool.buffers):
                 for n, b in layer.items():
                     b.copy_(snapshot[i][n])
+        monkeypatch.setattr(mlp, "route", route)
         results.append((logits, written))
         K = cfg.num_experts_per_tok
         inside = (model is comp and "mtp" not in name
@@ -85,6 +97,12 @@ def test_bf16_step_is_one_graph_and_matches_eager(bf16_dirs, compiled_bf16, name
         assert whole == inside
     (le, we), (lc, wc) = results
     assert torch.isfinite(lc).all()
+    # a request whose router scores its k-th and k+1-th expert within bf16 rounding of each other may pick either
+    # on either path (the two compute q / k in different fused kernels): another expert, not a rounding difference
+    tied = torch.stack([m for m in margins if m.shape[0] == len(lens)]).amin(0) < ROUTING_TIE if margins else None
+    if tied is not None and tied.any():
+        assert int(tied.sum()) <= max(1, len(lens) // 5), f"{int(tied.sum())} of {len(lens)} requests tie: other prompts"
+        le, lc = le[~tied], lc[~tied]
     # 17 requests: one logit of 2,176 differs by 0.035 (~1 bf16 ulp of the largest logits) on the experts'
     # eager path of before as well as on ``dense``; hence 0.05
     torch.testing.assert_close(lc, le, rtol=0.03, atol=0.05 if lens == MANY else 0.03)
