@@ -336,9 +336,12 @@ class Answer:
                                 "finish_reason": None}], True)
 
     def chunk(self, resp: generation_pb2.GenerateResponse) -> dict | None:
-        """The SSE chunk for one router response (None when it adds nothing a client would see)."""
+        """The SSE chunk for one router response (None when it carries no token, no finish and no logprobs). A token
+        whose text is not out yet (part of a UTF-8 character, a special token, text held back for a stop string)
+        still gets its chunk, with empty text, as vLLM's server sends it: a client sees each token arrive (its TTFT
+        and inter-token times are the tokens', not the text's)."""
         text, lps = self.add(resp)
-        if not text and not resp.finish_reason and not (lps and any(lps.values())):
+        if not text and not resp.token_ids and not resp.finish_reason and not (lps and any(lps.values())):
             return None
         return self._envelope([self._choice(text, lps, resp.finish_reason or None, True)], True)
 

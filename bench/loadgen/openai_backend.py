@@ -5,8 +5,8 @@ HTTP front door, vLLM, SGLang, llama.cpp's server), through ``/v1/completions`` 
 chunks look like ``GenerateResponse`` (token ids, finish_reason, usage), so ``StepRunner`` measures both
 backends with one code path. Every request streams with ``stream_options.include_usage``, ``max_tokens``
 = the requested output length and ``ignore_eos`` (vLLM's and llama.cpp's extension), greedy. A server
-streams text, not token ids: each SSE event with text counts as one arrival (the ITL gap, as vLLM's bench
-counts it) and the finishing event carries the rest of ``usage.completion_tokens``, so tokens received
+streams text, not token ids: each SSE event of a choice counts as one arrival, its text possibly empty (a token
+whose text is not out yet: vLLM's and pdserve's servers send it; the ITL gap, as vLLM's bench counts it) and the finishing event carries the rest of ``usage.completion_tokens``, so tokens received
 and TPOT use the server's own token count. HTTP failures become the gRPC status codes the report counts
 (429 -> RESOURCE_EXHAUSTED, 504 -> DEADLINE_EXCEEDED, ...).
 
@@ -135,7 +135,7 @@ async def _events(r: aiohttp.ClientResponse) -> AsyncIterator[generation_pb2.Gen
             raise _error(GRPC_OF_HTTP.get(code, grpc.StatusCode.UNKNOWN) if isinstance(code, int)
                          else grpc.StatusCode.UNKNOWN, str(err.get("message", err) if isinstance(err, dict) else err))
         for c in ev.get("choices") or []:
-            if c.get("text"):
+            if c.get("text") or not c.get("finish_reason"):  # a token; an empty finishing choice is not one
                 received += 1
                 yield generation_pb2.GenerateResponse(token_ids=[0])
             finish = c.get("finish_reason") or finish

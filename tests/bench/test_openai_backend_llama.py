@@ -26,8 +26,8 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
     await reader.readexactly(length)
     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
                  b"Keep-Alive: timeout=5, max=100\r\n\r\n")
-    for _ in range(COMPLETION_TOKENS - 1):  # one empty-text token (an unused id) among the texts
-        writer.write(sse({"choices": [{"text": "a", "index": 0, "finish_reason": None}]}))
+    for i in range(COMPLETION_TOKENS - 1):  # one empty-text token (its text not out yet) among the texts
+        writer.write(sse({"choices": [{"text": "" if i == 2 else "a", "index": 0, "finish_reason": None}]}))
     writer.write(sse({"choices": [{"text": "", "index": 0, "finish_reason": "length"}],
                       "usage": {"completion_tokens": COMPLETION_TOKENS, "prompt_tokens": 3,
                                 "prompt_tokens_details": {"cached_tokens": 0}}}))
@@ -60,4 +60,7 @@ def test_every_request_succeeds_and_counts_the_usage_on_the_finishing_event():
     assert len(results) == 6
     for chunks in results:
         assert sum(len(c.token_ids) for c in chunks) == COMPLETION_TOKENS
+        # every token event is one arrival, the empty-text one included (as vLLM's bench counts them); the
+        # finishing event's empty text is not a token: it carries the one token the count lacks
+        assert [len(c.token_ids) for c in chunks] == [1] * COMPLETION_TOKENS
         assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == COMPLETION_TOKENS

@@ -12,7 +12,7 @@ import pytest
 
 from protos.pdserve.v1 import generation_pb2
 from router.chat import ChatTemplate, ChatTemplateError
-from router.openai_protocol import HTTP_STATUS, OutputText
+from router.openai_protocol import HTTP_STATUS, Answer, OutputText, parse_completion
 from router.text import TextCodec
 from router_fakes import FakeCluster, expected_tokens, run_bounded, write_tokenizer
 
@@ -52,6 +52,19 @@ def test_stop_and_eos_token_text_left_out(codec):
     assert "".join(feed(eos, [(ids, "stop")])) == codec.decode(ids[:-1]) and eos.stop_reason is None
     kept = OutputText(codec, generation_pb2.SamplingParams(ignore_eos=True), eos_token_ids=(ids[-1],))
     assert "".join(feed(kept, [(ids, "length")])) == codec.decode(ids)
+
+
+def test_a_token_whose_text_is_held_back_still_gets_its_chunk(codec):
+    """A token whose text cannot go out yet (here: held back while it may start a stop string) streams a chunk with
+    empty text, as vLLM's server does (a client's TTFT and inter-token times are the tokens'); the text follows."""
+    ids = codec.encode("hello world")
+    oreq = parse_completion({"model": "m", "prompt": [5, 6], "stream": True, "stop": ["hello world and more"]})
+    answer = Answer(oreq, "r1", "m", 0, codec, ())
+    chunks = [answer.chunk(generation_pb2.GenerateResponse(token_ids=[t])) for t in ids]
+    assert all(c is not None for c in chunks) and all(c["choices"][0]["text"] == "" for c in chunks)
+    last = answer.chunk(generation_pb2.GenerateResponse(finish_reason="length"))
+    assert last["choices"][0]["text"] == codec.decode(ids) and last["choices"][0]["finish_reason"] == "length"
+    assert answer.chunk(generation_pb2.GenerateResponse()) is None  # nothing a client would see
 
 
 # -- chat templates ----------------------------------------------------------------------------------------
