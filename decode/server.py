@@ -96,6 +96,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             bad = [t for t in prompt if t >= self.cfg.vocab_size]
             if not prompt or bad:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "local prefill needs a valid, non-empty prompt")
+            if refusal := self.sched.refusal(self.receiver.stats().num_active):  # as Reserve: router tries the next
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.worker_id}: {refusal}")
             task = DecodeTask(req_id, prompt, [], params, [], 0, emit=emit, deadline=deadline)
             try:
                 self.sched.add_local(task)

@@ -18,6 +18,8 @@ prefills the prompt itself (no transfer) and streams the first token as its firs
 worker whose status says ``info['local_prefill'] == '0'`` is never asked to. An aggregated router
 (``RouterConfig.aggregated``: no prefill workers) takes this path for every prompt; when no decode worker
 can prefill, the request ends UNAVAILABLE saying why (never silently refused for want of a prefill worker).
+A decode worker that refuses a local prefill for room (RESOURCE_EXHAUSTED before any token: ``max_running``, a
+short pool) is passed over for the next one, as a full reservation is; none left is RESOURCE_EXHAUSTED.
 """
 from __future__ import annotations
 
@@ -92,7 +94,11 @@ class GenerateRun:
         self.emitted: list[int] = []
         """Token ids already streamed to the client (what a failover resumes after)."""
         self.excluded: set[str] = set()
-        """Decode workers this request lost mid-stream (not chosen again for it)."""
+        """Decode workers this request lost mid-stream, or that had no room for its local prefill (not chosen
+        again for it)."""
+        self.full: list[str] = []
+        """"name: why" of each decode worker that refused this request's local prefill for room before any token
+        (``DecodeFull``): the next one is tried, none left is RESOURCE_EXHAUSTED (as full reservations are)."""
         self.deadline, self.t0 = deadline, t_received
         self.phase = Phase.VALIDATED
         self.touched: list[tuple[Worker, str]] = []
@@ -163,6 +169,9 @@ class GenerateRun:
                             yield resp
                     self.phase = Phase.FINISHED
                     return
+                except DecodeFull as full:  # nothing streamed, nothing held there: the next decode worker
+                    self.full.append(full.message)
+                    self.excluded.add(full.worker.key)
                 except DecodeLost as lost:
                     done = self._failover(lost)
                     if done is not None:  # every token was already streamed: only the finish was lost
@@ -270,6 +279,9 @@ class GenerateRun:
         for c in order:
             if use_local_prefill(n, cfg, c):
                 return self.core.registry.workers[c.worker_id]
+        if cfg.aggregated and self.full:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               "no decode worker has room for this request: " + "; ".join(self.full))
         if cfg.aggregated:
             names = ", ".join(self.core.registry.workers[c.worker_id].name for c in order)
             why = f"decode workers {names} do not prefill prompts themselves" if order else "no healthy decode worker"
@@ -289,6 +301,9 @@ class GenerateRun:
         page = max(1, self.core.page_size())
         need = math.ceil((len(self.valid.prompt_ids) + self.valid.max_tokens) / page)
         order = order_decode([w.candidate() for w in self._decode_workers()], need)
+        if not order and self.full:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               "no decode worker has room for this request: " + "; ".join(self.full))
         if not order:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
         full, failed = [], []
@@ -404,6 +419,8 @@ class GenerateRun:
                 if chunk.finish_reason:
                     return
         except grpc.aio.AioRpcError as e:
+            if local and e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and not attempt[1]:
+                raise DecodeFull(dw, f"{dw.name}: {e.details()}") from None
             if e.code() in _FAILOVER_CODES:
                 if e.code() is grpc.StatusCode.UNAVAILABLE:
                     self.core.spawn(self.core.registry.confirm_failure(dw, e.details() or "UNAVAILABLE"))
@@ -416,6 +433,14 @@ class GenerateRun:
         finally:
             self._live_calls.remove(call)
         raise DecodeLost(dw, req_id, f"decode worker {dw.name} ended the stream without a finish")
+
+
+class DecodeFull(Exception):
+    """A decode worker refused a local prefill for room (``max_running``, a short pool) before any token."""
+
+    def __init__(self, worker: Worker, message: str) -> None:
+        super().__init__(message)
+        self.worker, self.message = worker, message
 
 
 class DecodeLost(Exception):

@@ -66,6 +66,8 @@ class Behaviour:
     decode_error: str = ""
     """Decode: end the stream after the first chunk with finish_reason "error" and this message."""
     extra_info: dict = field(default_factory=dict)
+    local_full: str = ""
+    """Decode: refuse a local prefill with RESOURCE_EXHAUSTED and this message, before any token (a full worker)."""
 
 
 class FakeWorker:
@@ -230,6 +232,8 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request, context):
         req_id, sp = request.request_id, request.sampling
         out = list(request.output_prefix)
+        if request.local_prefill and self.b.local_full:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.b.local_full)
         if request.local_prefill:  # conditional disaggregation: no reservation, prefill here
             self.local_prefills.append(req_id)
             self.reserved[req_id] = math.ceil(len(request.prompt_ids) / PAGE)

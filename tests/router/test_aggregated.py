@@ -57,3 +57,22 @@ def test_without_aggregated_a_cluster_with_no_prefill_worker_is_not_serving():
 def test_aggregated_takes_no_prefill_addresses():
     with pytest.raises(ValueError, match="an aggregated router takes no prefill workers, got h:1"):
         RouterConfig(aggregated=True, prefill=("h:1",), decode=("h:2",))
+
+
+def test_a_full_decode_worker_passes_the_request_on_and_all_full_is_resource_exhausted():
+    """A decode worker that refuses a local prefill for room before any token: the next one takes it (no
+    failover spent); every one full: RESOURCE_EXHAUSTED naming each, as full reservations are."""
+    async def go():
+        async with FakeCluster(0, 2, aggregated=True, max_failovers=0) as fc:
+            d0, d1 = fc.decodes
+            d0.b.local_full = "max_running=1 requests are running"
+            for _ in range(3):
+                c = await fc.client.generate(token_ids=[5, 6, 7], max_tokens=4)
+                assert c.token_ids == expected_tokens([5, 6, 7], 4) and c.metrics.decode_worker == "d1"
+                assert c.metrics.failovers == 0
+            d1.b.local_full = "the KV pool is short"
+            e = await rpc_error(fc.client.generate(token_ids=[5, 6, 7], max_tokens=4))
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+            assert "no decode worker has room for this request" in e.details()
+            assert "d0: max_running=1" in e.details() and "d1: the KV pool is short" in e.details()
+    run(go())

@@ -195,3 +195,30 @@ def test_local_prefill_on_the_decode_worker(cluster):
         assert out == ref and chunk.finish_reason == "length"
         st = d.GetStatus(worker_pb2.StatusRequest(), metadata=MD, timeout=5)
         assert st.pages_free == st.pages_total
+
+
+def test_a_local_prefill_past_max_running_is_refused_like_a_reservation(cluster):
+    """max_running counts reservations, running requests and local prefills: with 64 (the default) reserved, a
+    local prefill (aggregated mode's only path) gets RESOURCE_EXHAUSTED saying so before anything is allocated,
+    and is taken again once they are gone."""
+    _, _, da = cluster
+    sp = generation_pb2.SamplingParams(max_tokens=3, ignore_eos=True)
+    local = worker_pb2.DecodeRequest(request_id="over", prompt_ids=list(range(30, 50)), sampling=sp,
+                                     local_prefill=True)
+    with grpc.insecure_channel(da) as ch:
+        d = worker_pb2_grpc.DecodeWorkerStub(ch)
+        total = d.GetStatus(worker_pb2.StatusRequest(), metadata=MD, timeout=5).pages_total
+        for i in range(64):
+            d.Reserve(worker_pb2.ReserveRequest(request_id=f"hold{i}", num_tokens=1), metadata=MD, timeout=5)
+        with pytest.raises(grpc.RpcError) as e:
+            list(d.Decode(local, metadata=MD, timeout=30))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_running=64 requests" in e.value.details()
+        assert d.GetStatus(worker_pb2.StatusRequest(), metadata=MD, timeout=5).pages_free == total - 64
+        for i in range(64):
+            d.Abort(worker_pb2.AbortRequest(request_id=f"hold{i}"), metadata=MD, timeout=5)
+        out = [t for c in d.Decode(local, metadata=MD, timeout=60) for t in c.token_ids]
+        assert len(out) == 3
+        deadline = time.monotonic() + 5
+        while d.GetStatus(worker_pb2.StatusRequest(), metadata=MD, timeout=5).pages_free != total:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
