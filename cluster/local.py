@@ -152,7 +152,9 @@ class LocalClusterConfig:
     fault_injection: bool = False
     """Router and prefill workers accept InjectFault (``pdserve bench --fault drop-kv@S``)."""
     threads_per_worker: int = 0
-    """torch threads per worker (0: split this machine's cores between the workers)."""
+    """torch threads per worker (0: split this machine's cores between the workers). A decode worker's own prefill
+    forwards (aggregated mode, ``local_prefill_below``) take at least its share of the cores: with 1 here, an
+    aggregated worker on 2 cores decodes on one thread and prefills on two (``decode.server --prefill-threads``)."""
     run_dir: str | None = None
     """Where logs go (None: a new temporary directory)."""
     startup_timeout_s: float = 300.0
@@ -313,7 +315,8 @@ class LocalCluster:
         if c.mem_fraction:
             cmd += ["--mem-fraction", repr(c.mem_fraction / (c.num_prefill + c.num_decode))]
         num_ranks = c.num_prefill * c.prefill_tp + c.num_decode * c.decode_tp
-        threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // num_ranks)
+        share = max(1, (os.cpu_count() or 1) // num_ranks)  # this worker's share of the cores
+        threads = c.threads_per_worker or share
         tp = c.prefill_tp if role == Role.PREFILL else c.decode_tp
         if tp > 1:  # one worker = tp rank processes, rank 0 starts and supervises the others
             cmd += ["--tp", str(tp), "--moe-parallel", c.moe_parallel]
@@ -328,7 +331,8 @@ class LocalCluster:
             cmd += ["--speculative", c.speculative] if c.speculative else ["--no-speculative"]
             cmd += [] if c.spec_fallback else ["--no-spec-fallback"]
             cmd += ["--compile"] if c.compile_decode else []
-            cmd += ["--prefill-chunk", str(c.prefill_chunk)]
+            # its own prefill forwards take its whole share of the cores (decode steps: --threads-per-worker)
+            cmd += ["--prefill-chunk", str(c.prefill_chunk), "--prefill-threads", str(max(threads, share))]
         return cmd + list(c.extra_worker_args)
 
     def start(self) -> None:

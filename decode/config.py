@@ -25,7 +25,14 @@ class DecodeConfig:
     requests): bounds how long a prefilling prompt holds up the streams that are running. At least
     ``prefill_chunk``."""
 
+    prefill_threads: int = 0
+    """torch intra-op threads of a local prefill forward (0: the process's setting, which decode steps keep). On 2
+    cores, decode steps of a few requests ran faster on one thread (two stalled whenever the worker's gRPC thread or
+    the router took a core) while a 2k-token prefill ran twice as fast on two (docs/performance.md)."""
+
     def __post_init__(self) -> None:
+        if self.prefill_threads < 0:
+            raise ValueError(f"prefill_threads must be >= 0, got {self.prefill_threads}")
         for name in ("max_running", "spec_probe_rounds", "recompute_chunk", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

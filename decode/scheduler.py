@@ -25,9 +25,10 @@ through ``decode.speculation.SpeculationAdapter``; settings are a frozen ``Decod
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -47,6 +48,20 @@ logger = logging.getLogger(__name__)
 
 
 __all__ = ["DecodeConfig", "DecodeScheduler", "DecodeTask", "Speculator", "State", "TokenEvent"]
+
+
+@contextlib.contextmanager
+def intra_op_threads(num_threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``num_threads`` (0: unchanged) inside, restored after."""
+    before = torch.get_num_threads()
+    if num_threads and num_threads != before:
+        torch.set_num_threads(num_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+    else:
+        yield
 
 
 class DecodeScheduler(SchedulerThread):
@@ -179,7 +194,8 @@ class DecodeScheduler(SchedulerThread):
             local = self._schedule_prefill()
         if local:
             try:
-                self._local_prefill(local)
+                with intra_op_threads(self.config.prefill_threads):
+                    self._local_prefill(local)
             except Exception:  # noqa: BLE001 - fail these requests (pages freed, event sent), keep decoding
                 logger.exception("local prefill of %d chunks failed", len(local))
                 with self._cv:

@@ -267,10 +267,11 @@ class DecodeWorkerConfig(WorkerConfig):
     max_running: int = 64
     """requests running or on their way (reserved transfers, local prefills) at once; Reserve refuses past it"""
     prefill_chunk: int = 2048
-    """local prefill (conditional disaggregation; every prompt of an aggregated cluster): tokens of one prompt per
-    step; a longer prompt continues over the next steps, the running requests' decode steps between"""
+    """local prefill (aggregated mode, --local-prefill-below): prompt tokens per step, decode steps between"""
     prefill_budget: int = 2048
-    """local prefill tokens of all prompts in one step (raised to --prefill-chunk when below it)"""
+    """local prefill tokens of all prompts in one step (at least --prefill-chunk)"""
+    prefill_threads: int = 0
+    """torch threads of local prefill forwards (0: --threads; decode steps keep --threads)"""
     compile: bool = False
     """run decode / verify steps through compiled graphs (torch.compile; warmed up before serving)"""
     quantized_model: str | None = None
@@ -312,7 +313,7 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
         logger.info("decode graphs compiled and warmed up in %.1fs", took)
     sched = DecodeScheduler(model, pool, cfg.eos_token_ids,
                             DecodeConfig(max_running=wcfg.max_running, spec_fallback=not wcfg.no_spec_fallback,
-                                         prefill_chunk=wcfg.prefill_chunk,
+                                         prefill_chunk=wcfg.prefill_chunk, prefill_threads=wcfg.prefill_threads,
                                          prefill_budget=max(wcfg.prefill_chunk, wcfg.prefill_budget)),
                             stop_checker=stop_checker(Tokenizer.from_model_dir(model_dir)), spec=spec)
     sched.heartbeat = heartbeat.Heartbeat(wcfg.stall_after)

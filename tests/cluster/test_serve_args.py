@@ -48,7 +48,8 @@ def test_kv_transport_reaches_both_workers_and_both_parse_it(tmp_path):
 
 def test_prefill_0_is_aggregated_all_cores_to_the_decode_workers(tmp_path, monkeypatch):
     """``--prefill 0``: no prefill worker, the router started aggregated (no --prefill list), the cores split
-    between the decode workers alone, the decode workers' prefill chunk passed on; ``--prefill 1`` unchanged."""
+    between the decode workers alone (their own prefill forwards on at least that share, decode steps on
+    ``--threads-per-worker`` when given), the prefill chunk passed on; ``--prefill 1`` unchanged."""
     monkeypatch.setattr("os.cpu_count", lambda: 8)
 
     def cluster(*flags):
@@ -64,6 +65,9 @@ def test_prefill_0_is_aggregated_all_cores_to_the_decode_workers(tmp_path, monke
     assert dec[dec.index("--prefill-chunk") + 1] == "512"
     router = agg._router_cmd()
     assert "--aggregated" in router and "--prefill" not in router
+    assert int(dec[dec.index("--prefill-threads") + 1]) == 4
+    hybrid = cluster("--prefill", "0", "--decode", "2", "--threads-per-worker", "1")._worker_cmd("decode", 0)
+    assert threads(hybrid) == 1 and hybrid[hybrid.index("--prefill-threads") + 1] == "4"  # decode 1, prefill 4
     disagg = cluster("--prefill", "1", "--decode", "2")
     assert not disagg.cfg.aggregated and threads(disagg._worker_cmd("decode", 0)) == 2
     router = disagg._router_cmd()

@@ -207,3 +207,40 @@ def test_bf16_chunked_local_prefill_equals_the_engine_at_the_same_chunk_size(tin
             pass
         assert tokens(evs) == r.token_ids, len(p)
         assert pool.allocator.num_used == 0
+
+
+class ThreadSpy:
+    """The model, recording torch's intra-op threads and the token count of each forward."""
+
+    def __init__(self, model):
+        self.model, self.seen = model, []
+
+    def __call__(self, batch, pool):
+        self.seen.append((batch.num_tokens, torch.get_num_threads()))
+        return self.model(batch, pool)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_prefill_forwards_take_prefill_threads_and_decode_steps_keep_the_process_setting(tiny):
+    """``prefill_threads`` 2 in a process at 1 thread: each prompt chunk runs on 2, each decode step on 1, and the
+    setting is back to 1 after every step; output unchanged."""
+    model, cfg = tiny
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pool = KVPool(KVLayout.for_model(cfg, P, "float32"), 64)
+        spy = ThreadSpy(model)
+        dec = DecodeScheduler(spy, pool, cfg.eos_token_ids,
+                              DecodeConfig(prefill_chunk=CHUNK, prefill_budget=CHUNK, prefill_threads=2))
+        prompt = prompts(70)[0]
+        params = SamplingParams(max_tokens=5, ignore_eos=True)
+        _, evs = add_local(dec, "r", prompt, params)
+        while dec.step():
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert [n for n, _ in spy.seen] == [32, 32, 6, 1, 1, 1, 1]
+    assert [t for _, t in spy.seen] == [2, 2, 2, 1, 1, 1, 1]
+    assert tokens(evs) == Engine(model, cfg, page_size=P, num_pages=64).generate([prompt], params)[0].token_ids
