@@ -70,6 +70,8 @@ def load_model(model_dir: str, dtype: str = "float32", device: str = "auto", moe
     if dtype == "bfloat16" and model.lm_head.weight.device.type == "cpu":
         cpu_tokenwise.kernel()  # likewise the bf16 token-wise and prompt attention kernels
         cpu_attention.kernel()
+    if not cfg.is_mla and model.lm_head.weight.device.type == "cpu":
+        cpu_attention.decode_kernel()  # and the GQA decode / verify attention (any dtype)
     logger.info("loaded %s (%s, %d layers + %d MTP%s) in %.2fs", model_dir, cfg.model_type,
                 cfg.num_hidden_layers, cfg.num_mtp_layers,
                 f", tp rank {parallel.tp_rank}/{parallel.tp_size} {parallel.moe_parallel} MoE" if parallel.is_tp else "",
