@@ -94,6 +94,12 @@ class ForwardBatch:
         return mask.unsqueeze(1)
 
     @property
+    def step_mask(self) -> torch.Tensor | None:
+        """A decode / verify step's mask ``[B, Tq, S]`` (``attn_mask`` without its head axis), None for one request
+        decoding one token: it sees every key."""
+        return None if len(self.q_lens) == 1 and self.q_lens[0] == 1 else self.attn_mask[:, 0]
+
+    @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 

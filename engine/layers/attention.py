@@ -98,23 +98,21 @@ class GQAAttention(nn.Module):
         k, v = self._store_kv(k, v, batch, pool, cos, sin)
         if (min(batch.q_lens) >= cpu_attention.MIN_TOKENS and all(m is None for m in batch.tree_masks)
                 and cpu_attention.usable(q, k, v)):
-            # prompt chunks on a CPU with AMX (decode and verify steps, a few queries each, keep SDPA)
+            # prompt chunks on a CPU with AMX (decode and verify steps, a few queries each, take the paged kernel)
             o = self._prompts_attention(q, k, v, batch, pool)
         elif batch.single_fresh and not pool.layout.is_fp8:
             o = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,
                      cfg.softmax_scale, causal=True)[0].transpose(0, 1)  # [T, H, D]
         elif self.paged_kernel(pool):  # decode / verify: the context read in place by slot
-            mask = None if batch.num_reqs == 1 and batch.q_lens[0] == 1 else batch.attn_mask[:, 0]
             o = batch.unpad_q(cpu_attention.paged_attention(
-                batch.pad_q(q), pool.flat(self.layer_idx, "k"), pool.flat(self.layer_idx, "v"), batch.kv_slots, mask,
-                cfg.softmax_scale))
+                batch.pad_q(q), pool.flat(self.layer_idx, "k"), pool.flat(self.layer_idx, "v"), batch.kv_slots,
+                batch.step_mask, cfg.softmax_scale))
         else:
             kk = pool.read(self.layer_idx, "k", batch.kv_slots, x.dtype).transpose(1, 2)  # [B, KVH, S, D]
             vv = pool.read(self.layer_idx, "v", batch.kv_slots, x.dtype).transpose(1, 2)
             qq = batch.pad_q(q).transpose(1, 2)  # [B, H, Tq, D]
             o = batch.unpad_q(sdpa(qq, kk, vv, batch.attn_mask, cfg.softmax_scale).transpose(1, 2))
         return self.o_proj(o.reshape(T, -1)), None
-
 
     @staticmethod
     def paged_kernel(pool: KVPool) -> bool:

@@ -66,13 +66,6 @@ def decode_kernel() -> bool:
     return True
 
 
-def decode_usable(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
-    """``paged_attention`` computes these queries over this pool buffer: CPU, fp32 / bf16 / fp16 pool (fp8 pools
-    keep the gather, which dequantises), the kernel built."""
-    return (q.device.type == "cpu" and k_buf.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and decode_kernel())
-
-
 def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_slots: torch.Tensor,
                     mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q ``[B, Tq, H, D]`` over the flat pool buffers k ``[slots, Hk, D]`` / v ``[slots, Hk, Dv]`` at request b's

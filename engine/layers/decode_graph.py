@@ -419,7 +419,7 @@ class DecodeGraphs:
         ``[B, Tq, S]`` (None for one decoding request: it sees every key)."""
         _dynamic(True, batch.out_slots, *token_major)
         B, tq = batch.num_reqs, batch.q_lens[0]
-        mask = None if B == 1 and tq == 1 else batch.attn_mask[:, 0]
+        mask = batch.step_mask
         dims = [(batch.kv_slots, 1)]
         if B > 1:
             dims.append((batch.kv_slots, 0))

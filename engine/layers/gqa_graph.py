@@ -90,7 +90,7 @@ def paged_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bufs:
     kv_write(v_buf, out_slots, v)
     B, S = kv_slots.shape
     T, H, D = q.shape
-    if c.paged_kernel and k_buf[1] is None:  # the context read in place by slot (no gathered copy)
+    if c.paged_kernel:  # the context read in place by slot (no gathered copy; never an fp8 pool)
         o = cpu_attention.paged_attention(q.view(B, T // B, H, D), k_buf[0], v_buf[0], kv_slots, mask, c.scale)
         return o.view(T, H, -1)
     KVH = k.shape[1]
