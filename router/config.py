@@ -95,6 +95,11 @@ class RouterConfig:
     """On SIGTERM the router stops admitting (health NOT_SERVING, new requests UNAVAILABLE) and gives the
     requests in flight this long to finish; what is left is then ended with UNAVAILABLE saying so."""
 
+    @property
+    def serving_needs(self) -> str:
+        """What the router serves with, for its UNAVAILABLE and /health messages."""
+        return "decode workers" if self.aggregated else "prefill and decode workers"
+
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")

@@ -90,8 +90,7 @@ class RouterCore:
                                    f"{self.cfg.max_inflight} requests in flight; retry later")
             model = self.registry.model_info()
             if model is None or not self.registry.serving():
-                needed = "decode workers" if self.cfg.aggregated else "prefill and decode workers"
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no healthy {needed}: " +
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no healthy {self.cfg.serving_needs}: " +
                                    _why_unavailable(self.registry))
             self.ensure_codec(model.model_dir, model.has_tokenizer)
             # everything cheap first: a text is tokenized (off the loop) only once the rest is valid

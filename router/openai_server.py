@@ -156,8 +156,7 @@ class OpenAIServer:
         if self.core.draining:
             return web.Response(status=503, text="shutting down")
         ok = self.core.registry.serving()
-        needed = "decode workers" if self.core.cfg.aggregated else "prefill and decode workers"
-        return web.Response(status=200 if ok else 503, text="" if ok else f"no healthy {needed}")
+        return web.Response(status=200 if ok else 503, text="" if ok else f"no healthy {self.core.cfg.serving_needs}")
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": _version()})

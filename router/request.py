@@ -280,8 +280,7 @@ class GenerateRun:
             if use_local_prefill(n, cfg, c):
                 return self.core.registry.workers[c.worker_id]
         if cfg.aggregated and self.full:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               "no decode worker has room for this request: " + "; ".join(self.full))
+            raise _no_room(self.full)
         if cfg.aggregated:
             names = ", ".join(self.core.registry.workers[c.worker_id].name for c in order)
             why = f"decode workers {names} do not prefill prompts themselves" if order else "no healthy decode worker"
@@ -302,8 +301,7 @@ class GenerateRun:
         need = math.ceil((len(self.valid.prompt_ids) + self.valid.max_tokens) / page)
         order = order_decode([w.candidate() for w in self._decode_workers()], need)
         if not order and self.full:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               "no decode worker has room for this request: " + "; ".join(self.full))
+            raise _no_room(self.full)
         if not order:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
         full, failed = [], []
@@ -331,8 +329,7 @@ class GenerateRun:
             self.metrics.decode_worker = w.name
             return w, resp.ticket
         if full:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               "no decode worker has room for this request: " + "; ".join(full + failed))
+            raise _no_room(full + failed)
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "no decode worker answered: " + "; ".join(failed))
 
     def _choose_prefill(self, tried: set[str]) -> Worker:
@@ -433,6 +430,12 @@ class GenerateRun:
         finally:
             self._live_calls.remove(call)
         raise DecodeLost(dw, req_id, f"decode worker {dw.name} ended the stream without a finish")
+
+
+def _no_room(reasons: list[str]) -> RequestError:
+    """RESOURCE_EXHAUSTED naming why each decode worker had no room ("name: why")."""
+    return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "no decode worker has room for this request: " +
+                        "; ".join(reasons))
 
 
 class DecodeFull(Exception):
