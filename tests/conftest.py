@@ -21,3 +21,13 @@ def tiny_dirs(tmp_path_factory):
         make_hf_model(kind).save_pretrained(d)
         out[kind] = str(d)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_glm5_dir(tmp_path_factory):
+    """A tiny random GLM-5 checkpoint (``TINY_GLM5`` with index_topk 64, seed 1): the scheduler tests' model,
+    loaded by each in the dtype it needs."""
+    from engine.checkpoint import TINY_GLM5, init_random_model  # as tiny_dirs: the engine only for tests using it
+    d = str(tmp_path_factory.mktemp("tiny_glm5"))
+    init_random_model({**TINY_GLM5, "index_topk": 64}, d, seed=1)
+    return d

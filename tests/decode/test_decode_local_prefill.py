@@ -8,7 +8,6 @@ import torch
 
 from decode.config import DecodeConfig
 from decode.scheduler import DecodeScheduler, DecodeTask
-from engine.checkpoint import TINY_GLM5, init_random_model
 from engine.kvcache import KVLayout, KVPool
 from engine.kvcache.pool import PoolExhausted
 from engine.load import load_model
@@ -23,17 +22,13 @@ CHUNK = 32
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tiny_glm5"))
-    init_random_model({**TINY_GLM5, "index_topk": 64}, d, seed=1)
-    return load_model(d, "float32", "cpu")
+def tiny(tiny_glm5_dir):
+    return load_model(tiny_glm5_dir, "float32", "cpu")
 
 
 @pytest.fixture(scope="module")
-def tiny_bf16(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tiny_glm5_bf16"))
-    init_random_model({**TINY_GLM5, "index_topk": 64}, d, seed=1)
-    return load_model(d, "bfloat16", "cpu")
+def tiny_bf16(tiny_glm5_dir):
+    return load_model(tiny_glm5_dir, "bfloat16", "cpu")
 
 
 def make_sched(tiny, num_pages=64, chunk=CHUNK, budget=CHUNK, spec=None):

@@ -4,7 +4,6 @@ import torch
 
 from decode.config import DecodeConfig
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
-from engine.checkpoint import TINY_GLM5, init_random_model
 from engine.kvcache import KVLayout, KVPool
 from engine.load import load_model
 from engine.offline import Engine
@@ -16,10 +15,8 @@ P = 16
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tiny_glm5"))
-    init_random_model({**TINY_GLM5, "index_topk": 64}, d, seed=1)
-    return load_model(d, "float32", "cpu")
+def tiny(tiny_glm5_dir):
+    return load_model(tiny_glm5_dir, "float32", "cpu")
 
 
 class CopySink(KVSink):

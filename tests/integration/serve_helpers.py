@@ -134,3 +134,20 @@ def pages_all_free(client, skip: str = "") -> bool:
     pre = [w for w in workers if w.role == "prefill"]
     return all(w.pages_free == w.pages_total for w in dec) and \
         all(w.info.get("pages_owned_by_requests") == "0" for w in pre)
+
+
+def tiny_dsa_reference():
+    """transformers' tiny GLM-5 with the weights ``tiny_dirs['dsa']`` saved (tests/engine/tiny.py's seed), set up
+    for greedy runs past EOS: the reference the served greedy tokens must equal (``hf_greedy``)."""
+    from tiny import make_hf_model  # tests/engine/tiny.py: transformers, only for the tests that compare with it
+    hf = make_hf_model("dsa")
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """``hf``'s ``n`` greedy tokens after ``prompt``."""
+    import torch  # only for the tests that compare with transformers
+    with torch.no_grad():
+        return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()

@@ -8,11 +8,11 @@ import urllib.request
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.client import GenerationClient
-from serve_helpers import ServeProcess, model_with_tokenizer, pages_all_free, wait_until
+from serve_helpers import (ServeProcess, hf_greedy, model_with_tokenizer, pages_all_free, tiny_dsa_reference,
+                           wait_until)
 
 CHUNK = 32
 
@@ -39,16 +39,7 @@ def client(served):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from tiny import make_hf_model  # tests/engine/tiny.py: the same seed and weights tiny_dirs saved
-    hf = make_hf_model("dsa")
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    return hf
-
-
-def hf_greedy(hf, prompt, n):
-    with torch.no_grad():
-        return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+    return tiny_dsa_reference()
 
 
 def test_starts_aggregated_with_no_prefill_worker_and_is_healthy(served, client):

@@ -18,13 +18,13 @@ import threading
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos.pdserve.v1 import generation_pb2
 from router.client import GenerationClient, make_request
-from serve_helpers import REPO, ServeProcess, model_with_tokenizer, pages_all_free, pid_alive, rpc_code, wait_until
+from serve_helpers import (REPO, ServeProcess, hf_greedy, model_with_tokenizer, pages_all_free, pid_alive, rpc_code,
+                           tiny_dsa_reference, wait_until)
 
 API_KEY = "e2e-key-0123"
 MAX_CONTEXT = 4096
@@ -56,16 +56,7 @@ def client(served):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from tiny import make_hf_model
-    hf = make_hf_model("dsa")  # the same seed and weights tiny_dirs saved
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    return hf
-
-
-def hf_greedy(hf, prompt, n):
-    with torch.no_grad():
-        return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+    return tiny_dsa_reference()
 
 
 def test_greedy_tokens_equal_transformers_generate(client, hf_model):

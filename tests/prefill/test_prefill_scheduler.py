@@ -5,7 +5,6 @@ import time
 import pytest
 import torch
 
-from engine.checkpoint import TINY_GLM5, init_random_model
 from engine.kvcache import KVLayout, KVPool
 from engine.load import load_model
 from engine.sampling import SamplingParams
@@ -25,10 +24,8 @@ PAGE = 16
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tiny_glm5"))
-    init_random_model({**TINY_GLM5, "index_topk": 64}, d, seed=1)
-    return load_model(d, "float32", "cpu")
+def tiny(tiny_glm5_dir):
+    return load_model(tiny_glm5_dir, "float32", "cpu")
 
 
 class CaptureSink(KVSink):
@@ -256,10 +253,8 @@ def test_a_cancelled_queued_request_leaves_the_queue_at_once(tiny):
 
 
 @pytest.fixture(scope="module")
-def tiny_bf16(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tiny_glm5_bf16"))
-    init_random_model({**TINY_GLM5, "index_topk": 64}, d, seed=1)
-    return load_model(d, "bfloat16", "cpu")
+def tiny_bf16(tiny_glm5_dir):
+    return load_model(tiny_glm5_dir, "bfloat16", "cpu")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
