@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 import msgpack
@@ -35,7 +36,7 @@ from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, Sh
 from kvtransfer.config import TransportConfig, add_transport_args, receiver_mooncake_protocol
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
-from worker import convert, heartbeat, process
+from worker import convert, heartbeat, omp, process
 from worker.config import WorkerConfig, add_worker_args
 from worker.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
 from worker.metrics import serve_metrics
@@ -282,6 +283,7 @@ class DecodeWorkerConfig(WorkerConfig):
 
 async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     process.apply_threads(wcfg.threads)
+    omp.serve_serially()
     model_dir = wcfg.model or default_model_dir()
     secret = rpc.cluster_secret(wcfg.cluster_secret)
     check_bind(wcfg.host, secret, "decode worker")
@@ -291,26 +293,17 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     weights_dir = wcfg.quantized_model or model_dir
     plan = process.start_plan(wcfg, weights_dir, Role.DECODE)
     ranks = process.start_ranks(wcfg, weights_dir, plan.dtype.dtype, Role.DECODE)
-    model, local_model, cfg, layout = load_rank_model(
-        weights_dir, plan.dtype.dtype, wcfg.device, plan.layout, ranks,
-        mhash if weights_dir == model_dir else model_hash(weights_dir))
-    pool = _make_pool(layout, plan.pool.num_pages, wcfg.shm)
-    spec = build_speculator(wcfg, model, cfg, pool)
+    # torch's start-up on a thread that then ends: the scheduler thread's OpenMP team stays the only one
+    model, local_model, cfg, pool, landing, spec = await omp.in_own_thread(
+        load_decode_model, wcfg, weights_dir, mhash if weights_dir == model_dir else model_hash(weights_dir), plan,
+        ranks)
     # a speculating worker asks prefill for the MTP draft state with every KV transfer (first round speculates)
     draft = DraftLayout(cfg.hidden_size, str(model.lm_head.weight.dtype).removeprefix("torch.")) if spec else None
-    # split KV heads (GQA under TP): KV lands whole in a full-layout landing pool, then each rank takes its heads
-    landing = pool if ranks is None or not ranks.kv_split else \
-        _make_pool(plan.layout, max(1, plan.pool.num_pages // wcfg.tp), wcfg.shm)
     receiver = KVReceiver(landing, KVReceiverConfig(host=wcfg.host, port=wcfg.kv_port, draft=draft,
                                                      cluster_secret=secret.encode() if secret else None,
                                                      mooncake_protocol=receiver_mooncake_protocol(transport),
                                                      tp_size=wcfg.tp))
     await receiver.start()
-    if wcfg.compile:
-        model.compile_decode()
-        took = warm_up_decode(model, cfg, plan.kv_dtype, wcfg.page_size,
-                              wcfg.speculative if spec is not None else None)
-        logger.info("decode graphs compiled and warmed up in %.1fs", took)
     sched = DecodeScheduler(model, pool, cfg.eos_token_ids,
                             DecodeConfig(max_running=wcfg.max_running, spec_fallback=not wcfg.no_spec_fallback,
                                          prefill_chunk=wcfg.prefill_chunk, prefill_threads=wcfg.prefill_threads,
@@ -353,6 +346,39 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
         if ranks is not None:
             ranks.close()
     await process.serve_until_signal(server, on_stop, wcfg.grace_s, servicer.status, info)
+
+
+class LoadedDecodeModel(NamedTuple):
+    """What ``load_decode_model`` returns."""
+
+    model: object
+    """The serving model (``worker.model_proxy.ModelProxy`` over every rank under TP)."""
+    local_model: object
+    """This rank's own model."""
+    cfg: object
+    pool: KVPool
+    landing: KVPool
+    """Where received KV lands: ``pool``, or a full-layout pool when TP splits the KV heads."""
+    spec: object
+    """The MTP speculator, or None."""
+
+
+def load_decode_model(wcfg: DecodeWorkerConfig, weights_dir: str, weights_hash: str, plan, ranks) -> LoadedDecodeModel:
+    """A decode worker's torch start-up: the model, its KV pools, the speculator and, with ``--compile``, the decode
+    graphs compiled and warmed up. ``amain`` runs it on a thread of its own (``worker.omp``)."""
+    model, local_model, cfg, layout = load_rank_model(weights_dir, plan.dtype.dtype, wcfg.device, plan.layout, ranks,
+                                                      weights_hash)
+    pool = _make_pool(layout, plan.pool.num_pages, wcfg.shm)
+    spec = build_speculator(wcfg, model, cfg, pool)
+    # split KV heads (GQA under TP): KV lands whole in a full-layout landing pool, then each rank takes its heads
+    landing = pool if ranks is None or not ranks.kv_split else \
+        _make_pool(plan.layout, max(1, plan.pool.num_pages // wcfg.tp), wcfg.shm)
+    if wcfg.compile:
+        model.compile_decode()
+        took = warm_up_decode(model, cfg, plan.kv_dtype, wcfg.page_size,
+                              wcfg.speculative if spec is not None else None)
+        logger.info("decode graphs compiled and warmed up in %.1fs", took)
+    return LoadedDecodeModel(model, local_model, cfg, pool, landing, spec)
 
 
 def _make_pool(layout, num_pages: int, shm: bool):

@@ -32,7 +32,7 @@ from prefill.sink import LocalSink, TransferFailed
 from prefill.transfer import TransferSink
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
-from worker import convert, heartbeat, process
+from worker import convert, heartbeat, omp, process
 from worker.config import WorkerConfig, add_worker_args
 from worker.convert import sampling_from_proto
 from worker.metrics import serve_metrics
@@ -232,6 +232,7 @@ class PrefillWorkerConfig(WorkerConfig):
 
 async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
     process.apply_threads(wcfg.threads)
+    omp.serve_serially()
     model_dir = wcfg.model or default_model_dir()
     secret = rpc.cluster_secret(wcfg.cluster_secret)
     check_bind(wcfg.host, secret, "prefill worker")
@@ -240,11 +241,8 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
         raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {wcfg.expect_model_hash}")
     plan = process.start_plan(wcfg, model_dir, Role.PREFILL)
     ranks = process.start_ranks(wcfg, model_dir, plan.dtype.dtype, Role.PREFILL)
-    model, _, cfg, layout = load_rank_model(model_dir, plan.dtype.dtype, wcfg.device, plan.layout, ranks, mhash)
-    pool = KVPool(layout, plan.pool.num_pages, model.lm_head.weight.device)
-    # split KV heads (GQA under TP): KV leaves whole, gathered from every rank into a full-layout staging pool
-    staging = pool if ranks is None or not ranks.kv_split else \
-        KVPool(plan.layout, max(1, plan.pool.num_pages // wcfg.tp), model.lm_head.weight.device)
+    # torch's start-up on a thread that then ends: the scheduler thread's OpenMP team stays the only one
+    model, cfg, pool, staging = await omp.in_own_thread(load_prefill_model, wcfg, model_dir, mhash, plan, ranks)
     sender = KVSender(staging, KVSenderConfig(cluster_secret=secret.encode() if secret else None,
                                               transport=TransportKind(transport.kv_transport),
                                               mooncake_protocol=transport.mooncake_protocol, tp_size=wcfg.tp))
@@ -283,6 +281,17 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
         if ranks is not None:
             ranks.close()
     await process.serve_until_signal(server, on_stop, wcfg.grace_s, servicer.status, info)
+
+
+def load_prefill_model(wcfg: PrefillWorkerConfig, model_dir: str, mhash: str, plan, ranks):
+    """A prefill worker's torch start-up -> (model, config, KV pool, staging pool). ``amain`` runs it on a thread of
+    its own (``worker.omp``)."""
+    model, _, cfg, layout = load_rank_model(model_dir, plan.dtype.dtype, wcfg.device, plan.layout, ranks, mhash)
+    pool = KVPool(layout, plan.pool.num_pages, model.lm_head.weight.device)
+    # split KV heads (GQA under TP): KV leaves whole, gathered from every rank into a full-layout staging pool
+    staging = pool if ranks is None or not ranks.kv_split else \
+        KVPool(plan.layout, max(1, plan.pool.num_pages // wcfg.tp), model.lm_head.weight.device)
+    return model, cfg, pool, staging
 
 
 def build_parser() -> argparse.ArgumentParser:
