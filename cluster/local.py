@@ -33,12 +33,6 @@ from common.net import check_bind
 from common.reasons import Role
 
 READY_PREFIX = "PDSERVE_READY"
-SERVING_CORES = 1
-"""Cores the decode workers' steps leave to the serving path by default (the router, the workers' gRPC threads,
-local clients), as vLLM's CPU guide reserves one for its API server: every token crosses it, and an OpenMP thread
-that loses its core to it stalls the whole step (2 cores, 2k prompts -> 16 tokens, aggregated: decode on 2 threads
-4.96 / 8.61 req/s at concurrency 1 / 4, on 1 thread 6.28 / 10.42, docs/performance.md). A decode worker's own
-prefill forwards still take its whole share."""
 SHM_DIR = "/dev/shm"
 logger = logging.getLogger(__name__)
 
@@ -158,10 +152,9 @@ class LocalClusterConfig:
     fault_injection: bool = False
     """Router and prefill workers accept InjectFault (``pdserve bench --fault drop-kv@S``)."""
     threads_per_worker: int = 0
-    """torch threads per worker (0: split this machine's cores between the workers, decode workers' steps leaving
-    ``SERVING_CORES`` to the serving path). A decode worker's own prefill forwards (aggregated mode,
-    ``local_prefill_below``) take at least its share of the cores: an aggregated worker on 2 cores decodes on one
-    thread and prefills on two (``decode.server --prefill-threads``)."""
+    """torch threads per worker (0: split this machine's cores between the workers). A decode worker's own prefill
+    forwards (aggregated mode, ``local_prefill_below``) take at least its share of the cores
+    (``decode.server --prefill-threads``)."""
     run_dir: str | None = None
     """Where logs go (None: a new temporary directory)."""
     startup_timeout_s: float = 300.0
@@ -324,12 +317,10 @@ class LocalCluster:
         num_ranks = c.num_prefill * c.prefill_tp + c.num_decode * c.decode_tp
         cores = os.cpu_count() or 1
         share = max(1, cores // num_ranks)  # this worker's share of the cores
-        if c.threads_per_worker:
-            threads = c.threads_per_worker
-        elif role == Role.DECODE:  # decode steps leave one core to the serving path (see SERVING_CORES)
-            threads = max(1, (cores - SERVING_CORES) // num_ranks)
-        else:
-            threads = share
+        # every worker's steps take its whole share: reserving a core for the serving path (as vLLM's CPU guide
+        # does for its API server) measured slower once one OpenMP team per process was the rule (worker.omp;
+        # docs/performance.md)
+        threads = c.threads_per_worker or share
         tp = c.prefill_tp if role == Role.PREFILL else c.decode_tp
         if tp > 1:  # one worker = tp rank processes, rank 0 starts and supervises the others
             cmd += ["--tp", str(tp), "--moe-parallel", c.moe_parallel]

@@ -60,8 +60,7 @@ def test_prefill_0_is_aggregated_all_cores_to_the_decode_workers(tmp_path, monke
     def threads(cmd):
         return int(cmd[cmd.index("--threads") + 1])
     agg = cluster("--prefill", "0", "--decode", "2", "--prefill-chunk", "512")
-    # decode steps leave one core of the 8 to the serving path: (8 - 1) // 2
-    assert agg.cfg.aggregated and threads(agg._worker_cmd("decode", 0)) == 3
+    assert agg.cfg.aggregated and threads(agg._worker_cmd("decode", 0)) == 4  # 8 // 2
     dec = agg._worker_cmd("decode", 0)
     assert dec[dec.index("--prefill-chunk") + 1] == "512"
     router = agg._router_cmd()
@@ -70,11 +69,11 @@ def test_prefill_0_is_aggregated_all_cores_to_the_decode_workers(tmp_path, monke
     hybrid = cluster("--prefill", "0", "--decode", "2", "--threads-per-worker", "1")._worker_cmd("decode", 0)
     assert threads(hybrid) == 1 and hybrid[hybrid.index("--prefill-threads") + 1] == "4"  # decode 1, prefill 4
     disagg = cluster("--prefill", "1", "--decode", "2")
-    assert not disagg.cfg.aggregated and threads(disagg._worker_cmd("decode", 0)) == 2  # (8 - 1) // 3
+    assert not disagg.cfg.aggregated and threads(disagg._worker_cmd("decode", 0)) == 2  # 8 // 3
     assert threads(disagg._worker_cmd("prefill", 0)) == 2  # 8 // 3: prefill workers keep their share
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    small = cluster("--prefill", "0")._worker_cmd("decode", 0)  # 2 cores: decode on one, its prefill on both
-    assert threads(small) == 1 and small[small.index("--prefill-threads") + 1] == "2"
+    small = cluster("--prefill", "0")._worker_cmd("decode", 0)  # 2 cores: decode and its prefill on both
+    assert threads(small) == 2 and small[small.index("--prefill-threads") + 1] == "2"
     assert threads(cluster("--prefill", "0", "--threads-per-worker", "2")._worker_cmd("decode", 0)) == 2
     router = disagg._router_cmd()
     assert "--aggregated" not in router and "--prefill" in router
