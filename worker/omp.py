@@ -8,9 +8,9 @@ helpers asleep on a futex, and the next one waits for them to wake. A worker's s
 on a machine with N CPUs one more team anywhere in the process (the event loop's, after it loaded the model, ran
 the warm-up or copied a big tensor) throttles every region of every step.
 
-Measured (the peers' glm4_moe, bf16, compiled decode step, batch 1, 2 threads on 2 CPUs; ``docs/performance.md``):
-1,999 us per step on the thread that had loaded the model; 5,118 us on another thread while the loading thread
-lived; 2,007 us on another thread once the loading thread had exited.
+Measured (``bench.omp_threads``: the peers' glm4_moe, bf16, compiled decode step, batch 1, 2 threads on 2 CPUs;
+``docs/performance.md``): 1,951 us per step on the thread that had loaded the model; 6,305 us on another thread
+while the loading thread lived; 2,040 us on another thread once the loading thread had ended.
 
 So a worker loads, compiles and warms up on a thread of its own that then exits (``in_own_thread``), and the
 threads that serve (the event loop's, the default executor's) run torch ops on one thread (``serial_here``),
