@@ -1,7 +1,10 @@
-"""The decode scheduler's settings (``decode.scheduler.DecodeScheduler``)."""
+"""The decode scheduler's settings (``decode.scheduler.DecodeScheduler``) and a decode worker's flags
+(``DecodeWorkerConfig``, read by ``decode.server``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from worker.config import WorkerConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,3 +42,33 @@ class DecodeConfig:
         if self.prefill_budget < self.prefill_chunk:
             raise ValueError(f"prefill_budget ({self.prefill_budget}) must be >= prefill_chunk "
                              f"({self.prefill_chunk})")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeWorkerConfig(WorkerConfig):
+    """A decode worker's flags: the common ones, its KV port, speculation and its scheduler's
+    (``DecodeConfig``)."""
+
+    kv_port: int = 0
+    """port of the KV data plane (0: any free port, printed in the PDSERVE_READY line)"""
+    speculative: str = "5/1/6"
+    """STEPS/TOPK/DRAFT_TOKENS, or 'off'"""
+    no_speculative: bool = False
+    """decode without speculation (as --speculative off)"""
+    no_spec_fallback: bool = False
+    """keep speculating for every request even when its drafts are rarely accepted (default: a request whose
+    tokens per round stay below a round's cost in plain steps decodes plainly)"""
+    max_running: int = 64
+    """requests running or on their way (reserved transfers, local prefills) at once; Reserve refuses past it"""
+    prefill_chunk: int = 2048
+    """local prefill (aggregated mode, --local-prefill-below): prompt tokens per step, decode steps between"""
+    prefill_budget: int = 2048
+    """local prefill tokens of all prompts in one step (at least --prefill-chunk)"""
+    prefill_threads: int = 0
+    """torch threads of local prefill forwards (0: --threads; decode steps keep --threads)"""
+    compile: bool = False
+    """run decode / verify steps through compiled graphs (torch.compile; warmed up before serving)"""
+    quantized_model: str | None = None
+    """serve these (e.g. MXFP4) weights instead"""
+    shm: bool = False
+    """put the KV pool in shared memory (same-host transfers)"""

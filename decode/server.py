@@ -13,8 +13,6 @@ import argparse
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import grpc
 import msgpack
@@ -24,23 +22,22 @@ from common import logs
 from common.flags import config_from_args
 from common.net import check_bind
 from common.reasons import AbortReason, FinishReason, Role
-from decode.config import DecodeConfig
+from decode import startup
+from decode.config import DecodeConfig, DecodeWorkerConfig
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
 from engine.defaults import default_model_dir
-from engine.kvcache import KVPool, PoolExhausted
+from engine.kvcache import PoolExhausted
 from engine.loader import model_hash
 from engine.quant.prepare import expert_status, quantized_experts
 from engine.tokenizer import Tokenizer
-from engine.warmup import warm_up_decode
-from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, ShmKVPool, TransferError
+from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, TransferError
 from kvtransfer.config import TransportConfig, add_transport_args, receiver_mooncake_protocol
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from worker import convert, heartbeat, omp, process
-from worker.config import WorkerConfig, add_worker_args
+from worker.config import add_worker_args
 from worker.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
 from worker.metrics import serve_metrics
-from worker.model_proxy import load_rank_model
 from worker.ranks import RankFailure
 
 logger = logging.getLogger("decode.server")
@@ -251,36 +248,6 @@ def stop_checker(tok: Tokenizer | None):
     return check
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeWorkerConfig(WorkerConfig):
-    """A decode worker's flags: the common ones, its KV port, speculation and its scheduler's
-    (``DecodeConfig``)."""
-
-    kv_port: int = 0
-    """port of the KV data plane (0: any free port, printed in the PDSERVE_READY line)"""
-    speculative: str = "5/1/6"
-    """STEPS/TOPK/DRAFT_TOKENS, or 'off'"""
-    no_speculative: bool = False
-    """decode without speculation (as --speculative off)"""
-    no_spec_fallback: bool = False
-    """keep speculating for every request even when its drafts are rarely accepted (default: a request whose
-    tokens per round stay below a round's cost in plain steps decodes plainly)"""
-    max_running: int = 64
-    """requests running or on their way (reserved transfers, local prefills) at once; Reserve refuses past it"""
-    prefill_chunk: int = 2048
-    """local prefill (aggregated mode, --local-prefill-below): prompt tokens per step, decode steps between"""
-    prefill_budget: int = 2048
-    """local prefill tokens of all prompts in one step (at least --prefill-chunk)"""
-    prefill_threads: int = 0
-    """torch threads of local prefill forwards (0: --threads; decode steps keep --threads)"""
-    compile: bool = False
-    """run decode / verify steps through compiled graphs (torch.compile; warmed up before serving)"""
-    quantized_model: str | None = None
-    """serve these (e.g. MXFP4) weights instead"""
-    shm: bool = False
-    """put the KV pool in shared memory (same-host transfers)"""
-
-
 async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     process.apply_threads(wcfg.threads)
     omp.serve_serially()
@@ -295,8 +262,8 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     ranks = process.start_ranks(wcfg, weights_dir, plan.dtype.dtype, Role.DECODE)
     # torch's start-up on a thread that then ends: the scheduler thread's OpenMP team stays the only one
     model, local_model, cfg, pool, landing, spec = await omp.in_own_thread(
-        load_decode_model, wcfg, weights_dir, mhash if weights_dir == model_dir else model_hash(weights_dir), plan,
-        ranks)
+        startup.load_decode_model, wcfg, weights_dir,
+        mhash if weights_dir == model_dir else model_hash(weights_dir), plan, ranks)
     # a speculating worker asks prefill for the MTP draft state with every KV transfer (first round speculates)
     draft = DraftLayout(cfg.hidden_size, str(model.lm_head.weight.dtype).removeprefix("torch.")) if spec else None
     receiver = KVReceiver(landing, KVReceiverConfig(host=wcfg.host, port=wcfg.kv_port, draft=draft,
@@ -346,66 +313,6 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
         if ranks is not None:
             ranks.close()
     await process.serve_until_signal(server, on_stop, wcfg.grace_s, servicer.status, info)
-
-
-class LoadedDecodeModel(NamedTuple):
-    """What ``load_decode_model`` returns."""
-
-    model: object
-    """The serving model (``worker.model_proxy.ModelProxy`` over every rank under TP)."""
-    local_model: object
-    """This rank's own model."""
-    cfg: object
-    pool: KVPool
-    landing: KVPool
-    """Where received KV lands: ``pool``, or a full-layout pool when TP splits the KV heads."""
-    spec: object
-    """The MTP speculator, or None."""
-
-
-def load_decode_model(wcfg: DecodeWorkerConfig, weights_dir: str, weights_hash: str, plan, ranks) -> LoadedDecodeModel:
-    """A decode worker's torch start-up: the model, its KV pools, the speculator and, with ``--compile``, the decode
-    graphs compiled and warmed up. ``amain`` runs it on a thread of its own (``worker.omp``)."""
-    model, local_model, cfg, layout = load_rank_model(weights_dir, plan.dtype.dtype, wcfg.device, plan.layout, ranks,
-                                                      weights_hash)
-    pool = _make_pool(layout, plan.pool.num_pages, wcfg.shm)
-    spec = build_speculator(wcfg, model, cfg, pool)
-    # split KV heads (GQA under TP): KV lands whole in a full-layout landing pool, then each rank takes its heads
-    landing = pool if ranks is None or not ranks.kv_split else \
-        _make_pool(plan.layout, max(1, plan.pool.num_pages // wcfg.tp), wcfg.shm)
-    if wcfg.compile:
-        model.compile_decode()
-        took = warm_up_decode(model, cfg, plan.kv_dtype, wcfg.page_size,
-                              wcfg.speculative if spec is not None else None)
-        logger.info("decode graphs compiled and warmed up in %.1fs", took)
-    return LoadedDecodeModel(model, local_model, cfg, pool, landing, spec)
-
-
-def _make_pool(layout, num_pages: int, shm: bool):
-    """The KV pool: in shared memory when asked (same-host prefill workers then copy pages instead of
-    sending them over TCP), else, or when the segment cannot be created, a private one."""
-    if shm:
-        try:
-            return ShmKVPool(layout, num_pages)
-        except OSError as e:
-            logger.warning("KV pool in shared memory failed (%s): using a private pool; prefill workers on this "
-                           "host will ship KV over TCP", e)
-    return KVPool(layout, num_pages)
-
-
-def build_speculator(wcfg: DecodeWorkerConfig, model, cfg, pool):
-    """MTP speculative decoding when asked for and the model has an MTP layer (says so once otherwise)."""
-    if wcfg.no_speculative or not wcfg.speculative or wcfg.speculative == "off":
-        return None
-    if not model.has_mtp:
-        logger.warning("model has no MTP layer: running without speculative decoding")
-        return None
-    try:
-        from engine.speculative.worker import make_speculator  # optional: a build without it serves without speculation
-    except ImportError:
-        logger.warning("speculative decoding is not available in this build: running without it")
-        return None
-    return make_speculator(model, cfg, pool, wcfg.speculative)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,8 +11,16 @@ import torch
 from worker import omp
 
 needs_libgomp = pytest.mark.skipif(not omp._libgomp(), reason="torch's OpenMP runtime here is not libgomp")
-needs_cores = pytest.mark.skipif((os.cpu_count() or 1) < 2 or torch.get_num_threads() < 2,
-                                 reason="an OpenMP team needs two threads")
+needs_cores = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="an OpenMP team needs two CPUs")
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """torch's process-wide count at 2 (an earlier test may have left it at 1), put back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 def _os_threads() -> int:
@@ -49,7 +57,7 @@ def test_a_serial_thread_forms_no_team_and_others_keep_theirs():
     assert _team_threads_started(serial=False) >= 1  # the control: the same op on a plain thread forms a team
     assert _team_threads_started(serial=True) == 0
     assert _on_thread(lambda: (omp.serial_here(), torch.get_num_threads())[1]) == 1
-    assert _on_thread(torch.get_num_threads) == torch.get_num_threads() >= 2  # other threads keep the count
+    assert _on_thread(torch.get_num_threads) == torch.get_num_threads() == 2  # other threads keep the count
 
 
 @needs_libgomp
@@ -62,7 +70,7 @@ def test_serve_serially_covers_the_loop_and_its_default_executor():
         return here, in_executor
 
     assert _on_thread(lambda: asyncio.run(main())) == (1, 1)
-    assert torch.get_num_threads() >= 2  # the calling thread (pytest's) is untouched
+    assert torch.get_num_threads() == 2  # the calling thread (pytest's) is untouched
 
 
 def test_in_own_thread_returns_raises_and_the_thread_has_ended():
