@@ -13,7 +13,7 @@ import pytest
 
 import kvt_workers
 from cluster.local import shm_segment_prefix
-from decode.server import _make_pool
+from decode.startup import make_pool
 from engine.kvcache.pool import KVPool
 from kvt_helpers import make_layout
 from kvtransfer import ShmKVPool, shm
@@ -38,7 +38,7 @@ def test_pool_falls_back_to_private_memory_when_the_segment_cannot_be_reserved(m
     assert exc.value.errno == errno.ENOSPC and calls, exc.value
     assert os.listdir(tmp_path) == []
     with caplog.at_level(logging.WARNING):
-        pool = _make_pool(lay, 16, shm=True)
+        pool = make_pool(lay, 16, shm=True)
     assert type(pool) is KVPool
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "TCP" in warnings[0].getMessage(), warnings

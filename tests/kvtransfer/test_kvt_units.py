@@ -243,7 +243,7 @@ def test_shm_pool_refuses_a_segment_that_does_not_fit(monkeypatch, caplog):
     import errno
     from types import SimpleNamespace
 
-    from decode.server import _make_pool
+    from decode.startup import make_pool as decode_pool
     from kvtransfer import shm
     before = set(os.listdir(shm.SHM_DIR))
     monkeypatch.setattr(shm.os, "statvfs", lambda path: SimpleNamespace(f_bavail=16, f_frsize=4096))
@@ -251,7 +251,7 @@ def test_shm_pool_refuses_a_segment_that_does_not_fit(monkeypatch, caplog):
         ShmKVPool(make_layout(), 64)
     assert exc.value.errno == errno.ENOSPC and "shm-size" in str(exc.value)
     assert set(os.listdir(shm.SHM_DIR)) == before
-    pool = _make_pool(make_layout(), 64, shm=True)
+    pool = decode_pool(make_layout(), 64, shm=True)
     assert type(pool) is KVPool and "shared memory failed" in caplog.text
 
 
