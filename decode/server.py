@@ -250,7 +250,6 @@ def stop_checker(tok: Tokenizer | None):
 
 async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     process.apply_threads(wcfg.threads)
-    omp.serve_serially()
     model_dir = wcfg.model or default_model_dir()
     secret = rpc.cluster_secret(wcfg.cluster_secret)
     check_bind(wcfg.host, secret, "decode worker")

@@ -232,7 +232,6 @@ class PrefillWorkerConfig(WorkerConfig):
 
 async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
     process.apply_threads(wcfg.threads)
-    omp.serve_serially()
     model_dir = wcfg.model or default_model_dir()
     secret = rpc.cluster_secret(wcfg.cluster_secret)
     check_bind(wcfg.host, secret, "prefill worker")

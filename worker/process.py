@@ -12,6 +12,7 @@ import time
 
 from common import env
 from common.reasons import Role
+from worker import omp
 from worker.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,9 @@ def exit_on_rank_failure(ranks, delay_s: float, not_serving=None) -> None:
 
 
 def apply_threads(n: int) -> None:
-    """Process-wide CPU settings of a worker: intra-op threads and the malloc thresholds."""
+    """Process-wide CPU settings of a worker, called on its event loop: intra-op threads, the malloc thresholds,
+    and the loop's own threads kept out of OpenMP teams (``worker.omp.serve_serially``: the scheduler thread's
+    team stays the only one)."""
     import torch  # lazy: torch
 
     from engine.defaults import tune_malloc  # lazy: engine (the router imports this module)
@@ -109,6 +112,7 @@ def apply_threads(n: int) -> None:
     tune_malloc()
     if n > 0:
         torch.set_num_threads(n)
+    omp.serve_serially()  # after the count is set: the loop's threads drop to one, the others keep it
 
 
 async def serve_until_signal(server, on_stop, grace_s: float = 3.0, status=None, info: dict | None = None) -> None:
