@@ -29,9 +29,10 @@ class DecodeConfig:
     ``prefill_chunk``."""
 
     prefill_threads: int = 0
-    """torch intra-op threads of a local prefill forward (0: the process's setting, which decode steps keep). On 2
-    cores, decode steps of a few requests ran faster on one thread (two stalled whenever the worker's gRPC thread or
-    the router took a core) while a 2k-token prefill ran twice as fast on two (docs/performance.md)."""
+    """torch intra-op threads of a local prefill forward (0: the process's setting, which decode steps keep), for a
+    worker whose decode steps run on fewer threads than its share of the cores (``--threads-per-worker``). The one-
+    thread decode default this was made for (2 cores: two decode threads had stalled) is gone: the stall was a second
+    OpenMP team in the process (``worker.omp``; docs/performance.md)."""
 
     def __post_init__(self) -> None:
         if self.prefill_threads < 0:
