@@ -21,7 +21,8 @@ def default_model_dir() -> str:
     """The shipped default model, or a tiny random GLM-5-architecture model created on first use."""
     if os.path.exists(os.path.join(SHIPPED_DEFAULT, "config.json")):
         return SHIPPED_DEFAULT
-    from engine.checkpoint import TINY_GLM5, init_random_model  # lazy: numpy, safetensors, torch
+    # lazy: torch, safetensors, numpy (this module is stdlib only: cluster.preflight and the CLI read it without torch)
+    from engine.checkpoint import TINY_GLM5, init_random_model
     path = os.path.join(PDSERVE_HOME, "models", "tiny-random-glm5")
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         logger.warning("no trained default model shipped yet: creating a tiny random GLM-5 model at %s", path)

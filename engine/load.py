@@ -11,6 +11,7 @@ import time
 import torch
 
 from engine.config import ModelConfig
+from engine.kernels import log_kernel_report
 from engine.layers import cpu_attention, cpu_tokenwise
 from engine.loader import checkpoint_names, detect_mtp_layers, load_weights
 from engine.models.glm import GlmForCausalLM
@@ -18,6 +19,7 @@ from engine.moe import moe_cpu_kernel
 from engine.moe.experts import RoutedExperts
 from engine.parallel.config import SINGLE_RANK, ParallelConfig
 from engine.parallel.shard import shard_fn
+from engine.quant.prepare import prepare_model_for_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +63,7 @@ def load_model(model_dir: str, dtype: str = "float32", device: str = "auto", moe
     parallel.validate(cfg)
     model = build_model(cfg, DTYPES[dtype], resolve_device(device), moe_impl, parallel)
     t0 = time.perf_counter()
-    from engine.quant import prepare_model_for_checkpoint  # quantized checkpoints: MX experts + rules
-    extra_rules = prepare_model_for_checkpoint(model, cfg, model_dir)
+    extra_rules = prepare_model_for_checkpoint(model, cfg, model_dir)  # quantized checkpoints: MX experts + rules
     load_weights(model, model_dir, cfg, extra_rules, shard_fn(cfg, parallel))
     if any(isinstance(m, RoutedExperts) and moe_cpu_kernel.supports(m.w13, m.w2)
            for m in model.modules()):
@@ -72,6 +73,8 @@ def load_model(model_dir: str, dtype: str = "float32", device: str = "auto", moe
         cpu_attention.kernel()
     if not cfg.is_mla and model.lm_head.weight.device.type == "cpu":
         cpu_attention.decode_kernel()  # and the GQA decode / verify attention (any dtype)
+    if model.lm_head.weight.device.type == "cpu":
+        log_kernel_report()  # once per process: the path each hot CPU op takes (builds the rest of the kernels)
     logger.info("loaded %s (%s, %d layers + %d MTP%s) in %.2fs", model_dir, cfg.model_type,
                 cfg.num_hidden_layers, cfg.num_mtp_layers,
                 f", tp rank {parallel.tp_rank}/{parallel.tp_size} {parallel.moe_parallel} MoE" if parallel.is_tp else "",

@@ -96,9 +96,9 @@ class GQAAttention(nn.Module):
         cos, sin = rope.lookup(batch.positions, x.dtype)
         q = apply_half(q, cos, sin)
         k, v = self._store_kv(k, v, batch, pool, cos, sin)
-        if (min(batch.q_lens) >= cpu_attention.MIN_TOKENS and all(m is None for m in batch.tree_masks)
-                and cpu_attention.usable(q, k, v)):
-            # prompt chunks on a CPU with AMX (decode and verify steps, a few queries each, take the paged kernel)
+        if (cpu_attention.usable(q, k, v) and min(batch.q_lens) >= cpu_attention.min_tokens()
+                and all(m is None for m in batch.tree_masks)):
+            # prompt chunks on a CPU (decode and verify steps, a few queries each, take the paged kernel)
             o = self._prompts_attention(q, k, v, batch, pool)
         elif batch.single_fresh and not pool.layout.is_fp8:
             o = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,

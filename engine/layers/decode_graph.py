@@ -61,6 +61,7 @@ from engine.layers.gqa_graph import (
 from engine.layers.mlp import FFNArgs, ffn_tokenwise
 from engine.layers.norm import rms_norm
 from engine.moe.router import Routing
+from engine.moe.tuned_table import FUSED_GATHER_MAX_PAIRS
 from engine.shapes import REDUCED_PRECISION
 
 __all__ = ["DecodeGraphs", "GQALayerWeights", "LayerWeights", "MLADims", "MTPInput", "PostWeights", "layer_post"]
@@ -446,9 +447,11 @@ class DecodeGraphs:
 
     def experts_in_graph(self, experts: torch.nn.Module, num_pairs: int, dtype: torch.dtype
                          ) -> tuple[torch.Tensor, torch.Tensor, str] | None:
-        """The routed experts' dense (w13, w2) and the strategy (``GRAPH_MOE_IMPLS``) when they run inside the
-        graph, else None (the caller runs ``experts`` eagerly, with their own strategy choice): dense-weight
-        experts, or MX experts whose dequantized layer is cached (``MXRoutedExperts.gather_weights``).
+        """The routed experts' (w13, w2) and the strategy (``GRAPH_MOE_IMPLS``) when they run inside the
+        graph, else None (the caller runs ``experts`` eagerly, with their own strategy choice): MX experts through
+        the fused kernel's op (``MXRoutedExperts.graph_weights``, up to ``GRAPH_EXACT_GATHER_MAX_PAIRS`` pairs where
+        the model verifies, else ``FUSED_GATHER_MAX_PAIRS``), dense-weight experts, or MX experts the user forced onto
+        a dequantized copy (``MXRoutedExperts.gather_weights``).
 
         A model that verifies (``exact_verify``) runs them inside on the gather path only, as eager experts
         do, for <= ``GRAPH_EXACT_GATHER_MAX_PAIRS`` token-expert pairs and not in reduced precision (``REDUCED_PRECISION``).
@@ -462,6 +465,12 @@ class DecodeGraphs:
                         else None)
         else:
             strategy = graph_moe_strategy(num_pairs, experts.num_experts, experts.topk)
+        mx = getattr(experts, "graph_weights", None)
+        # MX experts: the fused kernel as one op, batch-invariant and the very kernel eager decode runs: a token
+        # rounds alike in a decode and a verify graph, in any dtype (the op does its own rounding, inductor none)
+        mx_limit = GRAPH_EXACT_GATHER_MAX_PAIRS if self.exact_verify else FUSED_GATHER_MAX_PAIRS
+        if mx is not None and num_pairs <= mx_limit and (w := mx(dtype)) is not None:
+            return w
         fn = getattr(experts, "gather_weights", None)
         if strategy is None or fn is None:
             return None

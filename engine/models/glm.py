@@ -201,7 +201,7 @@ class GlmForCausalLM(nn.Module):
             logger.warning("tensor parallel (tp_size %d): decode steps run EAGERLY, not through compiled graphs "
                            "(the all_reduces between a layer's attention and FFN are not inside the graphs yet); "
                            "expect slower decode steps than a compiled tp_size 1 worker", self.parallel.tp_size)
-            enabled = False
+            enabled = False  # also: HeadWeights assume one rank holds the whole, unpadded vocab
         g = DecodeGraphs(True, self.lm_head.weight.device, exact_verify=self.has_mtp) if enabled else EAGER
         # only a model that never verifies reads it (``_run_stack``): no copy for one with MTP layers
         self._lm_narrow = narrow_copy(self.lm_head.weight) if enabled and not self.has_mtp else None

@@ -17,9 +17,11 @@ Strategies (registered by name in ``MOE_IMPLS``; all give the same result up to 
   batch-invariant (one GEMV per pair whatever T is): a 1-token decode and a 6-token speculative
   verify then round identically, which lossless greedy speculation needs (a 1-ulp difference can
   flip DSA's hard top-k).
-* ``fused_cpu``: bf16 on CPUs with AMX (``engine.moe.moe_cpu_kernel``, a C++ kernel): per block of one
-  expert's pairs, brgemm on prepacked VNNI weights with silu * up and the routing weight fused, then one
-  weighted sum per token; no per-expert torch ops. ``auto`` picks it from ``FUSED_CPU_MIN_PAIRS`` pairs.
+* ``fused_cpu``: bf16 on CPUs (``engine.moe.moe_cpu_kernel``, a C++ kernel): per block of one expert's pairs,
+  AMX brgemm on prepacked VNNI weights (ISA level amx) or a bf16 GEMM on the weights as stored (below it), with
+  silu * up and the routing weight fused, then one weighted sum per token; no per-expert torch ops. ``auto``
+  picks it from ``FUSED_CPU_MIN_PAIRS`` pairs where it was measured faster: amx, avx512, avx2, not avx512_bf16
+  (``moe_cpu_kernel.TORCH_LEVELS``).
 * ``dense``: every token through every expert (two batched GEMMs over the stacked weights, no copy),
   routing weights as a dense ``[T, E]`` matrix with zeros for unselected experts. Fastest for a few
   tokens on small E, but its GEMMs round differently at different T, so only by name (``--moe-impl``).
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.moe import moe_cpu_kernel
+from engine.moe import moe_cpu_kernel, mx_fused
 from engine.moe.router import Routing
 from engine.shapes import row_bucket
 
@@ -55,9 +57,9 @@ glm4_moe's layer (E=16, top-4, bf16): T=8 1,261 / 432 (padding 1.5), T=128 1,732
 (E=8, top-2, fp32) T=512 1,100 / 932."""
 
 FUSED_CPU_MIN_PAIRS = 17
-"""``auto`` runs ``fused_cpu`` (bf16, AMX, kernel built, layer small enough to keep its packed weights) from this
-many (token, expert) pairs: always above ``GATHER_MAX_PAIRS``, whose batch-invariant path decode and verify
-keep. It wins at every larger size measured: glm4_moe's layer (E=16, H=256, I=128, top-4, bf16, Xeon with AMX,
+"""``auto`` runs ``fused_cpu`` (bf16, kernel built and ``moe_cpu_kernel.available`` at this ISA level, layer small
+enough to keep its packed weights) from this many (token, expert) pairs: always above ``GATHER_MAX_PAIRS``, whose
+batch-invariant path decode and verify keep. On AMX it wins at every larger size measured: glm4_moe's layer (E=16, H=256, I=128, top-4, bf16, Xeon with AMX,
 the second core busy; ms per layer fused_cpu / grouped / sorted), 1 thread: T=5 (20 pairs) 0.14 / 0.54 / 1.36,
 T=16 0.26 / 0.71 / 1.99, T=64 0.25 / 0.91 / 2.14, T=256 0.53 / 1.68 / 2.43, T=1024 2.19 / 9.01 / 5.87,
 T=2048 4.24 / 20.8 / 11.7; 2 threads: T=16 0.29 / 0.51 / 1.85, T=256 0.35 / 1.11 / 2.37, T=2048 2.61 / 15.3 / 10.9."""
@@ -208,8 +210,9 @@ MOE_IMPLS: dict[str, MoEFn] = {"sorted": moe_sorted, "grouped": moe_grouped, "ga
 
 
 GRAPH_MOE_IMPLS: dict[str, MoEFn] = {"gather": moe_gather, "gather_fused": moe_gather_fused,
-                                     "dense": moe_dense_graph}
-"""Routed-expert strategies inside the compiled decode graphs (``FFNArgs.moe``)."""
+                                     "dense": moe_dense_graph, "mx_fused": mx_fused.moe_mx_fused}
+"""Routed-expert strategies inside the compiled decode graphs (``FFNArgs.moe``); ``mx_fused`` takes MX weights
+(``mx_fused.MXGraphWeights``) where the others take dense ones."""
 
 
 MX_ONLY_IMPLS = ("mx_sorted", "mx_grouped", "mx_gather", "mx_dense", "cached_sorted", "cached_gather", "cached_dense",

@@ -25,16 +25,20 @@ summation order):
 * ``mx_dense``    every token through every expert (one GEMM each side), routing weights as a dense
                   [T, E] mask: wasteful in FLOPs but branch-free; for a handful of tokens.
 * ``cached_sorted`` / ``cached_gather`` / ``cached_dense``  dequantize the whole layer once into a shared, bounded
-                  ``DequantCache`` (LRU over layers) and run the sorted/gather/dense math: fastest
-                  where memory allows, unavailable where it does not.
+                  ``DequantCache`` (LRU over layers) and run the sorted/gather/dense math. They break the
+                  memory contract of MX weights (a dense copy of every layer they touch), so they run only
+                  where the user forced one by name (``--moe-impl cached_gather``): only then do the layers
+                  get a cache (``engine.quant.prepare``), and without one ``can_run`` says no, whatever a
+                  tuned table or the compiled graphs would prefer.
 * ``fused_gather`` / ``fused_sorted`` / ``triton``  GEMMs from the codes themselves (engine.moe.mx_fused): the
                   CPU kernel for decode shapes, one transient dense expert at a time for prefill shapes, the
                   Triton grouped GEMM on ``cuda``. No dense copy of a layer ever exists.
 
 ``auto``: decode-sized batches (<= FALLBACK_GATHER_MAX_PAIRS pairs) run a batch-invariant strategy:
 ``fused_gather`` on CPU where the kernel builds, ``triton`` on ``cuda`` where Triton imports, else
-``cached_gather`` / ``mx_gather``. Larger batches pick from the tuned table (engine.moe.tuned_table; nearest
-token-count key) for this shape and device, or the untuned fallback with one WARNING per shape.
+``mx_gather``. Larger batches pick from the tuned table (engine.moe.tuned_table; nearest token-count key) for
+this shape and device, or the untuned fallback with one WARNING per shape; never a ``cached_*`` strategy
+(``AUTO_IMPLS``).
 ``last_impl`` names what ran.
 """
 from __future__ import annotations
@@ -140,6 +144,7 @@ class MXRoutedExperts(nn.Module):
         """Strategy the last forward ran (reported in worker metrics)."""
         self._table: dict[int, str] | None = None
         self._table_loaded = False
+        self._graph_weights: tuple | None = None
 
     # -- construction ------------------------------------------------------------------------
 
@@ -204,14 +209,27 @@ class MXRoutedExperts(nn.Module):
 
     def gather_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Dense (w13, w2) for running ``cached_gather`` elsewhere (the compiled decode graphs: bit for bit
-        ``_gather``'s math): automatic choice, no activation quantization, and the whole layer fits the
-        DequantCache. None otherwise. Compiled graphs
-        thus keep a dequantized copy where it fits (one graph for the whole step); eager decode runs the
-        fused kernel (``decode_impl``) and holds none."""
-        if self.impl != "auto" or self.act_spec is not None or not self.can_run("cached_gather", dtype):
+        ``_gather``'s math): only where the user forced ``cached_gather`` (a dense copy, by name), with no
+        activation quantization, and the whole layer fits the DequantCache. None otherwise: the MX layer then
+        keeps its 4-bit contract in the graphs too."""
+        if self.impl != "cached_gather" or self.act_spec is not None or not self.can_run("cached_gather", dtype):
             return None
         self.last_impl = "cached_gather"
         return self.dense_weights(dtype)
+
+    def graph_weights(self, dtype: torch.dtype) -> tuple[mx_fused.MXGraphWeights, mx_fused.MXGraphWeights, str] | None:
+        """The layer's MX weights for the compiled decode graphs' ``mx_fused`` strategy (the fused CPU kernel as
+        one op inside the graph, from the codes: no dense copy), where ``auto`` would run ``fused_gather``
+        eagerly: automatic choice, no activation quantization, the kernel runs here in ``dtype``. None
+        otherwise (the graphs then try ``gather_weights``, else run the layer eagerly)."""
+        if self.impl != "auto" or self.act_spec is not None or not self.can_run("fused_gather", dtype):
+            return None
+        if self._graph_weights is None:  # the buffers are frozen while compiled: one pair of handles
+            fmt, bs = self.spec.fmt.name, self.spec.block_size
+            self._graph_weights = (mx_fused.MXGraphWeights(self.w13_codes, self.w13_scales, fmt, bs),
+                                   mx_fused.MXGraphWeights(self.w2_codes, self.w2_scales, fmt, bs), "mx_fused")
+        self.last_impl = "fused_gather"
+        return self._graph_weights
 
     def qdq_act(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.act_spec is None else qdq_mx(x, self.act_spec)
@@ -258,14 +276,15 @@ class MXRoutedExperts(nn.Module):
             return self.decode_impl(dtype)
         if not self._table_loaded:
             dev = tuned_table.device_name(self.w13_codes.device)
-            self._table = tuned_table.load_table(self.shape, dev)
+            self._table = tuned_table.load_table(self.shape, dev,
+                                                 tuned_table.TableMeta.here(list(MX_MOE_IMPLS), self.w13_codes.device))
             self._table_loaded = True
             if self._table is None:
                 tuned_table.warn_untuned_once(self.shape, dev)
         fused = self.can_run("fused_gather", dtype, num_tokens)
         name = (tuned_table.nearest_impl(self._table, num_tokens) if self._table
                 else tuned_table.fallback_impl(num_tokens * self.topk, fused))
-        if name not in MX_MOE_IMPLS or not self.can_run(name, dtype, num_tokens):
+        if name not in AUTO_IMPLS or not self.can_run(name, dtype, num_tokens):  # the memory contract wins
             name = tuned_table.fallback_impl(num_tokens * self.topk, fused)
             if not self.can_run(name, dtype, num_tokens):
                 name = "mx_sorted"  # one expert dense at a time: always fits
@@ -273,8 +292,8 @@ class MXRoutedExperts(nn.Module):
 
     def decode_impl(self, dtype: torch.dtype) -> str:
         """``auto``'s batch-invariant strategy for decode-sized batches: the fused kernel of this device when
-        it runs here (no dense copy), else the dequantized layer from the cache, else per-step dequantizing."""
-        for name in ("fused_gather", "triton", "cached_gather"):
+        it runs here (no dense copy), else per-step dequantizing of the selected experts only."""
+        for name in ("fused_gather", "triton"):
             if self.can_run(name, dtype, 1):
                 return name
         return "mx_gather"
@@ -295,8 +314,7 @@ class MXRoutedExperts(nn.Module):
 
 
 def _swiglu(m: MXRoutedExperts, h: torch.Tensor) -> torch.Tensor:
-    I = m.inter
-    return m.qdq_act(F.silu(h[..., :I]) * h[..., I:])
+    return mx_fused.swiglu(h, m.qdq_act)
 
 
 class _Sorted:
@@ -419,6 +437,9 @@ MX_MOE_IMPLS: dict[str, MXMoEFn] = {
     "fused_sorted": mx_fused.fused_sorted,
     "triton": mx_triton.triton_moe,
 }
+AUTO_IMPLS = tuple(n for n in MX_MOE_IMPLS if not n.startswith("cached_"))
+"""The strategies ``auto`` may pick: every one that holds no dense copy of a layer (``cached_*`` run by name only,
+whatever a tuned table says)."""
 DENSE_TO_MX = {"sorted": "mx_sorted", "grouped": "mx_grouped", "gather": "mx_gather", "dense": "mx_dense",
                "fused_cpu": "auto"}
 """A dense strategy forced with ``--moe-impl`` maps to its MX analogue on quantized layers (``fused_cpu``, for

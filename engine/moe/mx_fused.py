@@ -19,13 +19,14 @@ back to bf16 after each GEMM, as a bf16 GEMM rounds its output). Other dtypes ar
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from engine.moe import mx_cpu_kernel
 from engine.moe.router import Routing
+from engine.quant.mx import get_mx_format
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 """Activation dtypes the fused strategies take."""
@@ -64,21 +65,69 @@ def combine(ys_sorted: torch.Tensor, groups: PairGroups, routing: Routing) -> to
     return (ys.view(T, K, -1) * routing.weights.unsqueeze(-1).to(ys.dtype)).sum(dim=1)
 
 
+def swiglu(h: torch.Tensor, qdq: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``h [..., 2I]`` (gate then up) -> ``qdq(silu(gate) * up)`` ``[..., I]``: every MX strategy's activation."""
+    inter = h.shape[-1] // 2
+    return qdq(F.silu(h[..., :inter]) * h[..., inter:])
+
+
 def _swiglu(m, h: torch.Tensor) -> torch.Tensor:
-    I = m.inter
-    return m.qdq_act(F.silu(h[:, :I]) * h[:, I:])
+    return swiglu(h, m.qdq_act)
 
 
 def fused_gather(m, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-    g = pair_groups(routing, m.num_experts)
-    spec = m.spec
-    xq = m.qdq_act(x).float()
-    h = mx_cpu_kernel.grouped_gemm(xq, g.tok, g.experts, g.starts, m.w13_codes, m.w13_scales, spec.fmt,
-                                   spec.block_size).to(x.dtype)  # [P, 2I]
-    a = _swiglu(m, h).float()  # [P, I], already in sorted order
-    y = mx_cpu_kernel.grouped_gemm(a, None, g.experts, g.starts, m.w2_codes, m.w2_scales, spec.fmt,
-                                   spec.block_size).to(x.dtype)  # [P, H]
+    return _gather(x, routing, MXGraphWeights(m.w13_codes, m.w13_scales, m.spec.fmt.name, m.spec.block_size),
+                   MXGraphWeights(m.w2_codes, m.w2_scales, m.spec.fmt.name, m.spec.block_size), m.qdq_act)
+
+
+class MXGraphWeights(NamedTuple):
+    """One MX weight of a layer (``w13`` or ``w2``) as the compiled decode graphs take it (``FFNArgs.w13`` /
+    ``w2`` with strategy ``mx_fused``): the codes, their E8M0 scales, and the format's name and block size."""
+
+    codes: torch.Tensor
+    """[E, N, packed(K)] uint8."""
+    scales: torch.Tensor
+    """[E, N, K / block_size] uint8."""
+    fmt: str
+    block_size: int
+
+
+def _gather(x: torch.Tensor, routing: Routing, w13: MXGraphWeights, w2: MXGraphWeights,
+            qdq: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fused_gather``'s math on tensors: ``x [T, H]`` -> ``[T, H]``; ``qdq`` quantizes the GEMM inputs."""
+    fmt, bs = get_mx_format(w13.fmt), w13.block_size
+    g = pair_groups(routing, w13.codes.shape[0])
+    h = mx_cpu_kernel.grouped_gemm(qdq(x).float(), g.tok, g.experts, g.starts, w13.codes, w13.scales, fmt,
+                                   bs).to(x.dtype)  # [P, 2I]
+    a = swiglu(h, qdq).float()  # [P, I], already in sorted order
+    y = mx_cpu_kernel.grouped_gemm(a, None, g.experts, g.starts, w2.codes, w2.scales, fmt, bs).to(x.dtype)  # [P, H]
     return combine(y, g, routing)
+
+
+def _no_qdq(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@torch.library.custom_op("pdserve_cpu::mx_fused_gather", mutates_args=())
+def mx_fused_gather_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13_codes: torch.Tensor,
+                       w13_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor, fmt: str,
+                       block_size: int) -> torch.Tensor:
+    """``fused_gather`` (no activation quantization) as one opaque op, so the compiled decode graphs run the MX
+    kernel from the codes (its data-dependent pair grouping inside, out of the tracer's sight) and hold no dense
+    copy; and, being the very kernel eager decode runs, round exactly as eager decode does."""
+    return _gather(x, Routing(ids, weights), MXGraphWeights(w13_codes, w13_scales, fmt, block_size),
+                   MXGraphWeights(w2_codes, w2_scales, fmt, block_size), _no_qdq)
+
+
+@mx_fused_gather_op.register_fake
+def _(x, ids, weights, w13_codes, w13_scales, w2_codes, w2_scales, fmt, block_size):
+    return torch.empty_like(x)
+
+
+def moe_mx_fused(x: torch.Tensor, w13: MXGraphWeights, w2: MXGraphWeights, routing: Routing) -> torch.Tensor:
+    """The graphs' ``mx_fused`` strategy (``engine.moe.experts.GRAPH_MOE_IMPLS``)."""
+    return mx_fused_gather_op(x, routing.ids, routing.weights, w13.codes, w13.scales, w2.codes, w2.scales, w13.fmt,
+                              w13.block_size)
 
 
 def fused_sorted(m, x: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -6,16 +6,15 @@ Off the serving path: no worker imports this module (the run-time lookup is ``en
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
-from engine.moe.mx_experts import MX_MOE_IMPLS, DequantCache, MXRoutedExperts
+from engine.moe.mx_experts import AUTO_IMPLS, MX_MOE_IMPLS, DequantCache, MXRoutedExperts
 from engine.moe.router import Routing
-from engine.moe.tuned_table import TUNED_DIR, MoEShape, _read_table, device_name
+from engine.moe.tuned_table import TUNED_DIR, MoEShape, TableMeta, _read_table, device_name, table_json
 from engine.quant.mx import MXSpec, get_mx_format
 
 DROP_FACTOR = 20.0
@@ -30,6 +29,7 @@ class ShapeTuneResult(NamedTuple):
     """num_tokens -> impl -> best-of-reps seconds per forward."""
     skipped: list[str]
     """Why token counts or impls were left out (time limit, memory)."""
+    device_type: str = "cpu"
 
     @property
     def best(self) -> dict[int, str]:
@@ -67,9 +67,10 @@ def tune_shape(shape: MoEShape, token_counts: Iterable[int] = DEFAULT_TOKEN_COUN
     dev = torch.device(device)
     dname = device_name(dev)
     skipped: list[str] = []
-    module = MXRoutedExperts.random(shape, MXSpec(get_mx_format(shape.dtype)), device=dev,
-                                    cache=DequantCache(DequantCache.default_budget(dev)))
-    names = [n for n in (impls or MX_MOE_IMPLS) if n in MX_MOE_IMPLS]
+    # by default the strategies ``auto`` may run (cached_* hold a dense layer: only timed when named)
+    names = [n for n in (impls or AUTO_IMPLS) if n in MX_MOE_IMPLS]
+    cache = DequantCache(DequantCache.default_budget(dev)) if any(n.startswith("cached_") for n in names) else None
+    module = MXRoutedExperts.random(shape, MXSpec(get_mx_format(shape.dtype)), device=dev, cache=cache)
     timings: dict[int, dict[str, float]] = {}
     dropped: set[str] = set()
     x_all = torch.randn(max(token_counts), shape.hidden, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
@@ -102,7 +103,7 @@ def tune_shape(shape: MoEShape, token_counts: Iterable[int] = DEFAULT_TOKEN_COUN
             if rest:
                 skipped.append(f"T>{t}: fastest run took {min(row.values()):.1f}s > max_run_s={max_run_s}")
             break
-    return ShapeTuneResult(shape, dname, timings, skipped)
+    return ShapeTuneResult(shape, dname, timings, skipped, dev.type)
 
 
 def write_table(result: ShapeTuneResult, out_dir: str = TUNED_DIR) -> str:
@@ -110,7 +111,6 @@ def write_table(result: ShapeTuneResult, out_dir: str = TUNED_DIR) -> str:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, result.shape.file_name(result.device))
     with open(path, "w") as f:
-        json.dump({str(t): impl for t, impl in sorted(result.best.items())}, f, indent=2)
-        f.write("\n")
+        f.write(table_json(TableMeta.here(list(MX_MOE_IMPLS), result.device_type), result.best))
     _read_table.cache_clear()
     return path

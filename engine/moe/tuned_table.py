@@ -1,27 +1,38 @@
 """Tuned MoE implementation tables: which routed-expert strategy to run for a token count.
 
-Like vLLM's ``configs/E={E},N={N},device_name={name}.json``: one JSON file per (shape, device),
-``{"<num_tokens>": "<impl name>"}``, the nearest token-count key wins. Files ship in
-``engine/moe/tuned/`` (package data) and are written by ``pdserve tune-moe`` (``engine.moe.tune``, which serving never imports).
+Like vLLM's ``configs/E={E},N={N},device_name={name}.json``: one JSON file per (shape, device), the nearest
+token-count key wins. Files ship in ``engine/moe/tuned/`` (package data) and are written by ``pdserve tune-moe``
+(``engine.moe.tune``, which serving never imports). A CPU's device name carries its ISA class as well as its
+model name (``cpu_AMD_EPYC_avx2`` and ``cpu_AMD_EPYC_avx512_bf16`` are different machines to a kernel).
 
-A shape with no table on this device logs ONE loud WARNING naming the shape and the fallback
-(the reference deployment's fp4 MoE silently ran a default until someone tuned it), then uses
-``fallback_impl``: the gather path up to ``FALLBACK_GATHER_MAX_PAIRS`` (token, expert) pairs,
-else the sorted path.
+A file records what it was measured with (``TableMeta``: format version, the strategy set's ``kernel_set`` hash,
+the ISA class, the CPU model, torch's version) beside its ``{"<num_tokens>": "<impl name>"}`` table. A table
+measured with another strategy set or ISA (or in the old bare format, which recorded neither) is IGNORED, with
+ONE WARNING naming the file, what it records and what runs here: a timing table of other kernels must not pick
+for these (the inverse of the reference deployment's trap, where a table that did not match the kernels made
+its fp4 MoE take a slow default silently). ``pdserve tune-moe`` rewrites it.
+
+A shape with no usable table on this device logs ONE loud WARNING naming the shape and the fallback, then uses
+``fallback_impl``: the gather path up to ``FALLBACK_GATHER_MAX_PAIRS`` (token, expert) pairs, else the sorted path.
+
+Whatever a table says, the memory contract of MX experts wins (``engine.moe.mx_experts``): a strategy that holds
+a dense copy of a layer (``cached_*``) runs only where the user asked for it by name.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
 import platform
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
+from engine import cpu_ext
 from engine.moe.experts import GATHER_MAX_PAIRS
 from engine.quant.mx import get_mx_format
 
@@ -99,13 +110,19 @@ def parse_shape(text: str, dtype: str = "mxfp4") -> MoEShape:
 
 
 def device_name(device: torch.device | str = "cpu") -> str:
-    """The table's device key: the GPU's name, or ``cpu_<CPU model>``, spaces as underscores."""
+    """The table's device key: the GPU's name, or ``cpu_<CPU model>_<ISA class>``, spaces as underscores."""
     dev = torch.device(device)
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
     else:
-        name = "cpu_" + _cpu_model()
+        name = f"cpu_{_cpu_model()}_{isa_class(dev)}"
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name.strip()).strip("_")
+
+
+def isa_class(device: torch.device | str = "cpu") -> str:
+    """The ISA level our CPU kernels run at in this process (``engine.cpu_ext.isa``: the host's, or a lower one
+    forced by ``PDSERVE_CPU_ISA``); ``cuda`` for a GPU."""
+    return "cuda" if torch.device(device).type == "cuda" else cpu_ext.isa()
 
 
 @functools.cache
@@ -124,21 +141,82 @@ def _cpu_model() -> str:
 # Lookup at run time
 
 
+TABLE_FORMAT = 2
+"""Version of the file layout (``TableMeta`` + ``impls``); version 1 was the bare ``{tokens: impl}`` dict."""
+KERNEL_SET_VERSION = 2
+"""Bumped when a strategy's kernel changes what it costs (a new kernel, a new code path in one): the tables
+measured before then no longer describe these kernels. 2: the fused MX CPU kernels (fused_gather / fused_sorted)
+and ISA-classed device names."""
+
+
+def kernel_set(impl_names: Sequence[str]) -> str:
+    """Hash of the strategy set a table chooses from (the names and ``KERNEL_SET_VERSION``)."""
+    text = f"{KERNEL_SET_VERSION}:" + ",".join(sorted(impl_names))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True, slots=True)
+class TableMeta:
+    """What a table was measured with; a table is used only where ``kernel_set`` and ``isa`` match here."""
+
+    kernel_set: str
+    """``kernel_set()`` of the strategies it timed."""
+    isa: str
+    """``isa_class()`` of the device it was measured on."""
+    cpu: str = ""
+    """The CPU model (or GPU name), for people reading the file."""
+    torch: str = ""
+    """torch's version when measured, for people reading the file."""
+
+    @staticmethod
+    def here(impl_names: Sequence[str], device: torch.device | str = "cpu") -> "TableMeta":
+        dev = torch.device(device)
+        cpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model()
+        return TableMeta(kernel_set(impl_names), isa_class(dev), cpu, torch.__version__)
+
+
+class Table(NamedTuple):
+    """A table file's contents: its ``meta`` (None: the old bare format) and ``{num_tokens: impl}``."""
+
+    meta: TableMeta | None
+    impls: dict[int, str]
+
+
+def table_json(meta: TableMeta, impls: dict[int, str]) -> str:
+    """A table file's text."""
+    body = {"format": TABLE_FORMAT, "kernel_set": meta.kernel_set, "isa": meta.isa, "cpu": meta.cpu,
+            "torch": meta.torch, "impls": {str(t): impl for t, impl in sorted(impls.items())}}
+    return json.dumps(body, indent=2) + "\n"
+
+
 @functools.lru_cache(maxsize=256)
-def _read_table(path: str) -> dict[int, str] | None:
+def _read_table(path: str) -> Table | None:
     if not os.path.exists(path):
         return None
     with open(path) as f:
         raw = json.load(f)
-    return {int(k): str(v) for k, v in raw.items()}
+    if "impls" not in raw:  # format 1: {tokens: impl}, measured with whatever kernels existed then
+        return Table(None, {int(k): str(v) for k, v in raw.items()})
+    meta = TableMeta(str(raw.get("kernel_set", "")), str(raw.get("isa", "")), str(raw.get("cpu", "")),
+                     str(raw.get("torch", "")))
+    return Table(meta, {int(k): str(v) for k, v in raw["impls"].items()})
 
 
-def load_table(shape: MoEShape, device: str, dirs: Sequence[str] | None = None) -> dict[int, str] | None:
-    """The tuned ``{num_tokens: impl}`` table for ``shape`` on ``device`` (a device_name), or None."""
+def load_table(shape: MoEShape, device: str, want: TableMeta | None = None,
+               dirs: Sequence[str] | None = None) -> dict[int, str] | None:
+    """The tuned ``{num_tokens: impl}`` table for ``shape`` on ``device`` (a device_name), or None. With ``want``
+    (what runs here), a table whose kernel set or ISA differs, or that does not say, is skipped with ONE WARNING
+    naming it (``warn_stale_once``)."""
     for d in TABLE_DIRS if dirs is None else dirs:
-        table = _read_table(os.path.join(d, shape.file_name(device)))
-        if table:
-            return table
+        path = os.path.join(d, shape.file_name(device))
+        table = _read_table(path)
+        if not table or not table.impls:
+            continue
+        if want is not None and (table.meta is None or (table.meta.kernel_set, table.meta.isa)
+                                 != (want.kernel_set, want.isa)):
+            warn_stale_once(path, shape, table.meta, want, device)
+            continue
+        return table.impls
     return None
 
 
@@ -161,6 +239,21 @@ def fallback_impl(num_pairs: int, fused: bool = False) -> str:
 
 
 _warned: set[str] = set()
+
+
+def warn_stale_once(path: str, shape: MoEShape, got: TableMeta | None, want: TableMeta, device: str) -> bool:
+    """Log, once per file, that the table at ``path`` was measured with other kernels and is ignored (and no
+    untuned-shape WARNING for the same shape after it: one WARNING says it)."""
+    if path in _warned:
+        return False
+    _warned.update((path, shape.key(device)))
+    was = ("the old format, which records no kernel set or ISA" if got is None
+           else f"kernel set {got.kernel_set} on {got.isa or '?'} ({got.cpu or '?'}, torch {got.torch or '?'})")
+    logger.warning(
+        "ignoring tuned MoE table %s: it was measured with %s, this process runs kernel set %s on %s; its choices "
+        "do not describe these kernels. Rewrite it with `pdserve tune-moe --shapes %d,%d,%d,%d --dtype %s`",
+        path, was, want.kernel_set, want.isa, shape.hidden, shape.inter, shape.num_experts, shape.topk, shape.dtype)
+    return True
 
 
 def warn_untuned_once(shape: MoEShape, device: str) -> bool:

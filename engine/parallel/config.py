@@ -15,8 +15,16 @@ routed experts, ``moe_parallel="tp"``  each expert's       summed into the FFN's
                                        intermediate dim
 routed experts, ``moe_parallel="ep"``  whole experts       summed into the FFN's all_reduce
 router (gate, correction bias)         replicated          routing identical on every rank
-embed_tokens, lm_head                  vocab rows          all_reduce (embedding), all_gather (logits)
+embed_tokens, lm_head                  padded vocab rows   all_reduce (embedding), all_gather (logits)
 =====================================  ==================  ===========================================
+
+Any vocabulary splits (as vLLM's ``VocabParallelEmbedding`` and SGLang's): the embedding and LM head are built
+with ``padded_vocab_size`` rows, the next multiple of ``tp_size``, so rank r holds ids
+``vocab_split(V) = [r*Vp/tp, (r+1)*Vp/tp)``. The rows past ``vocab_size`` are zeros (``engine.parallel.shard``)
+that no id looks up (every input id is checked against ``vocab_size``), and the logits all_gather keeps only
+the first ``vocab_size`` columns: every consumer (sampling, logprobs, speculative verify, the MTP draft) sees
+``[N, vocab_size]`` logits, so a padded id can never be sampled or reported. Every other split dimension must
+divide (``validate``).
 """
 from __future__ import annotations
 
@@ -61,7 +69,7 @@ class ParallelConfig:
         tp = self.tp_size
         if tp == 1:
             return
-        checks = [("num_attention_heads", cfg.num_attention_heads), ("vocab_size", cfg.vocab_size)]
+        checks = [("num_attention_heads", cfg.num_attention_heads)]  # the vocab is padded (padded_vocab_size)
         if not cfg.is_mla:
             checks.append(("num_key_value_heads", cfg.num_key_value_heads))
         if "dense" in cfg.mlp_layer_types:
@@ -88,7 +96,8 @@ class ParallelConfig:
     def rank_config(self, cfg: ModelConfig) -> ModelConfig:
         """``cfg`` with every dimension split across ranks divided by ``tp_size``: the shapes of this rank's
         modules (heads, KV heads, intermediate sizes; the routed experts' width under ``tp`` MoE). The vocab
-        and the expert count stay whole (the embedding, LM head and EP experts are built from this config)."""
+        and the expert count stay whole (the embedding and LM head take ``vocab_split``, the EP experts
+        ``split`` of this config's counts)."""
         if self.tp_size == 1:
             return cfg
         tp = self.tp_size
@@ -103,6 +112,15 @@ class ParallelConfig:
         """This rank's contiguous share of ``n`` items (``n`` divisible by ``tp_size``)."""
         k = n // self.tp_size
         return slice(self.tp_rank * k, (self.tp_rank + 1) * k)
+
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        """``vocab_size`` rounded up to a multiple of ``tp_size``: the rows of the split embedding and LM head
+        (311 at tp_size 2 -> 312; unchanged at tp_size 1)."""
+        return -(-vocab_size // self.tp_size) * self.tp_size
+
+    def vocab_split(self, vocab_size: int) -> slice:
+        """This rank's ids of the padded vocabulary (the last rank's may run past ``vocab_size``: padding)."""
+        return self.split(self.padded_vocab_size(vocab_size))
 
 
 SINGLE_RANK = ParallelConfig()

@@ -135,15 +135,19 @@ def all_reduce_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def all_gather_last(t: torch.Tensor) -> torch.Tensor:
+def all_gather_last(t: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """``t [..., n]`` on every rank -> ``[..., tp_size * n]``, rank r's slice at ``[r*n, (r+1)*n)`` (a no-op at
-    tp_size 1)."""
+    tp_size 1). ``width``: keep only the first ``width`` columns (the padded vocabulary's logits -> exactly
+    ``vocab_size``), cut from the parts before the one concatenation (no second copy)."""
     s = _active()
     if s is None:
         return t
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(s.pc.tp_size)]
     dist.all_gather(parts, t)
+    if width is not None:
+        n = t.shape[-1]
+        parts = [p[..., :max(0, min(n, width - r * n))] for r, p in enumerate(parts)]
     out = torch.cat(parts, dim=-1)
     s.stats.num_all_gather += 1
     s.stats.all_gather_bytes += out.numel() * out.element_size()

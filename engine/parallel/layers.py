@@ -44,12 +44,13 @@ from engine.parallel.group import all_gather_last, all_reduce_
 
 
 class VocabParallelEmbedding(nn.Module):
-    """``nn.Embedding`` whose rows are split over the ranks: rank r holds ids ``[r*V/tp, (r+1)*V/tp)``; ids of
+    """``nn.Embedding`` whose rows are split over the ranks: rank r holds ids ``pc.vocab_split(V)`` of the vocab
+    padded to a multiple of tp_size (the rows past ``V`` are zeros no id looks up: input ids are < V); ids of
     other ranks look up zeros and the all_reduce fills them in (exact: one nonzero term per element)."""
 
     def __init__(self, vocab_size: int, hidden: int, pc: ParallelConfig) -> None:
         super().__init__()
-        own = pc.split(vocab_size)
+        own = pc.vocab_split(vocab_size)
         self.first, self.num_rows = own.start, own.stop - own.start
         self.weight = nn.Parameter(torch.empty(self.num_rows, hidden))
 
@@ -61,16 +62,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """The LM head with its vocab rows split over the ranks: each computes its logits slice, the all_gather
-    hands every rank the full ``[N, V]`` logits (rank order = vocab order)."""
+    """The LM head with its (padded) vocab rows split over the ranks as ``VocabParallelEmbedding``'s: each
+    computes its logits slice, the all_gather hands every rank the full ``[N, V]`` logits (rank order = vocab
+    order) and drops the padding's columns, so no consumer ever sees a padded id."""
 
     def __init__(self, vocab_size: int, hidden: int, pc: ParallelConfig) -> None:
         super().__init__()
-        own = pc.split(vocab_size)
+        own = pc.vocab_split(vocab_size)
+        self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(own.stop - own.start, hidden))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return all_gather_last(F.linear(hidden, self.weight))
+        return all_gather_last(F.linear(hidden, self.weight), self.vocab_size)  # [N, V]
 
 
 def ep_experts(moe: MoE, x: torch.Tensor, routing: Routing) -> torch.Tensor:

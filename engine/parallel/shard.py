@@ -9,7 +9,8 @@ while it is read. Rules, by parameter name (first match):
 =============================================================  ==========================================
 parameter                                                      rank r keeps
 =============================================================  ==========================================
-``model.embed_tokens.weight``, ``lm_head.weight``              vocab rows ``split(V)`` (dim 0)
+``model.embed_tokens.weight``, ``lm_head.weight``              vocab rows ``vocab_split(V)`` (dim 0),
+                                                               zero rows past V (the padding)
 ``*.q_b_proj.weight``, ``*.kv_b_proj.weight``,                 output rows ``split(rows)`` (dim 0):
 ``*.{q,k,v}_proj.{weight,bias}``, ``*.{gate,up}_proj.weight``  whole heads / intermediate units
 ``*.o_proj.weight``, ``*.down_proj.weight``                    input columns ``split(cols)`` (dim 1)
@@ -29,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
-from engine.loader import ShardFn, Target
+from engine.loader import CheckpointError, ShardFn, Target
 from engine.parallel.config import ParallelConfig
 
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
@@ -44,6 +45,18 @@ EXPERT_W2 = (".experts.w2", ".experts.w2_codes", ".experts.w2_scales")
 def _split(t: torch.Tensor, dim: int, pc: ParallelConfig) -> torch.Tensor:
     s = pc.split(t.shape[dim])
     return t.narrow(dim, s.start, s.stop - s.start)
+
+
+def vocab_rows(name: str, t: torch.Tensor, vocab_size: int, pc: ParallelConfig) -> torch.Tensor:
+    """Rank ``pc.tp_rank``'s rows of the ``[V, H]`` embedding / LM head ``name``, zero rows filling its share of
+    the padded vocabulary past ``V`` (``ParallelConfig.padded_vocab_size``)."""
+    if t.shape[0] != vocab_size:  # padding would hide it: say so, as tp_size 1's shape check would
+        raise CheckpointError(f"shape mismatch for checkpoint tensor {name!r}: {t.shape[0]} rows, the config's "
+                              f"vocab_size is {vocab_size}")
+    own = pc.vocab_split(vocab_size)
+    real = t[own.start:min(own.stop, vocab_size)]
+    pad = own.stop - own.start - real.shape[0]
+    return real if pad == 0 else torch.cat([real, real.new_zeros(pad, *t.shape[1:])])
 
 
 def shard_fn(cfg: ModelConfig, pc: ParallelConfig) -> ShardFn | None:
@@ -78,7 +91,9 @@ def shard_fn(cfg: ModelConfig, pc: ParallelConfig) -> ShardFn | None:
             if pc.moe_parallel == "ep":
                 return experts_ep(target, t)
             return experts_tp(target, t, name.endswith(EXPERT_W13))
-        if name in VOCAB or name.endswith(COLUMN):
+        if name in VOCAB:
+            return target, vocab_rows(name, t, cfg.vocab_size, pc)
+        if name.endswith(COLUMN):
             return target, _split(t, 0, pc)
         if name.endswith(ROW):
             return target, _split(t, 1, pc)

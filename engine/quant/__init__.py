@@ -25,15 +25,4 @@ __all__ = [
     "dequantize_mx",
     "get_mx_format",
     "quantize_mx",
-    "prepare_model_for_checkpoint",
 ]
-
-
-def prepare_model_for_checkpoint(model, cfg, model_dir):
-    """Swap routed experts to MX where ``model_dir`` is a quantized (Quark-layout) checkpoint and
-    return the loader's extra rules ([] for an unquantized one); see engine.quant.prepare.
-
-    Imported lazily: engine.quant.prepare needs engine.moe.mx_experts, which needs engine.quant.mx.
-    """
-    from engine.quant.prepare import prepare_model_for_checkpoint as prepare  # lazy: safetensors, triton
-    return prepare(model, cfg, model_dir)

@@ -22,6 +22,11 @@ from typing import NamedTuple, Sequence
 import torch
 
 from engine.batch import BatchRequest, ForwardBatch
+from engine.kvcache import KVLayout, KVPool
+from engine.load import load_model
+from engine.offline import Engine
+from engine.quant.prepare import quantized_experts
+from engine.quant.quantize import quantize_checkpoint
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -79,7 +84,6 @@ class QuantEvalReport(NamedTuple):
 
 def all_logits(model, cfg, ids: Sequence[int]) -> torch.Tensor:
     """Logits [T, V] (fp32) at every position of ``ids`` in one prefill on a fresh KV pool."""
-    from engine.kvcache import KVLayout, KVPool  # lazy: numpy
     page = 16
     dev = model.lm_head.weight.device
     pool = KVPool(KVLayout.for_model(cfg, page, "float32"), -(-len(ids) // page) + 1, device=dev)
@@ -111,7 +115,6 @@ def eval_token_ids(model_dir: str, model, cfg, text_path: str | None, num_tokens
             return ids, f"tokenizer.json on {text_path or 'the built-in held-out text'}"
     if text_path is not None and tok is None:
         raise ValueError(f"--text needs a tokenizer.json in {model_dir}")
-    from engine.offline import Engine  # lazy: numpy
     start = cfg.bos_token_id if cfg.bos_token_id is not None else 0
     eng = Engine(model, cfg, num_pages=num_tokens // 16 + 8)
     params = SamplingParams(max_tokens=num_tokens - 1, temperature=1.0, seed=0, ignore_eos=True)
@@ -122,9 +125,6 @@ def eval_token_ids(model_dir: str, model, cfg, text_path: str | None, num_tokens
 def evaluate_quant(model_dir: str, formats: Sequence[str], text_path: str | None = None, num_tokens: int = 512,
                    scale_mode: str = "even", device: str = "cpu", progress: bool = False) -> QuantEvalReport:
     """Quantize ``model_dir`` to each of ``formats`` and compare against the unquantized model."""
-    from engine.load import load_model  # lazy: numpy, safetensors
-    from engine.quant.prepare import quantized_experts  # lazy: safetensors, triton
-    from engine.quant.quantize import quantize_checkpoint  # lazy: safetensors, tqdm
     if num_tokens < 2:
         raise ValueError(f"num_tokens must be >= 2, got {num_tokens}")
     ref_model, cfg = load_model(model_dir, "float32", device)

@@ -208,14 +208,14 @@ def prepare_model_for_checkpoint(model: nn.Module, cfg: ModelConfig, model_dir: 
         parent = model.get_submodule(parent_name)
         old: RoutedExperts = getattr(parent, attr)
         device = old.w13.device
-        if cache is None:
-            cache = DequantCache(DequantCache.default_budget(device))
         impl = DENSE_TO_MX.get(old.impl, old.impl)
+        if cache is None and impl.startswith("cached_"):  # the user asked for a dense copy by name: only then
+            cache = DequantCache(DequantCache.default_budget(device))
         num_experts, two_inter, hidden = old.w13.shape  # this rank's shape (engine.parallel splits I or E)
         setattr(parent, attr, MXRoutedExperts(num_experts, hidden, two_inter // 2, old.topk, plan.quant.weight,
                                               plan.quant.input, impl=impl, device=device, cache=cache))
     n_mx = len(mx_prefixes)
-    if cache is not None and cache_device_is_cpu(model):
+    if n_mx and cache_device_is_cpu(model):
         mx_cpu_kernel.available()  # build the fused kernel (or warn) while loading, not at the first request
     logger.info("%s: %d of %d routed-experts modules are MX (%s)", model_dir, n_mx, len(plans),
                 ", ".join(sorted({p.quant.weight.fmt.name for p in plans if p.quant})) or "none")

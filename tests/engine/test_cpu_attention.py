@@ -1,17 +1,27 @@
 """Our causal bf16 prefill attention kernel (engine/layers/csrc/prefill_attention.cpp) against float64
-attention, and inside a bf16 GQA model: prompts and chunks over a cached prefix run it, decode steps do not."""
+attention at every ISA level up to this CPU's (each its own build and GEMM route: ``level``), and inside a bf16 GQA
+model: prompts and chunks over a cached prefix run it, decode steps do not."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine import cpu_ext
+from isa_levels import usable_level
 from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache import KVLayout, KVPool
 from engine.layers import cpu_attention
 from engine.load import load_model
 
-pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None,
-                                reason="no AMX on this CPU (or no C++ compiler): torch's SDPA runs prompts")
+host_kernel = pytest.mark.skipif(cpu_attention.kernel() is None,
+                                 reason=f"no kernel at ISA level {cpu_ext.isa()} (or no C++ compiler): torch's SDPA "
+                                        f"runs prompts")
+"""For the tests of the kernel this process serves with; the ``level`` tests build and check every level up to
+this CPU's that has one (a level in ``TORCH_LEVELS`` serves with SDPA, the levels below it still run the kernel)."""
+
+
+@pytest.fixture(params=cpu_ext.ISA_LEVELS, scope="module")
+def level(request):
+    return usable_level(request.param, cpu_attention.kernel, "prompts run torch's SDPA at ISA level {}")
 
 
 def reference(q, k, v, scale):
@@ -40,18 +50,18 @@ def torch_bf16(q, k, v, scale):
     (513, 513, 4, 2, 64, 64), (300, 1100, 4, 2, 64, 64), (1, 700, 8, 8, 64, 64), (37, 600, 8, 1, 96, 64),
     (1030, 1030, 6, 3, 128, 128), (200, 200, 4, 2, 16, 16),
 ])
-def test_kernel_equals_attention(T, S, H, Hk, D, Dv):
+def test_kernel_equals_attention(T, S, H, Hk, D, Dv, level):
     torch.manual_seed(T * 7 + S)
     q, k, v = torch.randn(T, H, D).bfloat16(), torch.randn(S, Hk, D).bfloat16(), torch.randn(S, Hk, Dv).bfloat16()
     scale = D ** -0.5
     ref = reference(q, k, v, scale)
-    ours = (cpu_attention.causal_attention(q, k, v, scale).double() - ref).abs().max().item()
+    ours = (cpu_attention.causal_attention(q, k, v, scale, level).double() - ref).abs().max().item()
     theirs = (torch_bf16(q, k, v, scale).double() - ref).abs().max().item()
     # both round P and the output to bf16: within torch's own error (plus an output ulp of slack)
     assert ours <= theirs * 1.5 + 8e-3, (ours, theirs)
 
 
-def test_kernel_rescales_when_later_keys_score_higher():
+def test_kernel_rescales_when_later_keys_score_higher(level):
     """Scores that grow along the keys by far more than the kernel's lazy-rescale margin (2^16): rows move their
     reference max many times and must still match."""
     torch.manual_seed(0)
@@ -60,12 +70,12 @@ def test_kernel_rescales_when_later_keys_score_higher():
     k = (torch.randn(T, Hk, D).abs() * torch.linspace(0.1, 8, T)[:, None, None]).bfloat16()
     v = torch.randn(T, Hk, D).bfloat16()
     ref = reference(q, k, v, 0.125)
-    ours = (cpu_attention.causal_attention(q, k, v, 0.125).double() - ref).abs().max().item()
+    ours = (cpu_attention.causal_attention(q, k, v, 0.125, level).double() - ref).abs().max().item()
     theirs = (torch_bf16(q, k, v, 0.125).double() - ref).abs().max().item()
     assert ours <= theirs * 1.5 + 8e-3, (ours, theirs)
 
 
-def test_kernel_takes_strided_views():
+def test_kernel_takes_strided_views(level):
     """q / k / v as column slices of one fused projection output (row stride > heads * dim)."""
     torch.manual_seed(0)
     T, H, Hk, D = 300, 4, 2, 32
@@ -73,11 +83,12 @@ def test_kernel_takes_strided_views():
     q = qkv[:, :H * D].view(T, H, D)
     k = qkv[:, H * D:(H + Hk) * D].view(T, Hk, D)
     v = qkv[:, (H + Hk) * D:].view(T, Hk, D)
-    got = cpu_attention.causal_attention(q, k, v, 0.2)
-    want = cpu_attention.causal_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.2)
+    got = cpu_attention.causal_attention(q, k, v, 0.2, level)
+    want = cpu_attention.causal_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.2, level)
     assert torch.equal(got, want)
 
 
+@host_kernel
 def test_kernel_rejects_what_it_cannot_compute():
     q = torch.randn(8, 4, 64).bfloat16()
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -90,8 +101,18 @@ def test_kernel_rejects_what_it_cannot_compute():
         cpu_attention.causal_attention(q.transpose(1, 2).contiguous().transpose(1, 2), q, q, 1.0)
     assert not cpu_attention.usable(q.float(), q.float(), q.float())
     assert not cpu_attention.usable(q, q, q)  # too few queries to pay
-    long = torch.randn(cpu_attention.MIN_TOKENS, 4, 64).bfloat16()
-    assert cpu_attention.usable(long, long, long) == cpu_ext.has_amx()
+    long = torch.randn(cpu_attention.min_tokens(), 4, 64).bfloat16()
+    assert cpu_attention.usable(long, long, long)
+
+
+@host_kernel
+def test_path_names_the_route():
+    """``path``: amx (brgemm) only at level amx where torch can pack bf16; the level's gemm route below it."""
+    lv = cpu_ext.isa()
+    if lv == "amx":
+        assert cpu_attention.path() == ("amx" if cpu_attention.kernel().could_pack() else "avx512_bf16")
+    else:
+        assert cpu_attention.path() == lv
 
 
 def _prompt_then_chunk_then_decode(model_dir, dtype, ids):
@@ -104,6 +125,7 @@ def _prompt_then_chunk_then_decode(model_dir, dtype, ids):
     return torch.cat(logits).float()
 
 
+@host_kernel
 def test_bf16_model_prompts_run_the_kernel(tiny_dirs, monkeypatch):
     """A bf16 GQA prompt, and a chunk over its cached prefix, run the kernel (a decode step keeps SDPA), and
     the logits are as close to the fp32 model's as with SDPA."""
@@ -123,6 +145,7 @@ def test_bf16_model_prompts_run_the_kernel(tiny_dirs, monkeypatch):
     assert err_ours.max() <= 1.5 * err_sdpa.max() + 1e-2, (err_ours.max(), err_sdpa.max())
 
 
+@host_kernel
 def test_bf16_batch_of_prompts_runs_the_kernel_per_request(tiny_dirs, monkeypatch):
     """A prefill step of two requests (a fresh 80-token prompt and a 66-token chunk over a 70-token cached
     prefix), as the prefill worker batches them: one kernel call per request and layer, each over its own keys,

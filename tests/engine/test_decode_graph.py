@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache import KVLayout, KVPool
 from engine.load import load_model
+from engine.quant.prepare import expert_memory
 from engine.sampling import SamplingParams
 from engine.speculative import SpecConfig, SpecEngine
 from engine.layers.decode_graph import GRAPH_EXACT_GATHER_MAX_PAIRS
@@ -79,8 +80,8 @@ def test_compiled_step_matches_eager(dirs, mx_dir, compiled, name, lens, q):  # 
     """One decode (q = 1) or verify-shaped (q > 1) step, eager vs compiled, from the same prefilled KV: the
     logits and every KV component written agree to float rounding. Up to 64 token-expert pairs
     (``GRAPH_EXACT_GATHER_MAX_PAIRS``) the whole step is one graph; 11 requests of 3 tokens (66 pairs) run a
-    graph per layer with the routed experts eager between the graph and the residual. MXFP4 experts: their dequantized (cached) weights run the same gather
-    inside the graph. GLM-4.5's GQA layers (``engine.layers.gqa_graph``) likewise, and fp8 KV pools (the
+    graph per layer with the routed experts eager between the graph and the residual. MXFP4 experts run the fused kernel (from the codes,
+    no dense copy) as one op inside the graph. GLM-4.5's GQA layers (``engine.layers.gqa_graph``) likewise, and fp8 KV pools (the
     graphs quantise the writes and dequantise the reads as ``KVPool.write`` / ``read`` do)."""
     name, _, fp8 = name.partition("+")
     kv_dtype = "fp8_e4m3" if fp8 else "float32"
@@ -115,6 +116,9 @@ def test_compiled_step_matches_eager(dirs, mx_dir, compiled, name, lens, q):  # 
             else:
                 torch.testing.assert_close(b[n], a[n], rtol=1e-4, atol=1e-5, msg=f"layer {i} {n}")
     assert any(layer.graphs.compiled for layer in comp.model.layers)
+    if name == "mxfp4":  # the graphs ran the MX kernel from the codes: no dense copy of any expert, ever
+        mem = expert_memory(comp)
+        assert mem.cache_bytes == 0 and mem.dense_bytes == 0 and mem.resident_bytes == mem.mx_bytes
 
 
 def _greedy_both(model, cfg, spec, num_tokens, kv_dtype=None):

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from engine import cpu_ext
 from engine.moe import mx_cpu_kernel
 from engine.moe.mx_experts import MXRoutedExperts
 from engine.moe.router import Routing
@@ -83,6 +84,32 @@ def test_kernel_dequant_tile_is_bit_exact(fmt, dtype):
     out = torch.empty(2, 40, 96, dtype=dtype)
     got = mx_cpu_kernel.dequant_into(q.codes, q.scales, torch.tensor([4, 1]), MX_FORMATS[fmt], 32, out)
     assert torch.equal(got, dequantize_mx(q, dtype)[[4, 1]])
+
+
+SIMD_LEVELS = sorted({cpu_ext.isa(), "avx2"} & set(cpu_ext.levels_up_to(cpu_ext.host_isa())))
+"""The levels whose builds differ in the kernel's SIMD (avx512, avx512_bf16 and amx all build its AVX-512 code):
+this process's and avx2 (the AVX2 + FMA branches, forced on an AVX-512 host)."""
+
+
+@pytest.mark.parametrize("level", SIMD_LEVELS)
+@pytest.mark.parametrize("fmt", sorted(MX_FORMATS))
+def test_kernel_at_each_simd_level_matches_reference(fmt, level):
+    """grouped_gemm and dequant_into of the build for ``level`` against the dequantized weights (fp32 GEMM)."""
+    if mx_cpu_kernel.kernel(level) is None:
+        pytest.skip(f"the MX kernel did not build at {level}")
+    assert mx_cpu_kernel.path(level) == ("avx2" if level == "avx2" else "avx512")
+    g = torch.Generator().manual_seed(len(fmt))
+    q = quantize_mx(torch.randn(3, 40, 96, generator=g), fmt)
+    dense = dequantize_mx(q, torch.float32)
+    x = torch.randn(7, 96, generator=g)
+    rows = torch.tensor([6, 0, 2, 2, 5, 1])  # pairs 0..1 -> expert 2, 2..5 -> expert 0
+    got = mx_cpu_kernel.grouped_gemm(x, rows, torch.tensor([2, 1, 0]), torch.tensor([0, 2, 2, 6]), q.codes, q.scales,
+                                     MX_FORMATS[fmt], 32, level)
+    want = torch.cat([x[rows[:2]] @ dense[2].t(), x[rows[2:]] @ dense[0].t()])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    out = torch.empty(2, 40, 96, dtype=torch.bfloat16)
+    got = mx_cpu_kernel.dequant_into(q.codes, q.scales, torch.tensor([2, 0]), MX_FORMATS[fmt], 32, out, level)
+    assert torch.equal(got, dequantize_mx(q, torch.bfloat16)[[2, 0]])
 
 
 def test_kernel_rejects_bad_arguments():

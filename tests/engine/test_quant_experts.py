@@ -9,7 +9,7 @@ import torch
 
 from engine.moe import mx_cpu_kernel, tuned_table
 from engine.moe.experts import moe_sorted
-from engine.moe.mx_experts import MX_MOE_IMPLS, DequantCache, MXRoutedExperts
+from engine.moe.mx_experts import AUTO_IMPLS, MX_MOE_IMPLS, DequantCache, MXRoutedExperts
 from engine.moe.tune import random_routing
 from engine.moe.tuned_table import MoEShape
 from engine.quant.mx import MX_FORMATS, MXSpec, qdq_mx
@@ -116,28 +116,68 @@ def no_fused_kernel(monkeypatch, fused: bool) -> None:
         pytest.skip("no C++ compiler")
 
 
+def write_table(dirpath, shape, impls, meta=None):
+    """A table file for ``shape`` on this device in ``dirpath`` (``meta``: what it claims it was measured with;
+    default: this process's kernel set and ISA)."""
+    meta = meta or tuned_table.TableMeta.here(list(MX_MOE_IMPLS))
+    path = dirpath / shape.file_name(tuned_table.device_name("cpu"))
+    path.write_text(tuned_table.table_json(meta, {int(k): v for k, v in impls.items()}))
+    tuned_table._read_table.cache_clear()
+    return path
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_tuned_table_nearest_key_and_last_impl(tmp_path, monkeypatch, caplog, fused):
     no_fused_kernel(monkeypatch, fused)
-    m, _, _ = make_experts("mxfp4")
-    dev = tuned_table.device_name("cpu")
-    (tmp_path / m.shape.file_name(dev)).write_text(json.dumps({"1": "mx_dense", "16": "mx_grouped",
-                                                               "256": "cached_sorted"}))
+    m, _, _ = make_experts("mxfp4")  # with a DequantCache that has room for the whole layer
+    write_table(tmp_path, m.shape, {"1": "mx_dense", "16": "mx_grouped", "256": "cached_sorted"})
     monkeypatch.setattr(tuned_table, "TABLE_DIRS", [str(tmp_path)])
-    tuned_table._read_table.cache_clear()
     with caplog.at_level(logging.WARNING, logger="engine.moe.tuned_table"):
         # up to FALLBACK_GATHER_MAX_PAIRS pairs (decode, verify) a batch-invariant gather whatever the table says:
-        # the fused kernel's (no dense copy) where it builds, else from the dequantized layer
-        decode = "fused_gather" if fused else "cached_gather"
+        # the fused kernel's where it builds, else per-step dequantizing of the selected experts (no dense layer)
+        decode = "fused_gather" if fused else "mx_gather"
+        # the table's cached_sorted at 5000 holds a dense layer: the memory contract wins, the untuned rule runs
         for T, want in ((1, decode), (6, decode), (12, "mx_grouped"), (100, "mx_grouped"),
-                        (5000, "cached_sorted")):
+                        (5000, "fused_sorted" if fused else "mx_sorted")):
             x = torch.randn(T, H)
             m(x, random_routing(T, E, K, seed=T))
             assert m.last_impl == want, (T, m.last_impl)
     assert not caplog.records
-    m.cache = None  # a cached_* pick without room falls back to the untuned rule
-    m(torch.randn(300, H), random_routing(300, E, K))
-    assert m.last_impl == ("fused_sorted" if fused else "mx_sorted")
+    assert m.cache.used_bytes == 0  # auto never filled the cache it was given
+
+
+@pytest.mark.parametrize("what", ["kernel_set", "isa", "old_format"])
+def test_table_of_other_kernels_is_reported_once_and_ignored(tmp_path, monkeypatch, caplog, what):
+    """A table measured with another strategy set or on another ISA class (or in the bare format of before,
+    which says neither) picks nothing here: ONE WARNING names the file and tune-moe, then the untuned rule."""
+    monkeypatch.setattr(tuned_table, "TABLE_DIRS", [str(tmp_path)])
+    monkeypatch.setattr(tuned_table, "_warned", set())
+    m, _, _ = make_experts("mxfp4", impl="auto")
+    here = tuned_table.TableMeta.here(list(MX_MOE_IMPLS))
+    impls = {"1": "mx_dense", "64": "mx_dense"}
+    if what == "old_format":
+        path = tmp_path / m.shape.file_name(tuned_table.device_name("cpu"))
+        path.write_text(json.dumps(impls))
+        tuned_table._read_table.cache_clear()
+    else:
+        other = (tuned_table.TableMeta("0123456789ab", here.isa) if what == "kernel_set"
+                 else tuned_table.TableMeta(here.kernel_set, "avx2" if here.isa != "avx2" else "amx"))
+        path = write_table(tmp_path, m.shape, impls, other)
+    with caplog.at_level(logging.WARNING, logger="engine.moe.tuned_table"):
+        for _ in range(3):
+            m(torch.randn(64, H), random_routing(64, E, K))
+            assert m.last_impl != "mx_dense"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert str(path) in warnings[0] and "ignoring tuned MoE table" in warnings[0] and "tune-moe" in warnings[0]
+    assert here.kernel_set in warnings[0] and here.isa in warnings[0]
+
+
+def test_tables_of_this_kernel_set_are_used():
+    """The kernel set hash moves with the strategy set (a new strategy makes every older table stale)."""
+    names = list(MX_MOE_IMPLS)
+    assert tuned_table.kernel_set(names) == tuned_table.kernel_set(list(reversed(names)))
+    assert tuned_table.kernel_set(names) != tuned_table.kernel_set(names + ["new_kernel"])
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -153,7 +193,7 @@ def test_untuned_shape_warns_once_and_falls_back(monkeypatch, caplog, tmp_path, 
                 if fused:  # 128 pairs at T=64: still the grouped kernel (FUSED_GATHER_MAX_PAIRS)
                     assert layer.last_impl == "fused_gather"
                 else:
-                    assert layer.last_impl == ("cached_gather" if T * K <= tuned_table.FALLBACK_GATHER_MAX_PAIRS
+                    assert layer.last_impl == ("mx_gather" if T * K <= tuned_table.FALLBACK_GATHER_MAX_PAIRS
                                                else "mx_sorted")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
@@ -176,9 +216,13 @@ def test_tune_moe_cli_writes_a_table(tmp_path):
                "--out", str(tmp_path), "--max-run-s", "2"])
     assert rc == 0
     dev = tuned_table.device_name("cpu")
+    here = tuned_table.TableMeta.here(list(MX_MOE_IMPLS))
     for shape in (MoEShape(64, 64, 8, 2), tuned_table.NAMED_SHAPES["tiny"]):
-        table = json.loads((tmp_path / shape.file_name(dev)).read_text())
+        raw = json.loads((tmp_path / shape.file_name(dev)).read_text())
+        assert (raw["kernel_set"], raw["isa"], raw["format"]) == (here.kernel_set, here.isa, tuned_table.TABLE_FORMAT)
+        table = raw["impls"]
         assert set(table) == {"1", "8"} and set(table.values()) <= {"mx_gather", "mx_sorted", "cached_dense"}
+        assert tuned_table.load_table(shape, dev, here, [str(tmp_path)]) == {int(k): v for k, v in table.items()}
 
 
 def test_tune_moe_times_the_fused_strategies(tmp_path):
@@ -188,18 +232,24 @@ def test_tune_moe_times_the_fused_strategies(tmp_path):
     rc = main(["tune-moe", "--shapes", "64,64,8,2", "--tokens", "1,64", "--impls", "fused_gather,fused_sorted,triton",
                "--out", str(tmp_path), "--max-run-s", "2"])
     assert rc == 0
-    table = json.loads((tmp_path / MoEShape(64, 64, 8, 2).file_name(tuned_table.device_name("cpu"))).read_text())
+    raw = json.loads((tmp_path / MoEShape(64, 64, 8, 2).file_name(tuned_table.device_name("cpu"))).read_text())
+    table = raw["impls"]
     assert set(table) == {"1", "64"} and set(table.values()) <= {"fused_gather", "fused_sorted"}  # triton: no cuda
 
 
 def test_shipped_tables_name_registered_impls():
     files = [f for f in os.listdir(tuned_table.TUNED_DIR) if f.endswith(".json")]
     assert files, "no tuned tables shipped"
+    here = tuned_table.kernel_set(list(MX_MOE_IMPLS))
     for f in files:
         assert f.startswith("E=") and ",device_name=" in f
         with open(os.path.join(tuned_table.TUNED_DIR, f)) as fh:
-            table = json.load(fh)
-        assert table and all(k.isdigit() and v in MX_MOE_IMPLS for k, v in table.items()), f
+            raw = json.load(fh)
+        # written by today's tune-moe, for today's kernels, on the ISA class its name says
+        assert raw.get("format") == tuned_table.TABLE_FORMAT and raw["kernel_set"] == here, f
+        assert f.split(",device_name=")[1].removesuffix(".json").endswith("_" + raw["isa"]), f
+        table = raw["impls"]
+        assert table and all(k.isdigit() and v in AUTO_IMPLS for k, v in table.items()), f
     shipped = {f.split(",device_name=")[0] for f in files}
     for name in ("tiny", "peer"):
         assert tuned_table.NAMED_SHAPES[name].key("x").split(",device_name=")[0] in shipped, name
@@ -207,11 +257,10 @@ def test_shipped_tables_name_registered_impls():
 
 def test_decode_and_verify_round_alike_with_mx_experts(tmp_path, monkeypatch):
     """A token's MoE output is bitwise the same alone (decode) and among 6 (verify), even when a tuning table
-    names a strategy that rounds differently at each T (the shipped CPU tables say cached_dense there)."""
+    names a strategy that rounds differently at each T (mx_dense)."""
     m, _, _ = make_experts("mxfp4")
-    (tmp_path / m.shape.file_name(tuned_table.device_name("cpu"))).write_text(json.dumps({"1": "cached_dense"}))
+    write_table(tmp_path, m.shape, {"1": "mx_dense"})
     monkeypatch.setattr(tuned_table, "TABLE_DIRS", [str(tmp_path)])
-    tuned_table._read_table.cache_clear()
     x = torch.randn(6, H, generator=torch.Generator().manual_seed(9))
     r = random_routing(6, E, K, seed=9)
     together = m(x, r)

@@ -1,10 +1,15 @@
-// Fused bf16 MoE experts for CPU prefill on AMX: y[t] = sum_k w[t,k] * W2[e] (silu(Wg[e] x[t]) * (Wu[e] x[t])),
+// Fused bf16 MoE experts for CPU prefill: y[t] = sum_k w[t,k] * W2[e] (silu(Wg[e] x[t]) * (Wu[e] x[t])),
 // e = ids[t,k], bf16 inputs and weights, fp32 accumulation (the design of SGLang's sgl-kernel fused_experts_cpu).
 //
 // Weights are packed once into the VNNI layout brgemm wants for B ([K/2][N][2] bf16): per expert, tiles of
 // columns, each [K/2][width][2]. w13 [E, 2I, H] -> tiles of `bn1` gate columns followed by the same `bn1` up
 // columns (so silu(gate) * up pairs sit in one tile); w2 [E, H, I] -> tiles of `bn2` output columns. A last,
 // narrower tile takes the remainder, so any even H and I work.
+//
+// That is the brgemm route (AMX CPUs at ISA level amx, engine/cpu_ext.py). Below amx the gemm route runs the same
+// blocks on the weights as stored (no packing) with a bf16 -> fp32 BLAS GEMM (../../csrc/bf16_gemm.h: MKL's),
+// one GEMM per block for all of w13's columns and one for w2's; the epilogues are
+// AVX-512 where the build has it, scalar (auto-vectorized) otherwise, and round identically.
 //
 // One chunk of tokens: a counting sort of its (token, slot) pairs by expert (stable: pairs of an expert keep token order),
 // then the pairs of each expert in blocks of block_m rows, handed to threads from an atomic counter. Per block:
@@ -26,6 +31,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "bf16_gemm.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -172,10 +179,44 @@ struct Shapes {
   int64_t H, I, E, K, bn1, bn2, block_m;
 };
 
-// Tokens [0, T) of a chunk: x [T, H], id / wt [T, K], out [T, H]; po a [T*K, H] scratch buffer.
+// One block of one expert's pairs on the brgemm route (AMX): w13e / w2e the expert's VNNI tiles.
+void block_brgemm(const Shapes& sh, const Block& blk, const int64_t* order, const float* wt, const bf16* w13e,
+                  const bf16* w2e, const bf16* a, bf16* inter, float* c, bf16* po) {
+  const int64_t H = sh.H, I = sh.I, bn1 = sh.bn1, bn2 = sh.bn2, M = blk.rows, ldc = std::max(2 * bn1, bn2);
+  for (int64_t j = 0; j * bn1 < I; ++j) {
+    const int64_t nb = std::min(bn1, I - j * bn1);
+    at::native::cpublas::brgemm(M, 2 * nb, H, H, 2 * nb, ldc, false, a, w13e + j * 2 * bn1 * H, c);
+    for (int64_t r = 0; r < M; ++r) silu_mul(&c[r * ldc], &c[r * ldc + nb], &inter[r * I + j * bn1], nb);
+  }
+  for (int64_t j = 0; j * bn2 < H; ++j) {
+    const int64_t nb = std::min(bn2, H - j * bn2);
+    at::native::cpublas::brgemm(M, nb, I, I, nb, ldc, false, inter, w2e + j * bn2 * I, c);
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t p = order[blk.start + r];
+      scale_round(&c[r * ldc], wt[p], po + p * H + j * bn2, nb);
+    }
+  }
+}
+
+// The same block on the gemm route (bf16 in, fp32 out, ../../csrc/bf16_gemm.h): w13e [2I, H] / w2e [H, I] the
+// expert's rows as stored, one GEMM each over all columns: C = A x W^T.
+void block_gemm(const Shapes& sh, const Block& blk, const int64_t* order, const float* wt, const bf16* w13e,
+                const bf16* w2e, const bf16* a, bf16* inter, float* c, bf16* po) {
+  const int64_t H = sh.H, I = sh.I, M = blk.rows;
+  pdserve::gemm_bf16(true, M, 2 * I, H, a, H, w13e, H, 0.f, c, 2 * I);  // c [M, 2I]: gate columns, then up
+  for (int64_t r = 0; r < M; ++r) silu_mul(&c[r * 2 * I], &c[r * 2 * I + I], &inter[r * I], I);
+  pdserve::gemm_bf16(true, M, H, I, inter, I, w2e, I, 0.f, c, H);  // c [M, H]
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t p = order[blk.start + r];
+    scale_round(&c[r * H], wt[p], po + p * H, H);
+  }
+}
+
+// Tokens [0, T) of a chunk: x [T, H], id / wt [T, K], out [T, H]; po a [T*K, H] scratch buffer. brgemm: w13d / w2d
+// are pack_vnni's tiles and the AMX route runs; else they are the weights as stored and the gemm route runs.
 void moe_chunk(const Shapes& sh, const bf16* xd, const int64_t* id, const float* wt, const bf16* w13d,
-               const bf16* w2d, bf16* po, bf16* od, int64_t T) {
-  const int64_t H = sh.H, I = sh.I, E = sh.E, K = sh.K, bn1 = sh.bn1, bn2 = sh.bn2, block_m = sh.block_m, P = T * K;
+               const bf16* w2d, bf16* po, bf16* od, int64_t T, bool brgemm) {
+  const int64_t H = sh.H, I = sh.I, E = sh.E, K = sh.K, block_m = sh.block_m, P = T * K;
   // counting sort of the pairs by expert (stable)
   std::vector<int64_t> offset(E + 1, 0), order(P);
   for (int64_t p = 0; p < P; ++p) ++offset[id[p] + 1];
@@ -187,7 +228,8 @@ void moe_chunk(const Shapes& sh, const bf16* xd, const int64_t* id, const float*
   std::vector<Block> blocks;
   for (int64_t e = 0; e < E; ++e)
     for (int64_t s = offset[e]; s < offset[e + 1]; s += block_m) blocks.push_back({e, s, std::min(block_m, offset[e + 1] - s)});
-  const int64_t nt1 = (I + bn1 - 1) / bn1, nt2 = (H + bn2 - 1) / bn2, ldc = std::max(2 * bn1, bn2);
+  const int64_t ldc = brgemm ? std::max(2 * sh.bn1, sh.bn2) : std::max(2 * I, H);
+  const auto run = brgemm ? block_brgemm : block_gemm;
   std::atomic<int64_t> next{0};
   const int64_t nthr = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(blocks.size()));
   at::parallel_for(0, nthr, 1, [&](int64_t tb, int64_t te) {
@@ -196,37 +238,29 @@ void moe_chunk(const Shapes& sh, const bf16* xd, const int64_t* id, const float*
     for (int64_t tid = tb; tid < te; ++tid) {
       for (int64_t bi = next++; bi < static_cast<int64_t>(blocks.size()); bi = next++) {
         const Block& blk = blocks[bi];
-        const int64_t M = blk.rows;
-        for (int64_t r = 0; r < M; ++r) std::memcpy(&a[r * H], xd + (order[blk.start + r] / K) * H, H * sizeof(bf16));
-        const bf16* w13e = w13d + blk.expert * 2 * I * H;
-        for (int64_t j = 0; j < nt1; ++j) {
-          const int64_t nb = std::min(bn1, I - j * bn1);
-          at::native::cpublas::brgemm(M, 2 * nb, H, H, 2 * nb, ldc, false, a.data(), w13e + j * 2 * bn1 * H, c.data());
-          for (int64_t r = 0; r < M; ++r) silu_mul(&c[r * ldc], &c[r * ldc + nb], &inter[r * I + j * bn1], nb);
-        }
-        const bf16* w2e = w2d + blk.expert * H * I;
-        for (int64_t j = 0; j < nt2; ++j) {
-          const int64_t nb = std::min(bn2, H - j * bn2);
-          at::native::cpublas::brgemm(M, nb, I, I, nb, ldc, false, inter.data(), w2e + j * bn2 * I, c.data());
-          for (int64_t r = 0; r < M; ++r) {
-            const int64_t p = order[blk.start + r];
-            scale_round(&c[r * ldc], wt[p], po + p * H + j * bn2, nb);
-          }
-        }
+        for (int64_t r = 0; r < blk.rows; ++r)
+          std::memcpy(&a[r * H], xd + (order[blk.start + r] / K) * H, H * sizeof(bf16));
+        run(sh, blk, order.data(), wt, w13d + blk.expert * 2 * I * H, w2d + blk.expert * H * I, a.data(),
+            inter.data(), c.data(), po);
       }
     }
-    at::native::cpublas::brgemm_release();
+    if (brgemm) at::native::cpublas::brgemm_release();
   });
   at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) sum_rows(po + t * K * H, K, H, od + t * H);
   });
 }
 
-// x [T, H] bf16, w13p / w2p from pack_vnni (bn1 gate_up, bn2 plain), ids [T, K] int64, weights [T, K] fp32.
+// x [T, H] bf16, w13p / w2p from pack_vnni (bn1 gate_up, bn2 plain; brgemm) or the weights as stored (w13 [E, 2I,
+// H], w2 [E, H, I]; the gemm route), ids [T, K] int64, weights [T, K] fp32.
 // Runs chunk_tokens tokens at a time: the chunk's [tokens*K, H] pair buffer then stays in cache between the
 // expert pass that writes it and the sum that reads it (at 8k tokens of glm4_moe it would be 16 MiB).
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13p, const at::Tensor& w2p, const at::Tensor& ids,
-                     const at::Tensor& weights, int64_t bn1, int64_t bn2, int64_t block_m, int64_t chunk_tokens) {
+                     const at::Tensor& weights, int64_t bn1, int64_t bn2, int64_t block_m, int64_t chunk_tokens,
+                     bool brgemm) {
+  TORCH_CHECK(brgemm ? at::native::cpublas::could_pack(at::kBFloat16) : pdserve::have_gemm_bf16(),
+              "fused_moe: the ", brgemm ? "brgemm" : "gemm", " route is not available here (brgemm: AMX bf16 brgemm; "
+              "gemm: MKL's cblas_gemm_bf16bf16f32)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "fused_moe: x must be a contiguous CPU bf16 [T, H] tensor");
   TORCH_CHECK(w13p.scalar_type() == at::kBFloat16 && w13p.dim() == 3 && w13p.is_contiguous() &&
@@ -266,7 +300,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13p, const at::Tens
   bf16* od = out.data_ptr<bf16>();
   for (int64_t t0 = 0; t0 < T; t0 += chunk)
     moe_chunk(sh, xd + t0 * H, id + t0 * K, wt + t0 * K, w13p.data_ptr<bf16>(), w2p.data_ptr<bf16>(), po,
-              od + t0 * H, std::min(chunk, T - t0));
+              od + t0 * H, std::min(chunk, T - t0), brgemm);
   return out;
 }
 
@@ -284,5 +318,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe", &fused_moe, "fused bf16 MoE experts (see moe_cpu.cpp)");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses here");
   m.def("could_pack", []() { return at::native::cpublas::could_pack(at::kBFloat16); },
-        "brgemm runs bf16 on VNNI-packed B here");
+        "brgemm runs bf16 on VNNI-packed B here (the brgemm route)");
+  m.def("have_gemm", &pdserve::have_gemm_bf16, "the bf16 GEMM of the gemm route is there");
 }
