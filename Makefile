@@ -3,19 +3,39 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-TORCH_SPEC ?= torch==2.13.0
+TORCH_SPEC ?= torch==2.13.0 triton==3.9.0
 STAMP  := $(VENV)/.installed
+LOCK   := requirements.lock
+# Everything pip resolves for pdserve[test,mooncake] is pinned in $(LOCK), torch and triton aside: TORCH_SPEC pins
+# them (the CPU wheel and the triton the tests run under TRITON_INTERPRET), and a CUDA / ROCm torch brings the triton
+# it was built with. `make lock` re-resolves the lock in a scratch venv and regenerates the gRPC code with the
+# grpcio-tools it locked, so the committed code and the lock always agree (tests/protos and tests/test_lock check).
+LOCK_VENV := .lock-venv
+LOCK_EXCLUDE := ^(torch|triton|setuptools|wheel)==
 
-.PHONY: install test demo protos clean
+.PHONY: install test demo protos lock clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -c $(LOCK) pip
+	$(PY) -m pip install -q -c $(LOCK) $(TORCH_SPEC)
+	$(PY) -m pip install -q -c $(LOCK) -e ".[test]"
 	touch $(STAMP)
 
 install: $(STAMP)
+
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LOCK_VENV)/bin/python -m pip install -q $(TORCH_SPEC)
+	$(LOCK_VENV)/bin/python -m pip install -q ".[test,mooncake]"
+	{ echo "# pdserve's locked install: \`make lock\` writes it (pip freeze of pdserve[test,mooncake] resolved"; \
+	  echo "# on $$(date -u +%Y-%m-%d), Python $$($(LOCK_VENV)/bin/python -c 'import platform; print(platform.python_version())'),"; \
+	  echo "# torch from TORCH_SPEC=$(TORCH_SPEC), not pinned here); \`make install\` installs with it as constraints."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude pdserve | grep -Ev '$(LOCK_EXCLUDE)'; } > $(LOCK)
+	$(LOCK_VENV)/bin/python -m protos.build
+	rm -rf $(LOCK_VENV)
 
 protos: install
 	$(PY) -m protos.build
@@ -28,4 +48,4 @@ demo: install
 	$(VENV)/bin/pdserve demo
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LOCK_VENV) build *.egg-info

@@ -67,7 +67,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
-    __slots__ = ("ttft_s", "queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "accept_len", "prefill_worker", "decode_worker", "retries", "failovers")
+    __slots__ = ("ttft_s", "queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "accept_len", "prefill_worker", "decode_worker", "retries", "failovers", "router_queue_s")
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class RequestMetrics(_message.Message):
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     RETRIES_FIELD_NUMBER: _ClassVar[int]
     FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     ttft_s: float
     queue_s: float
     prefill_s: float
@@ -88,7 +89,8 @@ class RequestMetrics(_message.Message):
     decode_worker: str
     retries: int
     failovers: int
-    def __init__(self, ttft_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., accept_len: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., retries: _Optional[int] = ..., failovers: _Optional[int] = ...) -> None: ...
+    router_queue_s: float
+    def __init__(self, ttft_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., accept_len: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., retries: _Optional[int] = ..., failovers: _Optional[int] = ..., router_queue_s: _Optional[float] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")
