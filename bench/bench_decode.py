@@ -15,6 +15,8 @@ import time
 import torch
 
 from engine.defaults import default_model_dir, tune_malloc
+from engine.load import load_model
+from engine.offline import Engine
 from engine.sampling import SamplingParams
 
 
@@ -31,9 +33,6 @@ def main() -> None:
     tune_malloc()  # both sides of the comparison run with it
     torch.set_num_threads(args.threads)
     import transformers  # lazy: transformers
-
-    from engine.load import load_model  # lazy: numpy, safetensors
-    from engine.offline import Engine  # lazy: numpy
 
     model_dir = args.model or default_model_dir()
     model, cfg = load_model(model_dir, "float32", "cpu")

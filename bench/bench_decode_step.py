@@ -20,11 +20,18 @@ import time
 sys.path.insert(0, os.environ.get("PYTHONPATH") or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import engine  # noqa: E402
+from decode.scheduler import DecodeScheduler, DecodeTask  # noqa: E402
+from engine.defaults import default_model_dir, tune_malloc  # noqa: E402
+from engine.kvcache import KVLayout, KVPool  # noqa: E402
+from engine.load import load_model  # noqa: E402
+from engine.offline import Engine, Seq  # noqa: E402
+from engine.sampling import SamplerState, SamplingParams  # noqa: E402
 
 
 def engine_steps(model, cfg, batch: int):
-    from engine.offline import Engine, Seq  # lazy: numpy
-    from engine.sampling import SamplerState, SamplingParams  # after the sys.path set-up above: the source tree under test
     prompts = torch.randint(2, cfg.vocab_size, (batch, 256), generator=torch.Generator().manual_seed(0)).tolist()
     eng = Engine(model, cfg, page_size=16, num_pages=batch * 40 + 8)
     seqs = [Seq(f"r{i}", p, SamplerState(SamplingParams(max_tokens=1000, ignore_eos=True), p))
@@ -36,16 +43,12 @@ def engine_steps(model, cfg, batch: int):
 
 
 def count_ops(step) -> int:
-    from torch.profiler import ProfilerActivity, profile  # after the sys.path set-up above: the source tree under test
     with profile(activities=[ProfilerActivity.CPU]) as p:
         step()
     return sum(1 for e in p.events() if e.cpu_parent is None and e.name.startswith("aten::"))
 
 
 def scheduler_rate(model, cfg) -> float:
-    from decode.scheduler import DecodeScheduler, DecodeTask  # lazy: numpy
-    from engine.kvcache import KVLayout, KVPool  # lazy: numpy
-    from engine.sampling import SamplingParams  # after the sys.path set-up above: the source tree under test
     pool = KVPool(KVLayout.for_model(cfg, 16, "float32"), 4096)
     dec = DecodeScheduler(model, pool, cfg.eos_token_ids)
     ids = torch.randint(2, cfg.vocab_size, (400,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -66,18 +69,11 @@ def main() -> None:
     ap.add_argument("--scheduler", action="store_true")
     ap.add_argument("--compile", action="store_true", help="through the compiled decode graphs (compile_decode)")
     args = ap.parse_args()
-    try:
-        from engine.defaults import tune_malloc  # after the sys.path set-up above: the source tree under test
-        tuned = tune_malloc()
-    except ImportError:  # a source tree from before tune_malloc
-        tuned = False
+    tuned = tune_malloc()
     torch.set_num_threads(args.threads)
-    from engine.defaults import default_model_dir  # after the sys.path set-up above: the source tree under test
-    from engine.load import load_model  # lazy: numpy, safetensors
     model, cfg = load_model(args.model or default_model_dir(), "float32", "cpu")
     if args.compile:
         model.compile_decode()
-    import engine  # after the sys.path set-up above: the source tree under test
     print(f"source {os.path.dirname(os.path.dirname(engine.__file__))}, model {args.model or default_model_dir()}, "
           f"{args.threads} thread(s), malloc tuned: {tuned}, decode graphs {'compiled' if args.compile else 'eager'}")
     if args.scheduler:

@@ -31,12 +31,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import grpc  # noqa: E402
+
+from cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
+from protos import rpc  # noqa: E402
+from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
+
 
 def measure(cluster, lens: list[int], requests: int, rng: random.Random) -> dict:
-    import grpc  # lazy: grpc
-
-    from protos import rpc  # lazy: grpc, grpc_health, grpc_reflection
-    from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc  # lazy: google, grpc
     addr = {ch.name: ch.address for ch in cluster.workers}
     md = rpc.auth_metadata(cluster.secret)
     out = {}
@@ -87,13 +90,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     lens = [int(x) for x in args.lens.split(",")]
-
-    from cluster.local import LocalCluster, LocalClusterConfig  # lazy: grpc, grpc_health, grpc_reflection
     rng = random.Random(0)
     res: dict = {"transports": {}}
     for transport in args.transport.split(","):
-        cluster = LocalCluster(LocalClusterConfig(model=args.model, port=0, speculative=None, dtype="float32",
-                                                  shm=transport == "shm"))
+        cluster = LocalCluster(LocalClusterConfig(model=args.model, router=RouterConfig(port=0), speculative="off",
+                                                  dtype="float32", no_shm=transport != "shm"))
         try:
             cluster.start()
             res["model"] = cluster.model

@@ -14,7 +14,10 @@ import torch
 
 from bench.models import PEER_GLM4MOE, PEER_GLM5
 from engine.batch import BatchRequest, ForwardBatch
+from engine.checkpoint import init_random_model
 from engine.defaults import tune_malloc
+from engine.kvcache import KVLayout, KVPool
+from engine.load import load_model
 
 
 def best_time(fn, repeats: int) -> float:
@@ -37,10 +40,6 @@ def main() -> None:
     tune_malloc()  # both sides of the comparison run with it
     torch.set_num_threads(2)
     import transformers  # lazy: transformers
-
-    from engine.checkpoint import init_random_model  # lazy: numpy, safetensors
-    from engine.kvcache import KVLayout, KVPool  # lazy: numpy
-    from engine.load import load_model  # lazy: numpy, safetensors
 
     dtype = getattr(torch, args.dtype)
     print(f"{'model':>12} | {'tokens':>6} | {'engine tok/s':>12} | {'transformers tok/s':>18} | ratio")

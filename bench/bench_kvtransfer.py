@@ -56,6 +56,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from engine.config import ModelConfig  # noqa: E402
+from engine.defaults import default_model_dir, tune_malloc  # noqa: E402
 from engine.kvcache.layout import KVComponent, KVLayout  # noqa: E402
 from engine.kvcache.pool import KVPool  # noqa: E402
 from kvtransfer import (ChecksumKind, KVReceiver, KVReceiverConfig, KVSender, KVSenderConfig, LoopThread,  # noqa: E402
@@ -71,8 +73,6 @@ class Sample(NamedTuple):
 
 
 def layouts() -> dict[str, KVLayout]:
-    from engine.config import ModelConfig  # after the sys.path set-up above: the source tree under test
-    from engine.defaults import default_model_dir  # after the sys.path set-up above: the source tree under test
     cfg = ModelConfig.from_model_dir(default_model_dir())  # its config only: no weights are read
 
     def mla(lat: int, rope: int, idx: int) -> tuple[KVComponent, ...]:
@@ -170,7 +170,6 @@ class Prefill:
 
 
 def prefill_main(conn, layouts_: dict, tokens: int, device: str) -> None:
-    from engine.defaults import tune_malloc  # after the sys.path set-up above: the source tree under test
     tune_malloc()  # as a worker process runs
     torch.set_num_threads(1)
     p = Prefill(layouts_, tokens, device)
@@ -292,7 +291,6 @@ def main() -> None:
                   if not args.only or k in args.only.split(",") or k in BASELINE.values()}
     if mooncake.available() is not None and contenders.pop("kv mooncake", None) is not None:
         print(f"kv mooncake skipped: {mooncake.available()}")
-    from engine.defaults import tune_malloc  # after the sys.path set-up above: the source tree under test
     tune_malloc()  # as a worker process runs
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")

@@ -15,7 +15,11 @@ import time
 import torch
 
 from engine.defaults import default_model_dir, tune_malloc
+from engine.kvcache import KVLayout, KVPool
+from engine.layers.attention import DSAIndexer
+from engine.load import load_model
 from engine.sampling import SamplingParams
+from prefill.scheduler import PrefillConfig, PrefillScheduler, PrefillTask
 
 
 class IndexerClock:
@@ -23,7 +27,6 @@ class IndexerClock:
     queries x context) while active; ``take()`` returns and resets it."""
 
     def __enter__(self) -> "IndexerClock":
-        from engine.layers.attention import DSAIndexer  # lazy: numpy
         self.cls, self.orig, self.spent = DSAIndexer, DSAIndexer.select, 0.0
         clock = self
 
@@ -69,9 +72,6 @@ def main() -> None:
     args = ap.parse_args()
     tune_malloc()  # both sides of the comparison run with it
     torch.set_num_threads(args.threads)
-    from engine.kvcache import KVLayout, KVPool  # lazy: numpy
-    from engine.load import load_model  # lazy: numpy, safetensors
-    from prefill.scheduler import PrefillConfig, PrefillScheduler, PrefillTask  # lazy: numpy
 
     model_dir = args.model or default_model_dir()
     model, cfg = load_model(model_dir, "float32", "cpu")

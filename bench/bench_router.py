@@ -34,6 +34,9 @@ import grpc  # noqa: E402
 from common.reasons import FinishReason, Role  # noqa: E402
 from protos import rpc  # noqa: E402
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
+from router.policy import CacheAwarePolicy, Candidate, order_decode  # noqa: E402
+from router.prefix_index import PrefixIndex, PromptHashes, prefix_block_hashes  # noqa: E402
 
 SECRET = "bench-secret"
 INFO = {"vocab_size": "1000", "max_context": "4096", "page_size": "16", "eos_token_ids": "1", "has_tokenizer": "0"}
@@ -246,9 +249,6 @@ def bench_overhead(args) -> dict:
 
 # -- decisions/s ----------------------------------------------------------------------------------------------
 def bench_decisions(args) -> dict:
-    from router.config import RouterConfig  # after the sys.path set-up above: the source tree under test
-    from router.policy import CacheAwarePolicy, Candidate, order_decode  # after the sys.path set-up above: the source tree under test
-    from router.prefix_index import PrefixIndex, PromptHashes, prefix_block_hashes  # after the sys.path set-up above: the source tree under test
     rng = random.Random(0)
     page, workers = 16, [f"p{i}" for i in range(args.prefill_workers)]
     index, prefixes = PrefixIndex(), []

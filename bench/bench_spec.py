@@ -20,7 +20,10 @@ import time
 import torch
 
 from engine.defaults import default_model_dir, tune_malloc
+from engine.load import load_model
+from engine.offline import Engine
 from engine.sampling import SamplingParams
+from engine.speculative import SpecConfig, SpecEngine
 from engine.tokenizer import Tokenizer
 
 
@@ -60,10 +63,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     tune_malloc()  # both sides of the comparison run with it
     torch.set_num_threads(args.threads)
-
-    from engine.load import load_model  # lazy: numpy, safetensors
-    from engine.offline import Engine  # lazy: numpy
-    from engine.speculative import SpecConfig, SpecEngine  # lazy: numpy
 
     model_dir = args.model or default_model_dir()
     model, cfg = load_model(model_dir, args.dtype, "cpu")

@@ -15,12 +15,13 @@ from engine.defaults import PDSERVE_HOME, default_model_dir
 def main(args: argparse.Namespace) -> int:
     from bench.loadgen.sweep import run_demo_sweep  # lazy: aiohttp, google, grpc, grpc_health, grpc_reflection, numpy
     from cluster.local import LocalCluster, LocalClusterConfig  # lazy: grpc, grpc_health, grpc_reflection
+    from router.config import RouterConfig  # lazy: grpc (as cluster.local)
     from router.client import GenerationClient  # lazy: google, grpc, grpc_health, grpc_reflection
 
     model_dir = args.model or default_model_dir()
     out_dir = os.path.join(PDSERVE_HOME, "demo", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
-    cfg = LocalClusterConfig(model=model_dir, port=0, run_dir=os.path.join(out_dir, "logs"))
+    cfg = LocalClusterConfig(model=model_dir, router=RouterConfig(port=0), run_dir=os.path.join(out_dir, "logs"))
     print(f"starting a local cluster on {model_dir} (logs: {cfg.run_dir}) ...", flush=True)
     with LocalCluster(cfg) as cluster:
         target = cluster.router_address

@@ -22,10 +22,18 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from bench import bench_kvtransfer as bk  # noqa: E402
+from engine.defaults import tune_malloc  # noqa: E402
+from kvtransfer import ChecksumKind, LoopThread, TransportKind  # noqa: E402
+from kvtransfer.frame_writer import FrameWriter  # noqa: E402
+from kvtransfer.payload import LayerCodec  # noqa: E402
+from kvtransfer.rx_conn import RxConnection  # noqa: E402
+from kvtransfer.sender import KVSender  # noqa: E402
+from kvtransfer.tx_peer import TxPeer  # noqa: E402
 
 EVENTS: list[tuple[float, str]] = []
 
@@ -57,10 +65,6 @@ def _wrap(cls: type, name: str, tag: str, label=None) -> None:
 
 
 def instrument_sender() -> None:
-    from kvtransfer.payload import LayerCodec  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
-    from kvtransfer.sender import KVSender  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
-    from kvtransfer.frame_writer import FrameWriter  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
-    from kvtransfer.tx_peer import TxPeer  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
     for name in ("send_layer", "_pin", "_enqueue", "complete"):
         _wrap(KVSender, name, "send." + name.lstrip("_"))
     for name in ("_write_layer", "_write_finish"):
@@ -71,18 +75,15 @@ def instrument_sender() -> None:
 
 
 def instrument_receiver() -> None:
-    from kvtransfer.rx_conn import RxConnection  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
     _wrap(RxConnection, "_dispatch", "recv.", lambda a: a[1].name)
     _wrap(RxConnection, "send", "recv.send ", lambda a: a[1].name)
 
 
 def prefill_main(conn, layouts: dict, tokens: int) -> None:
-    from engine.defaults import tune_malloc  # after the sys.path set-up above: the source tree under test
     tune_malloc()
     torch.set_num_threads(1)
     instrument_sender()
-    import bench_kvtransfer as bk  # after the sys.path set-up above: the source tree under test
-    p = bk.Prefill(layouts, tokens)
+    p = bk.Prefill(layouts, tokens, "cpu")
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
         if cmd[0] == "events":
@@ -113,12 +114,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=5, help="transfers run; the last one is shown")
     args = ap.parse_args()
-    from engine.defaults import tune_malloc  # after the sys.path set-up above: the source tree under test
     tune_malloc()
     torch.set_num_threads(1)
     instrument_receiver()
-    import bench_kvtransfer as bk  # after the sys.path set-up above: the source tree under test
-    from kvtransfer import ChecksumKind, LoopThread, TransportKind  # lazy: crc32c, mooncake, msgpack, numpy, xxhash
     layout = bk.layouts()[args.layout]
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -126,7 +124,7 @@ def main() -> None:
     proc.start()
     assert conn.recv() == "ready"
     lt = LoopThread("timeline-rx")
-    bench = bk.Bench(conn, lt, args.layout, layout, args.tokens)
+    bench = bk.Bench(conn, lt, args.layout, layout, args.tokens, "cpu", "tcp")
     transport = TransportKind(args.transport)
     checksum = ChecksumKind.NONE if transport is TransportKind.SHM else ChecksumKind(args.checksum)
     try:

@@ -20,18 +20,17 @@ import argparse
 import json
 import sys
 
-from common.flags import add_api_key_file_arg, add_config_args, config_from_args
+from cluster.ray_launcher import LaunchError, PlacementError, RayLaunchConfig, launch, status, stop
+from cluster.ray_placement import PLACEMENTS
+from cluster.ray_scale import scale
+from cluster.spec import add_cluster_args, cluster_config_from_args
+from protos import rpc
 
 
 def register(sub) -> None:
-    from cluster.ray_launcher import RayLaunchConfig  # lazy: grpc, grpc_health, grpc_reflection
-
     la = sub.add_parser("launch", help="start a router and workers as Ray actors on a running Ray cluster")
-    add_config_args(la, cls=RayLaunchConfig, skip=("model_hash",))
-    add_api_key_file_arg(la)
-    la.add_argument("--dp", type=int, default=None,
-                    help="data-parallel size: identical workers per role (--prefill K --decode K at once; TP4 x DP2 is "
-                         "--decode-tp 4 --decode 2)")
+    # every flag is a field of RayLaunchConfig: ClusterSpec's (shared with `pdserve serve`) and Ray's own
+    add_cluster_args(la, RayLaunchConfig, skip=("model_hash",), choices={"placement": PLACEMENTS})
     la.add_argument("--json", action="store_true", help="print the deployment as one JSON object")
     la.set_defaults(fn=cmd_launch)
 
@@ -62,12 +61,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from cluster.preflight import check_model, check_speculative  # lazy: numpy, safetensors, torch
-    from cluster.ray_launcher import LaunchError, PlacementError, RayLaunchConfig, launch  # lazy: grpc, grpc_health, grpc_reflection
     from engine.defaults import default_model_dir  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
     from engine.sizing import pool_sizing  # lazy: numpy, safetensors, torch
-    from protos import rpc  # lazy: grpc, grpc_health, grpc_reflection
     try:
-        cfg = config_from_args(args, cls=RayLaunchConfig, api_key=rpc.api_key_from_args(args))
+        cfg = cluster_config_from_args(args, RayLaunchConfig, api_key=rpc.api_key_from_args(args))
         # before Ray is contacted: the model (read here for its hash), the flags' syntax
         check_model(cfg.model or default_model_dir())
         check_speculative(cfg.speculative)
@@ -75,8 +72,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
-    print(f"pdserve: launching {cfg.prefill} prefill + {cfg.decode} decode workers on Ray ({cfg.address}, namespace "
-          f"{cfg.namespace})", file=sys.stderr, flush=True)
+    workers = (f"{cfg.decode} decode workers, aggregated (each prefills its own prompts)" if cfg.aggregated
+               else f"{cfg.prefill} prefill + {cfg.decode} decode workers")
+    print(f"pdserve: launching {workers} on Ray ({cfg.address}, namespace {cfg.namespace})", file=sys.stderr,
+          flush=True)
     try:
         st = launch(cfg)
     except (LaunchError, PlacementError, ConnectionError) as e:
@@ -87,7 +86,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from cluster.ray_launcher import status  # lazy: grpc, grpc_health, grpc_reflection
     try:
         st = status(args.address, args.namespace)
     except ConnectionError as e:
@@ -98,7 +96,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from cluster.ray_launcher import stop  # lazy: grpc, grpc_health, grpc_reflection
     try:
         names = stop(args.address, args.namespace, args.grace_s)
     except ConnectionError as e:
@@ -110,8 +107,6 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from cluster.ray_launcher import LaunchError, PlacementError  # lazy: grpc, grpc_health, grpc_reflection
-    from cluster.ray_scale import scale  # lazy: grpc, grpc_health, grpc_reflection
     try:
         st = scale(args.address, args.namespace, args.prefill, args.decode, args.drain_timeout_s)
     except (LaunchError, PlacementError, ConnectionError) as e:

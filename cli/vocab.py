@@ -4,9 +4,11 @@
   ``--speculative-num-steps`` / ``--speculative-eagle-topk`` / ``--speculative-num-draft-tokens`` (the
   three parts of ``--speculative S/K/D``).
 - ``--dp K`` (serve, launch) is ``--prefill K --decode K``: K identical workers per role.
-- ``serve`` and ``launch`` answer to each other's names: ``--compile`` / ``--compile-decode``,
-  ``--stall-after`` / ``--stall-after-s``, ``--threads-per-worker`` / ``--threads``, ``--run-dir`` /
-  ``--log-dir``, ``--no-speculative`` / ``--speculative off``.
+- ``serve`` and ``launch`` take one flag set (``cluster.spec.ClusterSpec``), with shorter or older names
+  for some: ``--compile`` (``--compile-decode``), ``--stall-after`` (``--stall-after-s``), ``--threads``
+  (``--threads-per-worker``), ``--startup-timeout`` (``--startup-timeout-s``), ``--decode-stall-timeout``
+  (``--decode-stall-timeout-s``), ``--no-speculative`` (``--speculative off``); serve's ``--run-dir`` is
+  launch's ``--log-dir``, and each takes the other's name.
 - Every subcommand: no abbreviations (``allow_abbrev=False``), defaults in ``--help``, ``-v`` after the
   subcommand too, ``--config FILE.yaml`` whose keys are the long flag names (flags on the command line
   override the file).
@@ -30,13 +32,15 @@ class OneLineParser(argparse.ArgumentParser):
 
 SPEC_PARTS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 DEFAULT_SPECULATIVE = "5/1/6"
+CLUSTER_ALIASES = (("--compile", "compile_decode", True), ("--stall-after", "stall_after_s", float),
+                   ("--threads", "threads_per_worker", int), ("--startup-timeout", "startup_timeout_s", float),
+                   ("--decode-stall-timeout", "decode_stall_timeout_s", float))
+"""serve and launch (one ``ClusterSpec``): (an older or shorter name, the dest, its type or True for a switch)."""
 ALIASES = {
-    "serve": (("--compile-decode", "compile", True), ("--stall-after-s", "stall_after", float),
-              ("--threads", "threads_per_worker", int), ("--log-dir", "run_dir", str)),
-    "launch": (("--compile", "compile_decode", True), ("--stall-after", "stall_after_s", float),
-               ("--threads-per-worker", "threads", int), ("--run-dir", "log_dir", str)),
+    "serve": (*CLUSTER_ALIASES, ("--log-dir", "run_dir", str)),
+    "launch": (*CLUSTER_ALIASES, ("--run-dir", "log_dir", str)),
 }
-"""Per subcommand: (the other command's flag, this command's dest, its type or True for a switch)."""
+"""Per subcommand: (another name of a flag, this command's dest, its type or True for a switch)."""
 
 
 def add_vocabulary(p: argparse.ArgumentParser, cmd: str) -> None:
@@ -50,14 +54,17 @@ def add_vocabulary(p: argparse.ArgumentParser, cmd: str) -> None:
         p.add_argument("--" + part.replace("_", "-"), dest=part, type=int, default=None,
                        help=f"{what}: one part of --speculative S/K/D (sglang name)")
     for flag, dest, kind in ALIASES.get(cmd, ()):
+        what = f"alias of --{dest.replace('_', '-')}"
         if kind is True:
-            p.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS, help=f"alias of --{dest}")
+            p.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS, help=what)
         else:
-            p.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS,
-                           help=f"alias of --{dest.replace('_', '-')}")
-    if cmd == "launch":
+            p.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS, help=what)
+    if cmd in ("serve", "launch"):
         p.add_argument("--no-speculative", dest="speculative", action="store_const", const="off",
                        default=argparse.SUPPRESS, help="same as --speculative off")
+        p.add_argument("--dp", type=int, default=None,
+                       help="data-parallel size: identical workers per role (--prefill K --decode K at once; TP4 x "
+                            "DP2 is --decode-tp 4 --decode 2)")
 
 
 def resolve_vocabulary(args: argparse.Namespace, cmd: str) -> None:

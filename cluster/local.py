@@ -1,7 +1,7 @@
 # over 400 lines: the local launcher: child processes, ports, supervision and decode-weight resolution.
 """A whole pdserve cluster on this machine: N prefill + M decode worker processes and a router process.
 
-    cluster = LocalCluster(LocalClusterConfig(model=DIR, num_prefill=1, num_decode=1, port=50051))
+    cluster = LocalCluster(LocalClusterConfig(model=DIR, prefill=1, decode=1, router=RouterConfig(port=0)))
     cluster.start()          # raises ClusterStartError naming the worker that failed, with its log tail
     cluster.router_address   # where clients connect
     cluster.stop()           # SIGTERM everything (router first), SIGKILL what is left after the grace period
@@ -26,11 +26,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from common import logs
-from protos import rpc, tls
+from cluster.spec import ClusterSpec, WorkerSlot
 from common.env import API_KEY, CLUSTER_SECRET, child_environ
-from common.net import check_bind
 from common.reasons import Role
+from protos import rpc
 
 READY_PREFIX = "PDSERVE_READY"
 SHM_DIR = "/dev/shm"
@@ -74,129 +73,18 @@ class ClusterStartError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class LocalClusterConfig:
-    model: str | None = None
-    """Model directory (None: ``engine.defaults.default_model_dir()``)."""
-    num_prefill: int = 1
-    """Prefill worker processes; 0: aggregated (each decode worker prefills every prompt itself, chunked, and
-    the machine's cores are split between the decode workers alone)."""
-    num_decode: int = 1
-    """Decode worker processes."""
-    host: str = "127.0.0.1"
-    """Router bind address (workers always bind to loopback)."""
-    port: int = 50051
-    """Router port (0: any free port)."""
-    http_port: int = 0
-    """Router's OpenAI-compatible HTTP port (0: off, -1: any free port; ``pdserve serve`` defaults to 8000)."""
-    served_model_name: str = ""
-    """The model name HTTP clients send ("": the model directory's last component)."""
-    log_level: str = "INFO"
-    """Log level of the router and every worker."""
-    log_format: str = "text"
-    """text or json (one object per line) for the router and every worker."""
-    dtype: str = "auto"
-    """Compute dtype of the workers (auto: the checkpoint's where the device computes it fast, else float32)."""
-    kv_dtype: str | None = None
-    """KV cache dtype (None: the weights dtype)."""
-    page_size: int = 16
-    """KV page size in tokens."""
-    num_pages: int | None = None
-    """KV pages per worker (None: sized from memory; at most one of num_pages, kv_cache_memory, mem_fraction)."""
-    kv_cache_memory: str | None = None
-    """KV pool bytes per worker (``8GiB``, ``512MB``, ...)."""
-    mem_fraction: float | None = None
-    """Fraction of this host's (or GPU's) memory for all workers together (weights, activations and KV
-    pools): each worker gets an equal share. None: the workers' default (see ``engine.memory``)."""
-    speculative: str | None = "5/1/6"
-    """MTP speculation STEPS/TOPK/DRAFT_TOKENS for the decode workers; None: off."""
-    spec_fallback: bool = True
-    """Decode workers switch a request whose drafts rarely pay off to plain decoding (False:
-    ``decode.server --no-spec-fallback``, every request keeps speculating)."""
-    compile_decode: bool = False
-    """Decode workers run decode / verify steps through compiled graphs (``decode.server --compile``)."""
-    decode_weights: str = "mxfp4"
-    """What the decode workers' routed experts run in: an MX format (``mxfp4``, ``mxfp6_e2m3``, ...: the
-    model quantized once and cached under ``$PDSERVE_HOME/quantized``), ``model`` (the checkpoint as it
-    is), or a directory holding a quantized copy of the model (e.g. a Quark export). A model that is already
-    quantized is served as it is."""
-    api_key: str | None = None
-    """Require this bearer token on the router's public port."""
-    tls_cert: str | None = None
-    """PEM certificate: the router's gRPC and HTTP ports and every worker's gRPC port serve TLS
-    (``protos.tls``; the KV data plane stays HMAC-authenticated, see there why)."""
-    tls_key: str | None = None
-    """PEM private key of ``tls_cert``."""
-    tls_ca: str | None = None
-    """PEM CA bundle: mutual TLS between the router and the workers (default: the router trusts
-    ``tls_cert`` itself)."""
-    routing: str = "cache_aware"
-    """Router prefill policy."""
-    local_prefill_below: int = 0
-    """Router: prefill prompts shorter than this on the decode worker (0: off)."""
-    prefill_chunk: int = 2048
-    """Decode workers' local prefill (``local_prefill_below``, aggregated mode): tokens of one prompt per step
-    (``decode.server --prefill-chunk``; a longer prompt continues over the next steps)."""
-    max_inflight: int = 256
-    """Router: requests in flight at once; more are refused with RESOURCE_EXHAUSTED."""
-    request_timeout_s: float = 600.0
-    """Router: the longest a request may take (a client's shorter deadline wins)."""
-    max_failovers: int = 2
-    """Router: times a request may resume on another decode worker after its own died mid-stream."""
-    decode_stall_timeout_s: float = 30.0
-    """Router: a decode stream silent this long fails over like a dead worker."""
-    stall_after_s: float = 60.0
-    """Workers report themselves unhealthy when their scheduler has work and finished no step for this long."""
-    shm: bool = True
-    """Decode workers keep their KV pool in shared memory, so prefill workers (same host) ship KV by
-    copying pages instead of over TCP (a worker that cannot create the segment falls back to TCP)."""
-    fault_injection: bool = False
-    """Router and prefill workers accept InjectFault (``pdserve bench --fault drop-kv@S``)."""
-    threads_per_worker: int = 0
-    """torch threads per worker (0: split this machine's cores between the workers). A decode worker's own prefill
-    forwards (aggregated mode, ``local_prefill_below``) take at least its share of the cores
-    (``decode.server --prefill-threads``)."""
+class LocalClusterConfig(ClusterSpec):
+    """``pdserve serve``: the cluster (``ClusterSpec``) and what only a cluster on this machine has."""
+
     run_dir: str | None = None
-    """Where logs go (None: a new temporary directory)."""
-    startup_timeout_s: float = 300.0
-    """How long every child may take to become ready."""
-    max_restarts: int = 5
-    """Times ``pdserve serve`` restarts a worker that died (with backoff; ``cluster.supervisor``)."""
-    grace_s: float = 30.0
-    """On stop (SIGTERM): the router stops admitting and gives the requests in flight this long to finish,
-    then ends what is left with UNAVAILABLE saying so; workers drain the same way."""
+    """Where the logs go (None: a new temporary directory; alias --log-dir)."""
     stop_margin_s: float = 15.0
     """Beyond ``grace_s``: how long a child may take to exit after its drain before it is killed."""
-    extra_worker_args: tuple[str, ...] = ()
-    """Appended to every worker's command line."""
-    prefill_tp: int = 1
-    """Rank processes per prefill worker (tensor-parallel size; ``worker.ranks``): started, supervised and
-    restarted as one worker."""
-    decode_tp: int = 1
-    """Rank processes per decode worker (as ``prefill_tp``)."""
-    moe_parallel: str = "tp"
-    """Routed experts across the ranks of a worker: ``tp`` (each expert's intermediate dim split) or ``ep``."""
 
     def __post_init__(self) -> None:
-        if self.log_format not in logs.LOG_FORMATS:
-            raise ValueError(f"log_format must be one of {logs.LOG_FORMATS}, got {self.log_format!r}")
-        if self.num_prefill < 0 or self.num_decode < 1:
-            raise ValueError(f"need at least one decode worker and no negative count of prefill workers (0: "
-                             f"aggregated), got {self.num_prefill} + {self.num_decode}")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if (self.num_prefill and self.prefill_tp < 1) or self.decode_tp < 1 or self.moe_parallel not in ("tp", "ep"):
-            raise ValueError(f"need --prefill-tp ({self.prefill_tp}) and --decode-tp ({self.decode_tp}) >= 1 and "
-                             f"--moe-parallel tp or ep (got {self.moe_parallel!r})")
-        if self.startup_timeout_s <= 0 or self.stall_after_s <= 0 or self.grace_s < 0 or self.stop_margin_s <= 0:
-            raise ValueError(f"startup_timeout_s ({self.startup_timeout_s}), stall_after_s ({self.stall_after_s}) "
-                             f"and stop_margin_s ({self.stop_margin_s}) must be > 0, grace_s ({self.grace_s}) >= 0")
-        check_bind(self.host, self.api_key, "the router (give --api-key)")
-        tls.tls_config(self.tls_cert, self.tls_key, self.tls_ca)  # ValueError for a half-given pair or a bad file
-
-    @property
-    def aggregated(self) -> bool:
-        """No prefill workers: the decode workers prefill every prompt."""
-        return self.num_prefill == 0
+        ClusterSpec.__post_init__(self)  # (zero-argument super() fails in a slots dataclass)
+        if self.stop_margin_s <= 0:
+            raise ValueError(f"stop_margin_s must be > 0, got {self.stop_margin_s}")
 
     @property
     def stop_grace_s(self) -> float:
@@ -302,48 +190,30 @@ class LocalCluster:
     def children(self) -> list[Child]:
         return self.workers + ([self.router] if self.router is not None else [])
 
+    @property
+    def spec(self) -> ClusterSpec:
+        """The config as the children are started from it (``ClusterSpec.resolved``)."""
+        return self.cfg.resolved(self.model, self.decode_weights)
+
     def _worker_cmd(self, role: str, i: int) -> list[str]:
         c = self.cfg
-        cmd = [sys.executable, "-m", f"{role}.server", "--model", self.model, "--host", "127.0.0.1", "--port", "0",
-               "--worker-id", f"{role}-{i}", "--dtype", c.dtype, "--page-size", str(c.page_size)]
-        if c.kv_dtype:
-            cmd += ["--kv-dtype", c.kv_dtype]
-        if c.num_pages:
-            cmd += ["--num-pages", str(c.num_pages)]
-        if c.kv_cache_memory:
-            cmd += ["--kv-cache-memory", c.kv_cache_memory]
-        if c.mem_fraction:
-            cmd += ["--mem-fraction", repr(c.mem_fraction / (c.num_prefill + c.num_decode))]
-        num_ranks = c.num_prefill * c.prefill_tp + c.num_decode * c.decode_tp
+        num_ranks = c.prefill * c.prefill_tp + c.decode * c.decode_tp
         cores = os.cpu_count() or 1
         share = max(1, cores // num_ranks)  # this worker's share of the cores
         # every worker's steps take its whole share: reserving a core for the serving path (as vLLM's CPU guide
         # does for its API server) measured slower once one OpenMP team per process was the rule (worker.omp;
         # docs/performance.md)
         threads = c.threads_per_worker or share
-        tp = c.prefill_tp if role == Role.PREFILL else c.decode_tp
-        if tp > 1:  # one worker = tp rank processes, rank 0 starts and supervises the others
-            cmd += ["--tp", str(tp), "--moe-parallel", c.moe_parallel]
-        cmd += ["--threads", str(threads), "--stall-after", str(c.stall_after_s), "--grace-s", repr(c.grace_s)]
-        cmd += ["--metrics-port", "-1"]  # Prometheus /metrics on a free port, listed in GetClusterStatus
-        cmd += logs.log_args(c.log_level, c.log_format) + self._tls_args()
-        if role == Role.PREFILL and c.fault_injection:
-            cmd += ["--fault-injection"]
-        if role == Role.DECODE:
-            cmd += ["--kv-port", "0"] + (["--shm"] if c.shm else [])
-            cmd += ["--quantized-model", self.decode_weights] if self.decode_weights else []
-            cmd += ["--speculative", c.speculative] if c.speculative else ["--no-speculative"]
-            cmd += [] if c.spec_fallback else ["--no-spec-fallback"]
-            cmd += ["--compile"] if c.compile_decode else []
-            # its own prefill forwards take its whole share of the cores (decode steps: --threads-per-worker)
-            cmd += ["--prefill-chunk", str(c.prefill_chunk), "--prefill-threads", str(max(threads, share))]
-        return cmd + list(c.extra_worker_args)
+        # a decode worker's own prefill forwards take its whole share of the cores (decode steps: --threads-per-worker)
+        slot = WorkerSlot(f"{role}-{i}", threads, prefill_threads=max(threads, share),
+                          mem_fraction=c.mem_fraction / (c.prefill + c.decode) if c.mem_fraction else None)
+        return [sys.executable, "-m", f"{role}.server", "--host", "127.0.0.1", *self.spec.worker_argv(role, slot)]
 
     def start(self) -> None:
         """Start every worker, wait until all are ready, then start the router and wait for it too."""
         c = self.cfg
         try:
-            for role, n in ((Role.PREFILL, c.num_prefill), (Role.DECODE, c.num_decode)):
+            for role, n in ((Role.PREFILL, c.prefill), (Role.DECODE, c.decode)):
                 for i in range(n):
                     name = f"{role}-{i}"
                     self.workers.append(Child(name, self._worker_cmd(role, i), self.env,
@@ -357,24 +227,10 @@ class LocalCluster:
             raise
 
     def _router_cmd(self) -> list[str]:
-        c = self.cfg
         pre = ",".join(w.address for w in self.workers if w.name.startswith(Role.PREFILL))
         dec = ",".join(w.address for w in self.workers if w.name.startswith(Role.DECODE))
-        cmd = [sys.executable, "-m", "router", "--host", c.host, "--port", str(c.port),
-               "--http-port", str(c.http_port), *(["--aggregated"] if c.aggregated else ["--prefill", pre]),
-               "--decode", dec, "--routing", c.routing, "--model", self.model,
-               "--local-prefill-below", str(c.local_prefill_below), "--max-failovers", str(c.max_failovers),
-               "--decode-stall-timeout-s", str(c.decode_stall_timeout_s),
-               "--startup-timeout-s", str(c.startup_timeout_s), "--grace-s", repr(c.grace_s),
-               "--max-inflight", str(c.max_inflight), "--request-timeout-s", repr(c.request_timeout_s)]
-        cmd += ["--served-model-name", c.served_model_name] if c.served_model_name else []
-        cmd += logs.log_args(c.log_level, c.log_format) + self._tls_args()
-        return cmd + (["--fault-injection"] if c.fault_injection else [])
-
-    def _tls_args(self) -> list[str]:
-        c = self.cfg
-        return [a for flag, path in (("--tls-cert", c.tls_cert), ("--tls-key", c.tls_key), ("--tls-ca", c.tls_ca))
-                if path for a in (flag, os.path.abspath(path))]
+        workers = ([] if self.cfg.aggregated else ["--prefill", pre]) + ["--decode", dec]
+        return [sys.executable, "-m", "router", *self.spec.router_argv(), *workers]
 
     @staticmethod
     def _wait_ready(children: list[Child], timeout_s: float) -> None:
@@ -496,8 +352,13 @@ def resolve_decode_weights(model_dir: str, spec: str) -> str | None:
         try:
             quantize_checkpoint(model_dir, tmp, spec, progress=False)
             open(os.path.join(tmp, ".complete"), "w").close()
-            shutil.rmtree(out, ignore_errors=True)
-            os.replace(tmp, out)
+            if not os.path.exists(os.path.join(out, ".complete")):  # another process may have finished first
+                shutil.rmtree(out, ignore_errors=True)  # an interrupted attempt's leftovers
+                try:
+                    os.replace(tmp, out)
+                except OSError:  # it did meanwhile: its copy is the same bytes
+                    if not os.path.exists(os.path.join(out, ".complete")):
+                        raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -136,8 +136,8 @@ def check_serve(cfg) -> None:
     if cfg.decode_weights not in ("model", *MX_FORMATS):
         decode_weights = check_model(cfg.decode_weights, "--decode-weights").model_dir
     check_speculative(cfg.speculative)
-    check_port_free(cfg.host, cfg.port, "--port")
-    check_port_free(cfg.host, cfg.http_port, "--http-port")
-    roles = [(Role.PREFILL, model)] * cfg.num_prefill + [(Role.DECODE, decode_weights)] * cfg.num_decode
+    check_port_free(cfg.router.host, cfg.router.port, "--port")
+    check_port_free(cfg.router.host, cfg.router.http_port, "--http-port")
+    roles = [(Role.PREFILL, model)] * cfg.prefill + [(Role.DECODE, decode_weights)] * cfg.decode
     check_memory(roles, cfg.dtype, cfg.kv_dtype, cfg.page_size, cfg.num_pages, cfg.kv_cache_memory,
                  cfg.mem_fraction)

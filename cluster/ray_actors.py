@@ -166,7 +166,7 @@ class RouterActor(ServerProcess):
     """The router, plus the thread that publishes the worker list it follows. Holds the launch spec that
     ``pdserve scale`` reuses for new workers."""
 
-    def __init__(self, args: list[str], secret: str, log_dir: str, startup_timeout_s: float, spec: dict,
+    def __init__(self, args: list[str], secret: str, log_dir: str, startup_timeout_s: float, spec,
                  poll_interval_s: float = 0.5) -> None:
         self.spec_ = spec
         ensure_private_dir(log_dir)
@@ -174,10 +174,11 @@ class RouterActor(ServerProcess):
         args = [*args, "--discovery", f"file:{list_path}", "--discovery-interval-s", str(poll_interval_s)]
         self.published = WorkerList((), ())
         write_worker_list(list_path, self.published)
-        self._publisher = WorkerListPublisher(ray.get_runtime_context().namespace, poll_interval_s)
+        # the deployment's namespace, not the job's: a driver already connected elsewhere may have launched it
+        self._publisher = WorkerListPublisher(spec.cfg.namespace, poll_interval_s)
         threading.Thread(target=self._publish_loop, name="publish workers", daemon=True).start()
         ServerProcess.__init__(self, ROUTER_NAME, "router", "router.discovery", args, secret, log_dir,
-                               startup_timeout_s, bind_node_ip=False, api_key=spec.get("api_key"))
+                               startup_timeout_s, bind_node_ip=False, api_key=spec.cfg.api_key)
 
     def _publish_loop(self) -> None:
         while True:
@@ -190,7 +191,8 @@ class RouterActor(ServerProcess):
                 logger.exception("publishing the worker list failed")
             time.sleep(self._publisher.interval_s)
 
-    def spec(self) -> dict:
+    def spec(self):
+        """The ``cluster.ray_launcher.Deployment`` this router was launched with."""
         return self.spec_
 
     def worker_list(self) -> dict:
@@ -199,7 +201,7 @@ class RouterActor(ServerProcess):
     def workers_seen(self, timeout_s: float = 5.0) -> list[dict]:
         """The router's own view (Admin.GetClusterStatus): address, role, healthy, in-flight calls."""
         from router.client import GenerationClient  # lazy: google
-        with GenerationClient(self._local_address(), api_key=self.spec_.get("api_key"), tls_ca=self._tls_root()) as c:
+        with GenerationClient(self._local_address(), api_key=self.spec_.cfg.api_key, tls_ca=self._tls_root()) as c:
             st = c.cluster_status(timeout_s)
         return [{"address": w.address, "role": w.role, "healthy": w.healthy,
                  "inflight": int(w.info.get("router_inflight", "0")), "excluded": w.info.get("router_excluded", "")}
@@ -219,7 +221,7 @@ class RouterActor(ServerProcess):
 
     def _tls_root(self) -> str | None:
         """What a client of this router trusts: the CA, or the self-signed certificate (None: no TLS)."""
-        return self.spec_.get("tls_ca") or self.spec_.get("tls_cert")
+        return self.spec_.cfg.tls_ca or self.spec_.cfg.tls_cert
 
     def _local_address(self) -> str:
         host, _, port = self.child.address.rpartition(":")

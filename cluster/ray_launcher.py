@@ -18,10 +18,13 @@ Lifecycle of a deployment (namespace ``pdserve`` by default; ``cluster/ray_actor
    router drops the old address and adds the new one.
 4. scale adds workers like launch, or drains the highest-numbered ones (out of the router's list first,
    stopped once the router has no calls at them); stop removes every actor and placement group.
+
+The servers' command lines come from ``cluster.spec.ClusterSpec``, as ``pdserve serve``'s do: ``--prefill 0``
+is aggregated here too (the decode workers prefill their own prompts, the router runs ``--aggregated``), and
+``--kv-transport`` / ``--mooncake-protocol`` reach both worker kinds (Mooncake's engine on every node).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -32,10 +35,9 @@ from dataclasses import dataclass, field
 
 from cluster.local import ClusterStartError, resolve_decode_weights
 from cluster.ray_placement import PLACEMENTS, PlacementError, actor_resources, create_groups, demands_for, list_groups, plan_when_free, remove_groups
-from common.flags import DEFAULT_HTTP_PORT
-from common.net import check_bind
+from cluster.spec import ClusterSpec, WorkerSlot
 from common.reasons import Role
-from protos import rpc, tls
+from protos import rpc
 
 logger = logging.getLogger(__name__)
 ROLES = tuple(Role)
@@ -46,116 +48,36 @@ class LaunchError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class RayLaunchConfig:
+class RayLaunchConfig(ClusterSpec):
+    """``pdserve launch``: the cluster (``ClusterSpec``, the options of ``pdserve serve`` too) and Ray's own."""
+
     address: str = "auto"
     """Ray cluster: auto (this node's) or HOST:PORT (the GCS); ray://HOST:PORT (Ray Client) is untested."""
     namespace: str = "pdserve"
     """Ray namespace of the deployment's actors (one deployment per namespace)."""
-    model: str | None = None
-    """Model directory, the same path on every node (default: the default model)."""
-    prefill: int = 1
-    """Prefill workers."""
-    decode: int = 1
-    """Decode workers."""
-    prefill_tp: int = 1
-    """Tensor-parallel size of a prefill worker: that many rank processes and bundles, on one node."""
-    decode_tp: int = 1
-    """Tensor-parallel size of a decode worker (as --prefill-tp)."""
-    moe_parallel: str = "tp"
-    """Routed experts across a worker's ranks: tp (each expert's intermediate dim split) or ep (experts
-    partitioned)."""
     resources_per_worker: str = '{"CPU": 1}'
     """JSON resources of one worker rank, e.g. {"CPU": 8, "GPU": 1} (custom resources allowed)."""
     placement: str = "spread"
     """spread: workers on as many nodes as possible; pack: on as few as possible."""
-    host: str = "127.0.0.1"
-    """Router bind address, on the launching node (beyond loopback only with --api-key)."""
-    port: int = 50051
-    """Router port (0: any free port)."""
-    http_port: int = DEFAULT_HTTP_PORT
-    """Router's OpenAI-compatible HTTP port, on the launching node (0: off, -1: any free port)."""
-    log_level: str = "INFO"
-    """Log level of the router and every worker."""
-    log_format: str = "text"
-    """text or json (one object per line) for the router and every worker."""
-    api_key: str | None = None
-    """Require this bearer token on the router's public port."""
-    tls_cert: str | None = None
-    """PEM certificate, at a path every node can read: the router's gRPC and HTTP ports and every worker's gRPC
-    port serve TLS (protos/tls.py; the KV data plane stays HMAC-authenticated)."""
-    tls_key: str | None = None
-    """PEM private key of --tls-cert (same path on every node)."""
-    tls_ca: str | None = None
-    """PEM CA bundle: mutual TLS between the router and the workers (default: trust --tls-cert itself)."""
-    routing: str = "cache_aware"
-    """Router prefill policy."""
-    dtype: str = "auto"
-    """Compute dtype of the workers (auto: the checkpoint's where the device computes it fast, else float32)."""
-    kv_dtype: str | None = None
-    """KV cache dtype (default: the weights dtype)."""
-    page_size: int = 16
-    """KV page size in tokens."""
-    num_pages: int | None = None
-    """KV pages per worker (default: sized from memory; at most one of num_pages, kv_cache_memory, mem_fraction)."""
-    kv_cache_memory: str | None = None
-    """KV pool bytes per worker (8GiB, 512MB, ...)."""
-    mem_fraction: float | None = None
-    """Fraction of its device's memory each worker may use for weights, activations and its KV pool."""
-    speculative: str = "5/1/6"
-    """MTP speculation STEPS/TOPK/DRAFT_TOKENS of the decode workers, or off."""
-    no_spec_fallback: bool = False
-    """Decode workers keep speculating for every request, even when its drafts are rarely accepted (default:
-    such a request switches to plain decoding)."""
-    compile_decode: bool = False
-    """Decode workers run decode / verify steps through compiled graphs (warmed up before they serve)."""
-    decode_weights: str | None = None
-    """A quantized copy of the model (e.g. `pdserve quantize --format mxfp4` output, or a Quark export) at a path
-    every node can read: decode workers load its weights (MXFP4 routed experts). Default: the model's own."""
-    threads: int = 0
-    """torch threads per worker (0: the CPUs of its bundle)."""
-    max_restarts: int = 5
-    """How often Ray restarts a dead worker or router actor (-1: forever)."""
-    max_failovers: int = 2
-    """Router: times a request may resume on another decode worker after its own died mid-stream."""
-    decode_stall_timeout_s: float = 30.0
-    """Router: a decode stream silent this long fails over like a dead worker."""
-    stall_after_s: float = 60.0
-    """Workers report themselves unhealthy when their scheduler has work and finished no step for this long."""
-    no_shm: bool = False
-    """Decode pools in private memory: prefill workers on the same node ship KV over TCP too."""
-    startup_timeout_s: float = 300.0
-    """How long every actor may take to become ready."""
     placement_timeout_s: float = 30.0
     """How long placement groups may take to be placed before they are removed and reported."""
     log_dir: str = "/tmp/pdserve-ray"
-    """Server logs, on each node: LOG_DIR/NAMESPACE/NAME.PID.log."""
+    """Server logs, on each node: LOG_DIR/NAMESPACE/NAME.PID.log (alias --run-dir)."""
+    decode_weights: str = "model"
+    """Decode workers' routed experts: model (the checkpoint's own) or a quantized copy of the model (e.g.
+    `pdserve quantize --format mxfp4` output, or a Quark export) at a path every node can read."""
     model_hash: str | None = None
     """Expected model hash (default: computed here from the model with engine.loader.model_hash)."""
 
     def __post_init__(self) -> None:
-        if self.log_format not in ("text", "json"):
-            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
-        if self.prefill < 1 or self.decode < 1:
-            raise ValueError(f"need at least one prefill and one decode worker, got {self.prefill} + {self.decode}")
-        if self.prefill_tp < 1 or self.decode_tp < 1:
-            raise ValueError(f"tp sizes must be >= 1, got {self.prefill_tp} and {self.decode_tp}")
-        if self.moe_parallel not in ("tp", "ep"):
-            raise ValueError(f"moe_parallel must be tp or ep, got {self.moe_parallel!r}")
+        ClusterSpec.__post_init__(self)  # (zero-argument super() fails in a slots dataclass)
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        from router.config import ROUTING_POLICIES  # lazy: building the CLI parser must not import router
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.namespace):
             raise ValueError(f"namespace must be letters, digits, '_', '.', '-', got {self.namespace!r}")
-        for name in ("startup_timeout_s", "placement_timeout_s", "decode_stall_timeout_s", "stall_after_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_failovers < 0:
-            raise ValueError(f"max_failovers must be >= 0, got {self.max_failovers}")
+        if not self.placement_timeout_s > 0:
+            raise ValueError(f"placement_timeout_s must be > 0, got {self.placement_timeout_s}")
         self.bundle  # noqa: B018 - the property validates the JSON
-        check_bind(self.host, self.api_key, "the router (give --api-key)")
-        tls.tls_config(self.tls_cert, self.tls_key, self.tls_ca)  # ValueError for a half-given pair or a bad file
 
     @property
     def bundle(self) -> dict[str, float]:
@@ -167,8 +89,28 @@ class RayLaunchConfig:
             raise ValueError(f"resources_per_worker must map resource names to numbers >= 0, got {b!r}")
         return {str(k): float(v) for k, v in b.items()}
 
-    def tp(self, role: str) -> int:
-        return self.prefill_tp if role == Role.PREFILL else self.decode_tp
+    @property
+    def log_path(self) -> str:
+        """Where this deployment's servers log, on each node."""
+        return os.path.join(self.log_dir, self.namespace)
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """What every server of a launched deployment is started from (kept by the router actor, for ``scale``)."""
+
+    cfg: RayLaunchConfig
+    """The launch config, resolved (``ClusterSpec.resolved``): absolute model, decode weights and TLS paths."""
+    model_hash: str
+    """Every worker refuses another model (``--expect-model-hash``)."""
+    secret: str = field(repr=False)
+    """The internal plane's cluster secret (to the servers through their environment, never argv)."""
+
+    def worker_args(self, role: str, name: str) -> list[str]:
+        """``python -m ROLE.server`` flags of worker ``name`` (its actor adds ``--host`` with its node's IP)."""
+        threads = self.cfg.threads_per_worker or max(1, int(self.cfg.bundle.get("CPU", 1)))
+        return self.cfg.worker_argv(role, WorkerSlot(name, threads, mem_fraction=self.cfg.mem_fraction,
+                                                     model_hash=self.model_hash))
 
 
 @dataclass
@@ -219,10 +161,10 @@ def launch(cfg: RayLaunchConfig) -> DeploymentStatus:
     if existing:
         raise LaunchError(f"namespace {cfg.namespace!r} already runs pdserve actors ({', '.join(existing)}): "
                           f"`pdserve scale` it, or `pdserve stop` it first")
-    spec = _make_spec(cfg)
+    dep = _make_deployment(cfg)
     names = [f"{r}-{i}" for r, n in ((Role.PREFILL, cfg.prefill), (Role.DECODE, cfg.decode)) for i in range(n)]
     try:
-        refs = start_workers(spec, names, existing_nodes={})
+        refs = start_workers(dep, names, existing_nodes={})
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # lazy: ray
 
         from cluster.ray_actors import ROUTER_NAME, RouterActor  # lazy: ray
@@ -230,87 +172,33 @@ def launch(cfg: RayLaunchConfig) -> DeploymentStatus:
             name=ROUTER_NAME, namespace=cfg.namespace, lifetime="detached", max_restarts=cfg.max_restarts,
             num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                            soft=False),
-        ).remote(_router_args(spec), spec["secret"], _log_dir(spec), cfg.startup_timeout_s, spec)
+        ).remote(dep.cfg.router_argv(), dep.secret, cfg.log_path, cfg.startup_timeout_s, dep)
         refs[ROUTER_NAME] = router.info.remote()
         infos = wait_started(refs, cfg.startup_timeout_s)
         wait_in_rotation(router, [infos[n]["address"] for n in names], cfg.startup_timeout_s)
     except BaseException:
         stop(cfg.address, cfg.namespace, grace_s=5.0)
         raise
-    st = status(cfg.address, cfg.namespace)
-    st.notes += spec["notes"]
-    return st
+    return status(cfg.address, cfg.namespace)
 
 
-def _make_spec(cfg: RayLaunchConfig) -> dict:
-    """Everything a new worker of this deployment needs (kept by the router actor for ``scale``)."""
+def _make_deployment(cfg: RayLaunchConfig) -> Deployment:
+    """Everything a new server of this deployment needs (kept by the router actor for ``scale``)."""
     from engine.defaults import default_model_dir  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
-    if cfg.model is None:
-        model = default_model_dir()
-    else:
-        model = os.path.abspath(cfg.model)
+    model = cfg.model or default_model_dir()
     if cfg.model_hash is None:
         from engine.loader import model_hash  # lazy: safetensors, torch
         mhash = model_hash(model)
     else:
         mhash = cfg.model_hash
     decode_weights = None
-    if cfg.decode_weights:
+    if cfg.decode_weights != "model":
         if not os.path.isdir(cfg.decode_weights):
-            raise ValueError(f"--decode-weights {cfg.decode_weights!r}: give a directory holding a quantized copy of "
-                             f"the model that every node can read (make one with `pdserve quantize`)")
+            raise ValueError(f"--decode-weights {cfg.decode_weights!r}: give 'model' or a directory holding a "
+                             f"quantized copy of the model that every node can read (make one with `pdserve "
+                             f"quantize`)")
         decode_weights = resolve_decode_weights(model, os.path.abspath(cfg.decode_weights))
-    notes: list[str] = []
-    tls_paths = {k: os.path.abspath(v) for k in ("tls_cert", "tls_key", "tls_ca") if (v := getattr(cfg, k))}
-    return {**dataclasses.asdict(cfg), **tls_paths, "model": model, "model_hash": mhash, "notes": notes,
-            "decode_weights": decode_weights,
-            "secret": rpc.cluster_secret() or secrets.token_hex(16)}
-
-
-def _log_dir(spec: dict) -> str:
-    return os.path.join(spec["log_dir"], spec["namespace"])
-
-
-def _worker_args(spec: dict, role: str, name: str) -> list[str]:
-    threads = spec["threads"] or max(1, int(json.loads(spec["resources_per_worker"]).get("CPU", 1)))
-    args = ["--model", spec["model"], "--port", "0", "--worker-id", name, "--dtype", spec["dtype"],
-            "--page-size", str(spec["page_size"]), "--threads", str(threads),
-            "--expect-model-hash", spec["model_hash"], "--stall-after", str(spec["stall_after_s"]),
-            "--metrics-port", "-1",  # Prometheus /metrics on a free port, listed in GetClusterStatus
-            "--log-level", spec.get("log_level", "INFO"), "--log-format", spec.get("log_format", "text")]
-    if spec["kv_dtype"]:
-        args += ["--kv-dtype", spec["kv_dtype"]]
-    if spec["num_pages"]:
-        args += ["--num-pages", str(spec["num_pages"])]
-    if spec.get("kv_cache_memory"):
-        args += ["--kv-cache-memory", spec["kv_cache_memory"]]
-    if spec.get("mem_fraction"):
-        args += ["--mem-fraction", repr(spec["mem_fraction"])]
-    tp = spec["prefill_tp"] if role == Role.PREFILL else spec["decode_tp"]
-    if tp > 1:  # rank 0 starts and supervises the other tp - 1 ranks on this node (cluster/ray_actors.py)
-        args += ["--tp", str(tp), "--moe-parallel", spec.get("moe_parallel", "tp")]
-    if role == Role.DECODE:
-        args += ["--kv-port", "0", "--speculative", spec["speculative"] or "off"]
-        args += ["--compile"] if spec.get("compile_decode") else []
-        args += ["--no-spec-fallback"] if spec.get("no_spec_fallback") else []
-        args += ["--quantized-model", spec["decode_weights"]] if spec.get("decode_weights") else []
-        args += [] if spec["no_shm"] else ["--shm"]  # used by prefill workers on the same node
-    return args + _tls_args(spec)
-
-
-def _router_args(spec: dict) -> list[str]:
-    args = ["--host", spec["host"], "--port", str(spec["port"]), "--http-port", str(spec["http_port"]),
-            "--routing", spec["routing"],
-            "--model", spec["model"], "--startup-timeout-s", str(spec["startup_timeout_s"]),
-            "--max-failovers", str(spec["max_failovers"]),
-            "--decode-stall-timeout-s", str(spec["decode_stall_timeout_s"]),
-            "--log-level", spec.get("log_level", "INFO"), "--log-format", spec.get("log_format", "text")]
-    return args + _tls_args(spec)  # the API key reaches the router through its environment, never argv
-
-
-def _tls_args(spec: dict) -> list[str]:
-    return [a for flag in ("tls_cert", "tls_key", "tls_ca") if spec.get(flag)
-            for a in ("--" + flag.replace("_", "-"), spec[flag])]
+    return Deployment(cfg.resolved(model, decode_weights), mhash, rpc.cluster_secret() or secrets.token_hex(16))
 
 
 class _QuietPlacementWarning(logging.Filter):
@@ -326,13 +214,13 @@ def _quiet_ray_warning() -> None:
         log.addFilter(_QuietPlacementWarning())
 
 
-def start_workers(spec: dict, names: list[str], existing_nodes: dict[str, int]) -> dict:
+def start_workers(dep: Deployment, names: list[str], existing_nodes: dict[str, int]) -> dict:
     """Plan, place and create the worker actors ``names``; returns name -> ref of its first info()."""
     _quiet_ray_warning()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # lazy: ray
 
     from cluster.ray_actors import RankSlotActor, WorkerActor  # lazy: ray
-    cfg = RayLaunchConfig(**{f.name: spec[f.name] for f in dataclasses.fields(RayLaunchConfig)})
+    cfg = dep.cfg
     demands = [d for role in ROLES for d in demands_for([n for n in names if n.startswith(role + "-")],
                                                         cfg.bundle, cfg.tp(role))]
     plan = plan_when_free(demands, cfg.placement, existing_nodes)
@@ -348,7 +236,7 @@ def start_workers(spec: dict, names: list[str], existing_nodes: dict[str, int]) 
             name=d.name, namespace=cfg.namespace, lifetime="detached", max_restarts=cfg.max_restarts,
             scheduling_strategy=PlacementGroupSchedulingStrategy(groups[d.name], placement_group_bundle_index=0),
             **actor_resources(cfg.bundle),
-        ).remote(d.name, role, f"{role}.server", _worker_args(spec, role, d.name), spec["secret"], _log_dir(spec),
+        ).remote(d.name, role, f"{role}.server", dep.worker_args(role, d.name), dep.secret, cfg.log_path,
                  cfg.startup_timeout_s, rank_slots=slots)
         refs[d.name] = actor.info.remote()
     return refs
@@ -466,5 +354,5 @@ def stop_actors(handles: dict, grace_s: float) -> None:
         ray.kill(h, no_restart=True)
 
 
-__all__ = ["RayLaunchConfig", "DeploymentStatus", "LaunchError", "PlacementError", "launch", "status", "stop",
+__all__ = ["RayLaunchConfig", "Deployment", "DeploymentStatus", "LaunchError", "PlacementError", "launch", "status", "stop",
            "connect"]

@@ -37,14 +37,19 @@ def scale(address: str, namespace: str = "pdserve", prefill: int | None = None, 
 
     from cluster.ray_actors import ROUTER_NAME  # lazy: ray
     connect(address, namespace)
-    for what, n in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
-        if n is not None and n < 1:
-            raise ValueError(f"need at least one {what} worker, got {n}")
+    if (prefill is not None and prefill < 0) or (decode is not None and decode < 1):
+        raise ValueError(f"need at least one decode worker and no negative count of prefill workers, got "
+                         f"prefill {prefill}, decode {decode}")
     try:
         router = ray.get_actor(ROUTER_NAME, namespace=namespace)
     except ValueError:
         raise LaunchError(f"no pdserve deployment in namespace {namespace!r}: `pdserve launch` first") from None
-    spec = ray.get(router.spec.remote(), timeout=30)
+    dep = ray.get(router.spec.remote(), timeout=30)
+    if prefill is not None and dep.cfg.aggregated != (prefill == 0):
+        # the router was started aggregated or not (``--aggregated``) and stays so
+        raise ValueError(f"namespace {namespace!r} was launched with {dep.cfg.prefill} prefill workers: it "
+                         f"{'takes none' if dep.cfg.aggregated else 'needs at least one'} (`pdserve stop` it and "
+                         f"launch again with --prefill {prefill})")
     have = {r: sorted(i for i in (worker_index(n) for n in actor_names(namespace)) if i and i[0] == r)
             for r in ROLES}
     add, remove = [], []
@@ -60,10 +65,10 @@ def scale(address: str, namespace: str = "pdserve", prefill: int | None = None, 
         nodes: dict[str, int] = {}
         for w in st.workers:
             nodes[w["node_id"]] = nodes.get(w["node_id"], 0) + 1
-        refs = start_workers(spec, add, nodes)
+        refs = start_workers(dep, add, nodes)
         try:
-            infos = wait_started(refs, spec["startup_timeout_s"])
-            wait_in_rotation(router, [i["address"] for i in infos.values()], spec["startup_timeout_s"])
+            infos = wait_started(refs, dep.cfg.startup_timeout_s)
+            wait_in_rotation(router, [i["address"] for i in infos.values()], dep.cfg.startup_timeout_s)
         except LaunchError:
             _remove_workers(namespace, add, grace_s=2.0)
             raise

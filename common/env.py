@@ -10,6 +10,8 @@ Each is read when its function is called (a test or a launcher may set it after 
     PDSERVE_RANK_CHECK      1: the ranks of a tensor-parallel worker compare their logits after every model
                             call (one small all_gather; a rank whose KV or inputs differ fails the worker)
     PDSERVE_PEERS_DIR       where the peer servers (vLLM, llama.cpp) of the side-by-side benchmarks live
+    PDSERVE_CPU_ISA         the ISA level our C++ CPU kernels build for and dispatch on (amx, avx512_bf16, avx512,
+                            avx2), at most the CPU's own (``engine.cpu_ext.isa``); empty = unset: the CPU's
 
 Launchers hand the secrets to their children through the environment (never argv: ``ps`` shows argv to
 every user), under the names ``CLUSTER_SECRET`` and ``API_KEY`` below; ``child_environ`` is the one copy of
@@ -27,6 +29,7 @@ GC_FREEZE = "PDSERVE_GC_FREEZE"
 TUNE_MALLOC = "PDSERVE_TUNE_MALLOC"
 RANK_CHECK = "PDSERVE_RANK_CHECK"
 PEERS_DIR = "PDSERVE_PEERS_DIR"
+CPU_ISA = "PDSERVE_CPU_ISA"
 
 
 def cxx() -> str:
@@ -63,6 +66,11 @@ def tune_malloc() -> bool:
 def peers_dir(environ: Mapping[str, str] | None = None) -> str | None:
     """``$PDSERVE_PEERS_DIR`` in ``environ`` (default: this process's), or None when unset or empty."""
     return (os.environ if environ is None else environ).get(PEERS_DIR) or None
+
+
+def cpu_isa() -> str | None:
+    """``$PDSERVE_CPU_ISA`` (stripped, lower case), or None when unset or empty."""
+    return os.environ.get(CPU_ISA, "").strip().lower() or None
 
 
 def child_environ(drop: Iterable[str] = (), **extra: str) -> dict[str, str]:

@@ -34,7 +34,7 @@ from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, Tr
 from kvtransfer.config import TransportConfig, add_transport_args, receiver_mooncake_protocol
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
-from worker import convert, heartbeat, omp, process
+from worker import boot, convert, heartbeat, omp, process
 from worker.config import add_worker_args
 from worker.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
 from worker.metrics import serve_metrics
@@ -103,6 +103,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {e}")
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.send_initial_metadata(())  # taken: the router's admission queue moves on now, not
+            # after the prompt's prefill (router.request: a refusal above ends the call instead)
         else:
             if not request.output_prefix:
                 self.receiver.cancel(req_id, "no first token")
@@ -249,7 +251,7 @@ def stop_checker(tok: Tokenizer | None):
 
 
 async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
-    process.apply_threads(wcfg.threads)
+    boot.apply_threads(wcfg.threads)
     model_dir = wcfg.model or default_model_dir()
     secret = rpc.cluster_secret(wcfg.cluster_secret)
     check_bind(wcfg.host, secret, "decode worker")
@@ -257,8 +259,8 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     if wcfg.expect_model_hash and wcfg.expect_model_hash != mhash:
         raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {wcfg.expect_model_hash}")
     weights_dir = wcfg.quantized_model or model_dir
-    plan = process.start_plan(wcfg, weights_dir, Role.DECODE)
-    ranks = process.start_ranks(wcfg, weights_dir, plan.dtype.dtype, Role.DECODE)
+    plan = boot.start_plan(wcfg, weights_dir, Role.DECODE)
+    ranks = boot.start_ranks(wcfg, weights_dir, plan.dtype.dtype, Role.DECODE)
     # torch's start-up on a thread that then ends: the scheduler thread's OpenMP team stays the only one
     model, local_model, cfg, pool, landing, spec = await omp.in_own_thread(
         startup.load_decode_model, wcfg, weights_dir,
@@ -277,7 +279,7 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
                             stop_checker=stop_checker(Tokenizer.from_model_dir(model_dir)), spec=spec)
     sched.heartbeat = heartbeat.Heartbeat(wcfg.stall_after)
     server = rpc.make_server(secret)
-    port = process.bind(server, wcfg, Role.DECODE)
+    port = boot.bind(server, wcfg, Role.DECODE)
     address = f"{wcfg.host}:{port}"
     model_info = convert.model_info(cfg, model_dir, wcfg.page_size)
     info = convert.model_info_strings(model_info)

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from decode.config import DecodeWorkerConfig
 from engine.kvcache import KVPool
+from engine.speculative.worker import make_speculator
 from engine.warmup import warm_up_decode
 from kvtransfer import ShmKVPool
 from worker.model_proxy import load_rank_model
@@ -65,10 +66,5 @@ def build_speculator(wcfg: DecodeWorkerConfig, model, cfg, pool):
         return None
     if not model.has_mtp:
         logger.warning("model has no MTP layer: running without speculative decoding")
-        return None
-    try:
-        from engine.speculative.worker import make_speculator  # optional: a build without it serves without speculation
-    except ImportError:
-        logger.warning("speculative decoding is not available in this build: running without it")
         return None
     return make_speculator(model, cfg, pool, wcfg.speculative)

@@ -30,17 +30,29 @@ Modules: ``config`` (frozen configs, the env var), ``protocol`` (frames, limits,
 (frames onto a socket), ``tx_peer`` (one connection), ``sender`` (prefill side), ``shm`` (shared-memory
 pool), ``admission`` (connection budgets on the KV port), ``loop`` (event loop thread).
 """
-from kvtransfer.config import ChecksumKind, DraftLayout, KVReceiverConfig, KVSenderConfig, TransportKind, WireDType
-from kvtransfer.errors import FailReason, TransferError
-from kvtransfer.loop import LoopThread
-from kvtransfer.protocol import PDSERVE_KV_PROTOCOL_VERSION
-from kvtransfer.receiver import KVReceiver, ReceiverStats
-from kvtransfer.sender import KVSender, LayerHook, LayerSend
-from kvtransfer.shm import ShmKVPool
-from kvtransfer.ticket import TransferResult, TransferState, TransferTicket
-from kvtransfer.tx_state import SendResult, SendState
+import importlib
 
-__all__ = ["ChecksumKind", "DraftLayout", "FailReason", "KVReceiver", "KVReceiverConfig", "KVSender", "KVSenderConfig", "LayerHook",
-           "LayerSend", "LoopThread", "PDSERVE_KV_PROTOCOL_VERSION", "ReceiverStats", "SendResult", "SendState",
-           "ShmKVPool", "TransferError", "TransferResult", "TransferState", "TransferTicket", "TransportKind",
-           "WireDType"]
+_EXPORTS = {
+    "config": ("ChecksumKind", "DraftLayout", "KVReceiverConfig", "KVSenderConfig", "TransportKind", "WireDType"),
+    "errors": ("FailReason", "TransferError"),
+    "loop": ("LoopThread",),
+    "protocol": ("PDSERVE_KV_PROTOCOL_VERSION",),
+    "receiver": ("KVReceiver", "ReceiverStats"),
+    "sender": ("KVSender", "LayerHook", "LayerSend"),
+    "shm": ("ShmKVPool",),
+    "ticket": ("TransferResult", "TransferState", "TransferTicket"),
+    "tx_state": ("SendResult", "SendState"),
+}
+_MODULE_OF = {name: mod for mod, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    """``from kvtransfer import KVSender`` loads ``kvtransfer.sender`` then: the package itself stays light, so
+    ``kvtransfer.config`` (what ``pdserve serve`` / ``launch`` parse flags with) never pulls in torch."""
+    mod = _MODULE_OF.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'kvtransfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"kvtransfer.{mod}"), name)
+    globals()[name] = value
+    return value

@@ -32,7 +32,7 @@ from prefill.sink import LocalSink, TransferFailed
 from prefill.transfer import TransferSink
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
-from worker import convert, heartbeat, omp, process
+from worker import boot, convert, heartbeat, omp, process
 from worker.config import WorkerConfig, add_worker_args
 from worker.convert import sampling_from_proto
 from worker.metrics import serve_metrics
@@ -231,15 +231,15 @@ class PrefillWorkerConfig(WorkerConfig):
 
 
 async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
-    process.apply_threads(wcfg.threads)
+    boot.apply_threads(wcfg.threads)
     model_dir = wcfg.model or default_model_dir()
     secret = rpc.cluster_secret(wcfg.cluster_secret)
     check_bind(wcfg.host, secret, "prefill worker")
     mhash = model_hash(model_dir)
     if wcfg.expect_model_hash and wcfg.expect_model_hash != mhash:
         raise SystemExit(f"model hash mismatch: {model_dir} is {mhash}, cluster expects {wcfg.expect_model_hash}")
-    plan = process.start_plan(wcfg, model_dir, Role.PREFILL)
-    ranks = process.start_ranks(wcfg, model_dir, plan.dtype.dtype, Role.PREFILL)
+    plan = boot.start_plan(wcfg, model_dir, Role.PREFILL)
+    ranks = boot.start_ranks(wcfg, model_dir, plan.dtype.dtype, Role.PREFILL)
     # torch's start-up on a thread that then ends: the scheduler thread's OpenMP team stays the only one
     model, cfg, pool, staging = await omp.in_own_thread(load_prefill_model, wcfg, model_dir, mhash, plan, ranks)
     sender = KVSender(staging, KVSenderConfig(cluster_secret=secret.encode() if secret else None,
@@ -249,7 +249,7 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
                                                         max_batch_tokens=max(wcfg.chunk_size, wcfg.max_batch_tokens),
                                                         max_queue=wcfg.max_queue))
     server = rpc.make_server(secret)
-    port = process.bind(server, wcfg, Role.PREFILL)
+    port = boot.bind(server, wcfg, Role.PREFILL)
     address = f"{wcfg.host}:{port}"
     model_info = convert.model_info(cfg, model_dir, wcfg.page_size)
     info = convert.model_info_strings(model_info)

@@ -64,7 +64,16 @@ class RouterConfig:
     + 64 KiB (``router.validate.max_request_bytes``), max_context as the first worker reports it within
     health_timeout_s, else from --model's config.json; 64 MiB when neither is known."""
     max_inflight: int = 256
-    """Requests the router admits at once; beyond it, RESOURCE_EXHAUSTED (no unbounded queue)."""
+    """Requests the router admits at once, queued ones included; beyond it, RESOURCE_EXHAUSTED (no unbounded
+    queue)."""
+    max_queued: int = 256
+    """Requests that may wait in the router's admission queue (``router.admission``) for decode room: while no
+    decode worker can take a request it waits there, highest priority first and FIFO within one, and is
+    admitted as pages free; past this bound (or its deadline) it is refused with RESOURCE_EXHAUSTED (HTTP 429)
+    and a Retry-After. 0: no queue (a request no decode worker has room for is refused at once)."""
+    queue_aging_s: float = 10.0
+    """Every this many seconds in the admission queue raise a waiting request by one priority level, so a
+    low-priority request behind a stream of higher-priority ones is admitted in bounded time. 0: no aging."""
     health_interval_s: float = 1.0
     """How often every worker's GetStatus is polled."""
     health_timeout_s: float = 2.0
@@ -109,8 +118,9 @@ class RouterConfig:
             raise ValueError(f"http_port must be in [-1, 65535] (0: off, -1: any free port), got {self.http_port}")
         if not 0 <= self.max_failovers <= MAX_FAILOVERS:
             raise ValueError(f"max_failovers must be in [0, {MAX_FAILOVERS}], got {self.max_failovers}")
-        if self.max_request_bytes < 0:
-            raise ValueError(f"max_request_bytes must be >= 0, got {self.max_request_bytes}")
+        for name in ("max_request_bytes", "local_prefill_below", "max_queued", "queue_aging_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_inflight", "unhealthy_after"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -122,8 +132,6 @@ class RouterConfig:
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError(f"balance thresholds must be abs >= 0 and rel >= 1, got "
                              f"{self.balance_abs_threshold} and {self.balance_rel_threshold}")
-        if self.local_prefill_below < 0:
-            raise ValueError(f"local_prefill_below must be >= 0, got {self.local_prefill_below}")
         if self.aggregated and self.prefill:
             raise ValueError(f"an aggregated router takes no prefill workers, got {', '.join(self.prefill)}")
         tls_config(self.tls_cert, self.tls_key, self.tls_ca)  # ValueError for a half-given pair or a bad file

@@ -1,7 +1,9 @@
 """``RouterCore``: what every request a router serves shares (config, worker registry, policy, tokenizer,
 metrics, the background-task set) and the admission every front door goes through (``open_run``: the gRPC
 ``Generate`` of ``router.server`` and the OpenAI HTTP API of ``router.openai_server``), then ``serve`` /
-``observe`` (a ``GenerateRun`` streamed, counted in flight, measured, logged) and ``drain`` at shutdown.
+``observe`` (a ``GenerateRun`` streamed, counted in flight, measured, logged) and ``drain`` at shutdown. The
+admission queue (``router.admission``) is one per router: every request that finds no decode room waits there,
+whichever front door it came through, in aggregated mode too.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from typing import AsyncIterator, Iterator
 
 import grpc
 
+from common.reasons import Role
 from protos.pdserve.v1 import generation_pb2, worker_pb2
+from router.admission import AdmissionQueue, Rejection
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.policy import make_policy
@@ -45,6 +49,10 @@ class RouterCore:
         """Runs being served (``observe``): what a drain cuts off when its grace period ends."""
         self._tasks: set[asyncio.Task] = set()
         self.metrics = RouterMetrics()
+        self.queue = AdmissionQueue(cfg.max_queued, cfg.queue_aging_s, self.metrics)
+        """Requests waiting for decode room; woken when room may have appeared (``Registry.on_room``, a request
+        held at a decode worker ending, ``abort_on`` a decode worker)."""
+        self.registry.on_room = self.queue.wake
         self._tokenizer = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="router-tokenize")
 
     @contextlib.contextmanager
@@ -86,8 +94,10 @@ class RouterCore:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down: not admitting new "
                                    "requests")
             if self.inflight >= self.cfg.max_inflight:
+                self.metrics.rejected(Rejection.MAX_INFLIGHT)
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"router is at its limit of "
-                                   f"{self.cfg.max_inflight} requests in flight; retry later")
+                                   f"{self.cfg.max_inflight} requests in flight (queued ones included); retry "
+                                   f"later", retry_after_s=self.queue.retry_after_s())
             model = self.registry.model_info()
             if model is None or not self.registry.serving():
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no healthy {self.cfg.serving_needs}: " +
@@ -98,12 +108,16 @@ class RouterCore:
             with self.admitted():  # a text waiting for the tokenizer holds a slot (the check above saw it free)
                 text_ids = await self.encode(request.text) if request.WhichOneof("prompt") == "text" else None
             valid = check_prompt(request, model, text_ids)
+            left = math.inf if time_left_s is None else time_left_s
+            budget = self.cfg.request_timeout_s if math.isinf(left) else min(left, self.cfg.request_timeout_s)
+            run = GenerateRun(self, valid, request.request_id, request.priority, t0 + budget, t0)
+            run.check_fits()  # a prompt no decode pool can ever hold is refused now, never queued
+            if self.queue.busy:  # it would wait behind them: refused here, before an HTTP stream starts
+                self.queue.check_room("requests wait for decode room")
         except RequestError as e:
             self.metrics.refused(request.request_id, e.code, api, e.message)
             raise
-        left = math.inf if time_left_s is None else time_left_s
-        budget = self.cfg.request_timeout_s if math.isinf(left) else min(left, self.cfg.request_timeout_s)
-        return GenerateRun(self, valid, request.request_id, request.priority, t0 + budget, t0)
+        return run
 
     async def serve(self, run: GenerateRun, api: str) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """``observe(run)`` counted in flight while it runs."""
@@ -154,6 +168,9 @@ class RouterCore:
                                timeout=self.cfg.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
             logger.debug("abort of %s on %s failed (%s): %s", req_id, w.address, why, e.code().name)
+            return
+        if w.role == Role.DECODE:  # its pages are free now (freed by this abort, or by its stream's end, which
+            self.queue.wake()      # the worker handled first): a queued request may fit
 
     async def close(self, timeout_s: float) -> None:
         if self._tasks:

@@ -36,6 +36,7 @@ from common import flags, logs
 from common.reasons import Role
 from protos import rpc
 from router.config import RouterConfig, add_config_args, config_from_args
+from router.server import RouterServer
 from worker.process import run
 
 logger = logging.getLogger("router.discovery")
@@ -193,8 +194,6 @@ class FileDiscovery:
 
 
 async def amain(cfg: RouterConfig, dcfg: DiscoveryConfig) -> None:
-
-    from router.server import RouterServer  # lazy: aiohttp, google, jinja2, prometheus_client
     srv = RouterServer(cfg)
     try:
         await srv.start()

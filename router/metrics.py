@@ -62,6 +62,13 @@ class RouterMetrics:
                              buckets=E2E_BUCKETS)
         self.queue = Histogram(p + "request_queue_time_seconds", "Time in prefill queues", registry=r,
                                buckets=E2E_BUCKETS)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting in the router's admission queue for "
+                             "decode room", registry=r)
+        self.router_queue = Histogram(p + "router_queue_time_seconds", "Time a request waited in the router's "
+                                      "admission queue for decode room (part of its TTFT)", registry=r,
+                                      buckets=TTFT_BUCKETS)
+        self.rejected_by = Counter(p + "requests_rejected", "Requests refused for load, by reason (queue_full, "
+                                   "no_queue, deadline, never_fits, max_inflight)", ["reason"], registry=r)
         self.kv_seconds = Histogram(p + "kv_transfer_seconds", "KV transfer time of a request", registry=r,
                                     buckets=TTFT_BUCKETS)
 
@@ -71,6 +78,14 @@ class RouterMetrics:
         access_log.info("request %s api=%s status=%s refused before it ran: %s", req_id or "-", api, code.name,
                         why, extra={"fields": {"request_id": req_id, "api": api, "status": code.name,
                                                "error": why}})
+
+    def queue_changed(self, num_waiting: int) -> None:
+        """The admission queue's length changed (``router.admission``)."""
+        self.waiting.set(num_waiting)
+
+    def rejected(self, reason: str) -> None:
+        """A request refused for load (``router.admission.Rejection``)."""
+        self.rejected_by.labels(str(reason)).inc()
 
     def start(self, run: ObservedRun, api: str) -> "Observed":
         return Observed(self, run, api)
@@ -125,6 +140,8 @@ class Observed:
         m.kv_bytes.inc(rm.kv_transfer_bytes)
         if rm.kv_transfer_bytes:
             m.kv_seconds.observe(rm.kv_transfer_s)
+        if rm.ttft_s > 0 or rm.router_queue_s > 0:  # a request that waited and then failed waited too
+            m.router_queue.observe(rm.router_queue_s)
         if rm.ttft_s > 0:
             m.ttft.observe(rm.ttft_s)
             m.queue.observe(rm.queue_s)
@@ -135,11 +152,11 @@ class Observed:
                 m.tpot.observe((e2e - rm.ttft_s) / (self.num_tokens - 1))
         f = {"request_id": run.client_req_id, "api": self.api, "status": code.name, "finish_reason": self.finish,
              "prompt_tokens": prompt, "cached_tokens": run.cached_tokens, "completion_tokens": self.num_tokens,
-             "ttft_ms": round(rm.ttft_s * 1e3, 1), "e2e_ms": round(e2e * 1e3, 1), "prefill_worker": rm.prefill_worker,
+             "ttft_ms": round(rm.ttft_s * 1e3, 1), "router_queue_ms": round(rm.router_queue_s * 1e3, 1), "e2e_ms": round(e2e * 1e3, 1), "prefill_worker": rm.prefill_worker,
              "decode_worker": rm.decode_worker, "retries": rm.retries, "failovers": rm.failovers}
         access_log.info(
             "request %s api=%s status=%s finish=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
-            "ttft_ms=%.1f e2e_ms=%.1f prefill=%s decode=%s retries=%d failovers=%d",
+            "ttft_ms=%.1f router_queue_ms=%.1f e2e_ms=%.1f prefill=%s decode=%s retries=%d failovers=%d",
             run.client_req_id, self.api, code.name, self.finish or "-", prompt, run.cached_tokens, self.num_tokens,
-            rm.ttft_s * 1e3, e2e * 1e3, rm.prefill_worker or "-", rm.decode_worker or "-", rm.retries, rm.failovers,
+            rm.ttft_s * 1e3, rm.router_queue_s * 1e3, e2e * 1e3, rm.prefill_worker or "-", rm.decode_worker or "-", rm.retries, rm.failovers,
             extra={"fields": f})

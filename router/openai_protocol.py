@@ -50,15 +50,22 @@ _NOOP = {"best_of": (None, 1), "echo": (None, False), "logit_bias": (None, {}), 
 class ApiError(Exception):
     """An HTTP error answered as OpenAI's error JSON (``body()``)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, counted: bool = False) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, counted: bool = False,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.counted = counted
         """The router core counted the request already (in its metrics and access log)."""
+        self.retry_after_s = retry_after_s
+        """Sent as ``Retry-After`` (a refusal under load: 429, or 504 after waiting in the admission queue)."""
 
     @classmethod
-    def from_grpc(cls, code: grpc.StatusCode, message: str) -> "ApiError":
-        return cls(HTTP_STATUS.get(code, 500), message, counted=True)
+    def from_grpc(cls, code: grpc.StatusCode, message: str, retry_after_s: int | None = None) -> "ApiError":
+        return cls(HTTP_STATUS.get(code, 500), message, counted=True, retry_after_s=retry_after_s)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
 
     @property
     def code(self) -> grpc.StatusCode:

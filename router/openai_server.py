@@ -106,7 +106,7 @@ class OpenAIServer:
         except ApiError as e:
             if not e.counted and request.method == "POST":
                 self.core.metrics.refused(req_id, e.code, "http", e.message)
-            resp = web.json_response(e.body(), status=e.status)
+            resp = web.json_response(e.body(), status=e.status, headers=e.headers)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -196,7 +196,7 @@ class OpenAIServer:
         try:
             run = await core.open_run(oreq.request, _timeout(request), t0, "http")
         except RequestError as e:
-            raise ApiError.from_grpc(e.code, e.message) from None
+            raise ApiError.from_grpc(e.code, e.message, e.retry_after_s) from None
         info = core.registry.model_info()
         answer = Answer(oreq, run.client_req_id, oreq.model or self._model_name(), int(time.time()), core.codec,
                         info.eos_token_ids if info is not None else ())
@@ -207,7 +207,7 @@ class OpenAIServer:
                     async for resp in responses:
                         answer.add(resp)
             except RequestError as e:
-                raise ApiError.from_grpc(e.code, e.message) from None
+                raise ApiError.from_grpc(e.code, e.message, e.retry_after_s) from None
             return web.json_response(answer.final(), headers=headers)
         return await self._stream(request, run, answer, headers)
 
@@ -235,7 +235,7 @@ class OpenAIServer:
             if answer.oreq.include_usage:
                 await send(answer.usage_chunk(), STREAM_TAIL_TIMEOUT_S)
         except RequestError as e:
-            error = ApiError.from_grpc(e.code, e.message).body()
+            error = ApiError.from_grpc(e.code, e.message, e.retry_after_s).body()
         except (TimeoutError, ConnectionResetError) as e:
             run.abort("client stopped reading" if isinstance(e, TimeoutError) else "client went away")
             if request.transport is not None:

@@ -94,6 +94,9 @@ class Worker:
     answering polls or says it cannot serve): they are cancelled then, not left to their deadline."""
     dropped_calls: set = field(default_factory=set)
     """The ones cancelled that way (their owner turns the cancellation into UNAVAILABLE and retries)."""
+    refused_at: float = 0.0
+    """time.monotonic() of its last refusal of a request for room (decode: a full Reserve or local prefill); the
+    next status poll after it wakes the admission queue (room freed out of this router's sight)."""
     suspended_until: float = 0.0
     """time.monotonic() until which new requests avoid the worker if another one is healthy (one of its
     streams stalled: its health poll may still answer while its scheduler is stuck)."""
@@ -136,6 +139,11 @@ class Registry:
     secret: str | None = None
     on_change: Callable[[], None] | None = None
     """Called (on the loop) whenever a worker enters or leaves the rotation."""
+    on_room: Callable[[], None] | None = None
+    """Called (on the loop) when a decode worker may have room it did not have: its status shows more free pages
+    or fewer requests than the last one, or it is the first since the worker refused a request for room (what
+    freed it may be out of this router's sight), or it entered or left the rotation (the admission queue's
+    wake-up)."""
     index: PrefixIndex = field(default_factory=PrefixIndex)
     workers: dict[str, Worker] = field(default_factory=dict)
     model_hash: str = ""
@@ -285,7 +293,11 @@ class Registry:
         except grpc.aio.AioRpcError as e:
             self._set_failed(w, f"{e.code().name}: {e.details()}", immediate=False)
             return False
-        w.status, w.last_ok_s = st, time.monotonic()
+        before, last_ok, w.status, w.last_ok_s = w.status, w.last_ok_s, st, time.monotonic()
+        if w.role == Role.DECODE and before is not None and self.on_room is not None and \
+                (st.pages_free > before.pages_free or st.running + st.queued < before.running + before.queued or
+                 w.refused_at > last_ok):
+            self.on_room()
         self._check_model(w, st.model_hash)
         if not st.healthy:  # it answers, but says it cannot serve (scheduler dead or stalled)
             self._set_failed(w, "reports unhealthy: " + (st.info.get("unhealthy") or "no reason given"),
@@ -338,6 +350,8 @@ class Registry:
                 call.cancel()
         if self.on_change is not None:
             self.on_change()
+        if w.role == Role.DECODE and self.on_room is not None:
+            self.on_room()
 
     async def _poll_loop(self, w: Worker) -> None:
         while True:

@@ -2,6 +2,8 @@
 """One ``Generate`` call through the cluster. Lifecycle::
 
     VALIDATED ──Reserve on a decode worker (next one on RESOURCE_EXHAUSTED)──> RESERVED
+        (every decode worker full, or others already waiting: the request waits in the router's admission
+         queue, ``router.admission``, until room frees or its deadline passes, then tries again)
     RESERVED ──Prefill on the chosen prefill worker, KV shipped to the reservation──> PREFILLED
         (first token streamed to the client at once; a prefill that fails before it - worker gone,
          queue full, transfer failed - is retried once, preferably on another worker, with a fresh
@@ -19,7 +21,8 @@ worker whose status says ``info['local_prefill'] == '0'`` is never asked to. An 
 (``RouterConfig.aggregated``: no prefill workers) takes this path for every prompt; when no decode worker
 can prefill, the request ends UNAVAILABLE saying why (never silently refused for want of a prefill worker).
 A decode worker that refuses a local prefill for room (RESOURCE_EXHAUSTED before any token: ``max_running``, a
-short pool) is passed over for the next one, as a full reservation is; none left is RESOURCE_EXHAUSTED.
+short pool) is passed over for the next one, as a full reservation is; none left sends the request to the
+admission queue too. A prompt larger than every decode worker's whole pool is refused at once (it never fits).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import grpc
 
 from common.reasons import AbortReason, FinishReason, Role
 from protos.pdserve.v1 import generation_pb2, worker_pb2
+from router.admission import AdmissionQueue, Rejection, Waiter
 from router.config import RouterConfig
 from router.policy import PrefillPolicy, order_decode, use_local_prefill
 from router.prefix_index import PromptHashes
@@ -73,6 +77,7 @@ class RunOwner(Protocol):
     registry: Registry
     policy: PrefillPolicy
     codec: TextCodec | None
+    queue: AdmissionQueue
 
     def page_size(self) -> int: ...
 
@@ -94,8 +99,13 @@ class GenerateRun:
         self.emitted: list[int] = []
         """Token ids already streamed to the client (what a failover resumes after)."""
         self.excluded: set[str] = set()
-        """Decode workers this request lost mid-stream, or that had no room for its local prefill (not chosen
-        again for it)."""
+        """Decode workers this request lost mid-stream (not chosen again for it)."""
+        self.refused: set[str] = set()
+        """Decode workers that had no room for its local prefill: not asked again until it waited for room."""
+        self.waiter: Waiter | None = None
+        """Its place in the admission queue while it waits for decode room (or tries for it), else None."""
+        self._wakes_at_try = 0
+        """The admission queue's ``num_wakes`` when its last try began."""
         self.full: list[str] = []
         """"name: why" of each decode worker that refused this request's local prefill for room before any token
         (``DecodeFull``): the next one is tried, none left is RESOURCE_EXHAUSTED (as full reservations are)."""
@@ -142,6 +152,8 @@ class GenerateRun:
         self.cutoff = RequestError(grpc.StatusCode.UNAVAILABLE, why)
         for call in list(self._live_calls):
             call.cancel()
+        if self.waiter is not None:
+            self.core.queue.kick(self.waiter)
 
     def _response(self, ids: list[int], finish: str = "", logprobs=(), message: str = ""
                   ) -> generation_pb2.GenerateResponse:
@@ -164,14 +176,20 @@ class GenerateRun:
         try:
             while True:
                 try:
+                    self._wakes_at_try = self.core.queue.num_wakes
+                    if self.waiter is None and self.core.queue.busy:  # others wait for room: behind them
+                        await self._wait_for_room("others wait for decode room")
                     async with contextlib.aclosing(self._attempt()) as attempt:
                         async for resp in attempt:
                             yield resp
                     self.phase = Phase.FINISHED
                     return
+                except NoRoom as e:
+                    await self._wait_for_room(e.message)
                 except DecodeFull as full:  # nothing streamed, nothing held there: the next decode worker
+                    full.worker.refused_at = time.monotonic()
                     self.full.append(full.message)
-                    self.excluded.add(full.worker.key)
+                    self.refused.add(full.worker.key)
                 except DecodeLost as lost:
                     done = self._failover(lost)
                     if done is not None:  # every token was already streamed: only the finish was lost
@@ -184,12 +202,52 @@ class GenerateRun:
         except BaseException:  # cancelled by the client or the deadline, or closed: free the workers
             self.abort(AbortReason.CANCELLED)
             raise
+        finally:
+            if self.waiter is not None:  # cancelled, expired, cut off or failed while queued
+                self.metrics.router_queue_s += self.core.queue.leave(self.waiter)
+                self.waiter = None
+
+    async def _wait_for_room(self, why: str) -> None:
+        """Wait in the admission queue until this request may try the decode workers again (``router.admission``):
+        RESOURCE_EXHAUSTED with a Retry-After when the queue is full, DEADLINE_EXCEEDED at the deadline."""
+        self.check_fits()
+        q = self.core.queue
+        if self.waiter is None:
+            self.waiter = q.enter(self, f"no decode worker has room for this request ({why})", self._wakes_at_try)
+        else:
+            q.no_room(self.waiter)
+        self.refused.clear()  # full a moment ago; asked again on the next try
+        self.full.clear()
+        await q.turn(self.waiter)
+
+    def _admitted(self) -> None:
+        """A decode worker took the request: it leaves the admission queue (the next one tries at once)."""
+        if self.waiter is not None:
+            self.metrics.router_queue_s += self.core.queue.admit(self.waiter)
+            self.waiter = None
+
+    def check_fits(self) -> None:
+        """RESOURCE_EXHAUSTED at once for a prompt that needs more pages (its first output token included) than
+        any healthy decode worker's whole pool: no amount of waiting would make room for it."""
+        page = self.core.page_size()
+        pools = [w for w in self.core.registry.healthy(Role.DECODE) if w.status is not None and w.status.pages_total]
+        if not page or not pools:
+            return
+        n, big = len(self.valid.prompt_ids), max(pools, key=lambda w: w.status.pages_total)
+        need = math.ceil((n + 1) / page)
+        if need > big.status.pages_total:
+            self.core.queue.metrics.rejected(Rejection.NEVER_FITS)
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the prompt ({n} tokens) needs {need} KV pages of {page} tokens, more than any decode "
+                               f"worker's whole pool holds (the largest: {big.name}'s {big.status.pages_total} pages): "
+                               f"it can never be served")
 
     async def _attempt(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """One reservation + prefill + decode stream. The decode worker counts this request as in flight
         from its reservation to the end of its stream (``holds``), so a burst spreads over the workers."""
         with contextlib.ExitStack() as holds:
             dw, req_id, first = await self._first_token(holds)
+            holds.callback(self.core.queue.wake)  # when this request leaves the worker, its pages are free
             if first is not None:
                 self.emitted.append(self.first_token)
                 if self.metrics.ttft_s == 0:
@@ -243,6 +301,7 @@ class GenerateRun:
             try:
                 with try_holds:  # a failed try releases its reservation's count
                     dw, ticket = await self._reserve(req_id, try_holds)
+                    self._admitted()
                     pw = self._choose_prefill(tried)
                     first = await self._prefill(pw, req_id, ticket)
                     holds.enter_context(try_holds.pop_all())
@@ -289,7 +348,8 @@ class GenerateRun:
         return None
 
     def _decode_workers(self) -> list[Worker]:
-        ws = [w for w in self.core.registry.healthy(Role.DECODE) if w.key not in self.excluded]
+        ws = [w for w in self.core.registry.healthy(Role.DECODE)
+              if w.key not in self.excluded and w.key not in self.refused]
         now = time.monotonic()
         return [w for w in ws if w.suspended_until <= now] or ws  # a recently stalled one only as a last resort
 
@@ -317,6 +377,7 @@ class GenerateRun:
                     holds.enter_context(asking.pop_all())
             except grpc.aio.AioRpcError as e:
                 if e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    w.refused_at = time.monotonic()
                     full.append(f"{w.name}: {e.details()}")
                     continue
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -375,6 +436,13 @@ class GenerateRun:
         lps = [r.first_logprob] if self.valid.sampling.logprobs and r.HasField("first_logprob") else []
         return self._response([r.first_token], logprobs=lps)
 
+    async def _taken(self, call) -> None:
+        """A decode worker that takes a local prefill says so at once (its initial metadata): the request leaves the
+        admission queue then, not after the prefill. One that refuses it ends the call (raised by the stream)."""
+        await call.initial_metadata()
+        if not call.done():
+            self._admitted()
+
     async def _decode(self, dw: Worker, req_id: str, local: bool) -> AsyncIterator[generation_pb2.GenerateResponse]:
         prefix = [] if local else [self.first_token]
         req = worker_pb2.DecodeRequest(request_id=req_id, prompt_ids=self.valid.prompt_ids, output_prefix=prefix,
@@ -386,6 +454,8 @@ class GenerateRun:
         attempt = [0.0, 0]
         self._accept.append(attempt)
         try:
+            if local and self.waiter is not None:
+                await self._taken(call)
             while True:
                 left = self.remaining()
                 try:
@@ -432,10 +502,13 @@ class GenerateRun:
         raise DecodeLost(dw, req_id, f"decode worker {dw.name} ended the stream without a finish")
 
 
-def _no_room(reasons: list[str]) -> RequestError:
+class NoRoom(RequestError):
+    """No decode worker has room for the request now (RESOURCE_EXHAUSTED): it waits in the admission queue."""
+
+
+def _no_room(reasons: list[str]) -> NoRoom:
     """RESOURCE_EXHAUSTED naming why each decode worker had no room ("name: why")."""
-    return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "no decode worker has room for this request: " +
-                        "; ".join(reasons))
+    return NoRoom(grpc.StatusCode.RESOURCE_EXHAUSTED, "; ".join(reasons))
 
 
 class DecodeFull(Exception):

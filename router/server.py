@@ -54,6 +54,11 @@ def add_generation_service(servicer: "GenerationServicer", server: grpc.aio.Serv
     server.add_registered_method_handlers("pdserve.v1.Generation", handlers)
 
 
+def retry_trailer(e: RequestError) -> tuple[tuple[str, str], ...]:
+    """``retry-after`` (whole seconds) in the trailing metadata of a refusal under load, as HTTP's header."""
+    return () if e.retry_after_s is None else (("retry-after", str(e.retry_after_s)),)
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, core: RouterCore) -> None:
         self.core = core
@@ -65,13 +70,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             run = await core.open_run(request, context.time_remaining(), t0, "grpc")
         except RequestError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, e.message, retry_trailer(e))
         context.add_done_callback(lambda ctx: run.abort("rpc ended") if ctx.cancelled() else None)
         with core.admitted():  # until the client took every response or was cut off (router/relay.py)
             try:
                 await relay(run, core.observe(run, "grpc"), context.write, core.cfg.stream_write_timeout_s)
             except RequestError as e:
-                await context.abort(e.code, e.message)
+                await context.abort(e.code, e.message, retry_trailer(e))
 
 
 class AdminServicer(generation_pb2_grpc.AdminServicer):

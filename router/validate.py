@@ -66,10 +66,13 @@ def max_request_bytes(max_context: int) -> int:
 class RequestError(Exception):
     """A request the router refuses or could not serve: ``code`` is the gRPC status to return."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
+        """Whole seconds the client should wait before retrying (gRPC trailer ``retry-after``, HTTP header
+        ``Retry-After``), for a refusal under load; None: not a load refusal."""
 
 
 @dataclass(frozen=True, slots=True)

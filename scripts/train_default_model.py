@@ -35,8 +35,10 @@ import torch  # noqa: E402
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine.defaults import PDSERVE_HOME  # noqa: E402
 from scripts.default_model import corpus as corpus_mod  # noqa: E402
 from scripts.default_model.data import BOS_ID, EOS_ID, encode_stream, random_windows, train_tokenizer  # noqa: E402
+from scripts.default_model.evaluate import evaluate  # noqa: E402
 from scripts.default_model.export import export  # noqa: E402
 from scripts.default_model.model import TrainModel, balance_router_biases, check_against_transformers, glm_config  # noqa: E402
 
@@ -45,7 +47,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from engine.defaults import PDSERVE_HOME  # after the sys.path set-up above: the source tree under test
     ap = argparse.ArgumentParser(description="Train pdserve's default glm_moe_dsa model on CPython stdlib sources.")
     a = ap.add_argument
     a("--out", default=os.path.join(REPO, "models", "glm5-tiny"), help="output model directory")
@@ -220,7 +221,6 @@ def main(argv=None) -> None:
     out = export(model, tokenizer, args.out)
     report["export_seconds_after_start"] = round(time.perf_counter() - t_start, 1)
     if not args.no_eval:
-        from scripts.default_model.evaluate import evaluate  # after the sys.path set-up above: the source tree under test
         report["eval"] = evaluate(out, args.manifest, args.stdlib, spec=args.spec_eval)
         logger.info("eval: %s", json.dumps({k: v for k, v in report["eval"].items() if k != "sample"}))
         logger.info("greedy sample:\n%s", report["eval"]["sample"])

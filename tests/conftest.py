@@ -2,6 +2,7 @@ import logging
 import os
 import sys
 
+import psutil
 import pytest
 import torch
 
@@ -31,3 +32,60 @@ def tiny_glm5_dir(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tiny_glm5"))
     init_random_model({**TINY_GLM5, "index_topk": 64}, d, seed=1)
     return d
+
+
+# -- no process outlives its test module ---------------------------------------------------------------------------
+# A child left running (a server a test forgot to stop, a rank whose parent died) holds ports, shm segments and
+# CPU: on a 2-core CI machine one leak slows every later module, up to Ray's head raylet missing its 30 s start-up
+# window. Each module's new descendants must have exited at its end; the long-lived pools that are meant to
+# outlive a module (inductor's compile workers, multiprocessing's resource tracker, the session's Ray cluster and
+# everything under it) are exempt, and so is a process a session-scoped fixture started with SHARED_ENV=1 in its
+# environment (it lives for the whole session by design, and is stopped by that fixture's teardown).
+SHARED_ENV = "PDSERVE_TEST_SHARED_PROCESS"
+LONG_LIVED = ("torch/_inductor/compile_worker", "multiprocessing.resource_tracker", "multiprocessing.forkserver", "/ray/", "raylet", "gcs_server", "ray::")
+
+
+def _long_lived(p: psutil.Process) -> bool:
+    try:
+        if p.environ().get(SHARED_ENV) == "1":
+            return True
+        chain = [p, *p.parents()]
+        return any(any(k in " ".join(q.cmdline()) for k in LONG_LIVED) for q in chain)
+    except psutil.Error:
+        return True  # gone meanwhile
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_outlives_its_module():
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    new = [p for p in me.children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(new, timeout=10)
+    leaked = [p for p in alive if _alive(p) and not _long_lived(p)]
+    if not leaked:
+        return
+    names = []
+    for p in leaked:
+        try:
+            names.append(f"{p.pid}: {' '.join(p.cmdline())[:200]}")
+            p.kill()
+        except psutil.Error:
+            pass
+    pytest.fail("processes outlived their test module (killed now):\n" + "\n".join(names), pytrace=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n N`` (pytest-xdist, ``--dist loadgroup``): a module's tests run on one worker, so its
+    module-scoped servers and models are built once; every test on the session's Ray cluster runs on one
+    worker, so only one cluster starts."""
+    for item in items:
+        group = "ray_cluster" if "ray_cluster" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))

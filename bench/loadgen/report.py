@@ -59,6 +59,7 @@ _COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
     ("Offered RPS", lambda s: f"{s['offered_rps']:.3f}"),
     ("Output tok/s/node", lambda s: _f(s["output_tok_s"], ".1f")),
     ("TTFT p99 ms", lambda s: _q(s["ttft"], "p99")),
+    ("Router queue p50 / p95 ms", lambda s: _pair(s.get("router_queue", {}))),  # absent from older results
     ("ITL p50 / p95 ms", lambda s: _pair(s["itl"])),
     ("TPOT p50 / p95 ms", lambda s: _pair(s["tpot"])),
     ("E2E p50 / p95 ms", lambda s: _pair(s["e2e"])),

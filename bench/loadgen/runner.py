@@ -80,6 +80,9 @@ class RequestRecord:
     completion_tokens: int = 0
     server_ttft_s: float = 0.0
     queue_s: float = 0.0
+    """Time in the prefill worker's queue."""
+    router_queue_s: float = 0.0
+    """Time in the router's admission queue, waiting for decode room (``router.admission``)."""
     prefill_s: float = 0.0
     kv_transfer_s: float = 0.0
     kv_transfer_bytes: int = 0
@@ -260,5 +263,6 @@ def _finish(rec: RequestRecord, chunk: generation_pb2.GenerateResponse) -> None:
     rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens = u.prompt_tokens, u.cached_tokens, \
         u.completion_tokens
     rec.server_ttft_s, rec.queue_s, rec.prefill_s = m.ttft_s, m.queue_s, m.prefill_s
+    rec.router_queue_s = m.router_queue_s
     rec.kv_transfer_s, rec.kv_transfer_bytes = m.kv_transfer_s, m.kv_transfer_bytes
     rec.accept_len, rec.retries, rec.failovers = m.accept_len, m.retries, m.failovers

@@ -91,6 +91,9 @@ class StepStats:
     stream_tok_s: Dist
     server_ttft: Dist
     queue: Dist
+    """Time in prefill workers' queues."""
+    router_queue: Dist
+    """Time in the router's admission queue, waiting for decode room (part of TTFT)."""
     prefill: Dist
     cache_hit: float | None
     target_cache_hit: float
@@ -180,7 +183,7 @@ def step_stats(sr: StepRecords, cfg: BenchConfig) -> StepStats:
         ttft=ttft, itl=Dist.of(g for r in ok for g in np.diff(r.chunk_times).tolist()),
         tpot=Dist.of(r.tpot_s for r in ok), e2e=Dist.of(r.e2e_s for r in ok),
         stream_tok_s=Dist.of(1.0 / r.tpot_s for r in ok if r.tpot_s), server_ttft=Dist.of(r.server_ttft_s for r in ok),
-        queue=Dist.of(r.queue_s for r in ok), prefill=Dist.of(r.prefill_s for r in ok),
+        queue=Dist.of(r.queue_s for r in ok), router_queue=Dist.of(r.router_queue_s for r in ok), prefill=Dist.of(r.prefill_s for r in ok),
         cache_hit=sum(r.cached_tokens for r in ok) / prompt if prompt else None,
         target_cache_hit=cfg.cache_hit,
         kv_bytes_per_req=float(np.mean([r.kv_transfer_bytes for r in ok])) if ok else None,

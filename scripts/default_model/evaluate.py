@@ -9,8 +9,8 @@
   (a proxy for draft acceptance), ``mtp_chain_top1``: t+3 from the MTP layer chained on its own output;
 * ``dsa_ppl``: transformers' held-out perplexity at several ``index_topk`` (the dense value = no selection);
 * ``sample``: a greedy continuation of a held-out prompt;
-* ``accept_len`` (with ``--spec``, when ``engine.speculative`` is present): mean accept length of greedy MTP
-  speculative decoding at 5/1/6 and 3/1/4 (``engine.speculative.run_speculative``).
+* ``accept_len`` (with ``--spec``): mean accept length of greedy MTP speculative decoding at 5/1/6 and 3/1/4
+  (``engine.speculative.run_speculative``).
 """
 from __future__ import annotations
 
@@ -22,7 +22,11 @@ import time
 import torch
 
 from engine.batch import BatchRequest, ForwardBatch
+from engine.kvcache import KVLayout, KVPool
+from engine.load import load_model
+from engine.offline import Engine
 from engine.sampling import SamplingParams
+from engine.speculative import run_speculative
 from scripts.default_model.corpus import load_corpus
 from scripts.default_model.data import encode_stream, strided_windows
 
@@ -35,7 +39,6 @@ def heldout_stream(model_dir: str, manifest: str, stdlib_dir: str | None = None)
 
 
 def _pool(cfg, num_tokens: int):
-    from engine.kvcache import KVLayout, KVPool  # lazy: numpy
     return KVPool(KVLayout.for_model(cfg, 16, "float32"), num_tokens // 16 + 8)
 
 
@@ -85,16 +88,11 @@ def transformers_ppl(hf, windows: torch.Tensor, topks: list[int]) -> dict[int, f
 
 
 def greedy_sample(model, cfg, tok, prompt_ids: list[int], max_tokens: int) -> str:
-    from engine.offline import Engine  # lazy: numpy
     res = Engine(model, cfg, num_pages=64).generate([prompt_ids], SamplingParams(max_tokens=max_tokens))
     return tok.decode(prompt_ids) + "⟨▶⟩" + tok.decode(res[0].token_ids)
 
 
 def accept_lengths(model, cfg, prompts: list[list[int]], max_tokens: int) -> dict:
-    try:
-        from engine.speculative import run_speculative  # lazy: numpy
-    except ImportError as e:  # the speculative decoder lives in engine/spec (another issue)
-        return {"skipped": f"engine.speculative not available: {e}"}
     out = {}
     for spec in ("5/1/6", "3/1/4"):
         t0 = time.perf_counter()
@@ -108,8 +106,6 @@ def evaluate(model_dir: str, manifest: str = "corpus/manifest.json", stdlib_dir:
              num_windows: int = 48, window_len: int = 256, spec: bool = False, num_spec_prompts: int = 8) -> dict:
     from tokenizers import Tokenizer  # lazy: tokenizers
     from transformers import GlmMoeDsaForCausalLM  # lazy: transformers
-
-    from engine.load import load_model  # lazy: numpy, safetensors
     tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
     stream = heldout_stream(model_dir, manifest, stdlib_dir)
     model, cfg = load_model(model_dir, "float32", "cpu")

@@ -133,19 +133,19 @@ def test_one_vocabulary_and_the_config_file(tmp_path):
     a = parse(["serve", "--kv-cache-dtype", "bfloat16", "--speculative-num-steps", "3",
                "--speculative-num-draft-tokens", "4", "--compile-decode", "--stall-after-s", "9", "--threads", "2",
                "--log-dir", "/x", "--max-inflight", "7", "--request-timeout-s", "30"])
-    assert (a.kv_dtype, a.speculative, a.compile, a.stall_after, a.threads_per_worker, a.run_dir) == \
+    assert (a.kv_dtype, a.speculative, a.compile_decode, a.stall_after_s, a.threads_per_worker, a.run_dir) == \
         ("bfloat16", "3/1/4", True, 9.0, 2, "/x")
     assert (a.max_inflight, a.request_timeout_s) == (7, 30.0)
     b = parse(["launch", "--tp", "2", "--compile", "--stall-after", "9", "--threads-per-worker", "3",
                "--run-dir", "/y", "--no-speculative", "--speculative-eagle-topk", "1"])
-    assert (b.prefill_tp, b.decode_tp, b.compile_decode, b.stall_after_s, b.threads, b.log_dir) == \
+    assert (b.prefill_tp, b.decode_tp, b.compile_decode, b.stall_after_s, b.threads_per_worker, b.log_dir) == \
         (2, 2, True, 9.0, 3, "/y")
     assert b.speculative == "5/1/6"  # a speculative part turns it back on over the default
     assert parse(["launch", "--no-speculative"]).speculative == "off"
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("prefill: 2\ndecode-weights: model\nno_shm: true\ncompile: false\nport: 6000\n")
     c = parse(["serve", "--config", str(cfg), "--port", "7000"])
-    assert (c.prefill, c.decode_weights, c.no_shm, c.compile, c.port) == (2, "model", True, False, 7000)
+    assert (c.prefill, c.decode_weights, c.no_shm, c.compile_decode, c.port) == (2, "model", True, False, 7000)
     cfg.write_text("prefil: 2\n")
     with pytest.raises(ValueError, match=r"unknown key 'prefil' \(not a flag of pdserve serve\)"):
         parse(["serve", "--config", str(cfg)])
@@ -161,7 +161,7 @@ def test_serve_tp_and_dp_flags_reach_the_worker_command_lines(tmp_path):
 
     args = parse(["serve", "--dp", "2", "--decode-tp", "4", "--moe-parallel", "ep", "--run-dir", str(tmp_path)])
     cfg = serve_config(args)
-    assert (cfg.num_prefill, cfg.num_decode, cfg.prefill_tp, cfg.decode_tp, cfg.moe_parallel) == (2, 2, 1, 4, "ep")
+    assert (cfg.prefill, cfg.decode, cfg.prefill_tp, cfg.decode_tp, cfg.moe_parallel) == (2, 2, 1, 4, "ep")
     cluster = LocalCluster(cfg)
     dec, pre = cluster._worker_cmd("decode", 0), cluster._worker_cmd("prefill", 0)
     assert dec[dec.index("--tp") + 1] == "4" and dec[dec.index("--moe-parallel") + 1] == "ep"

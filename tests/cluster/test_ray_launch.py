@@ -1,8 +1,8 @@
-"""``pdserve launch`` on a real multi-node Ray cluster (``ray.cluster_utils.Cluster``: 3 raylets on this
-machine, 1 CPU each, told apart by a custom resource) serving a tiny random GLM-5 model.
+"""``pdserve launch`` on a real multi-node Ray cluster (``conftest.ray_cluster``: 3 raylets on this machine,
+1 CPU each, told apart by a custom resource) serving a tiny random GLM-5 model.
 
-One Ray cluster and one deployment for the module (startup dominates on a loaded machine); the tests run
-in file order: refusals first (nothing may be left behind), then launch + serve + placement, a killed
+One Ray cluster for the session, one deployment for the module (startup dominates on a loaded machine); the
+tests run in file order: refusals first (nothing may be left behind), then launch + serve + placement, a killed
 worker actor, scaling, and stop last.
 """
 import os
@@ -14,77 +14,17 @@ import grpc
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from cli import main as cli  # noqa: E402
 from cluster.ray_launcher import LaunchError, RayLaunchConfig, actor_names, launch, status, stop  # noqa: E402
 from cluster.ray_placement import PlacementError, group_nodes, list_groups  # noqa: E402
 from cluster.ray_scale import scale  # noqa: E402
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from ray_helpers import LOOPBACK, NS, pid_alive, wait_until  # noqa: E402
 from router.client import GenerationClient  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
 
-NS = "pdserve-test"
 pytestmark = pytest.mark.timeout(420)
-
-
-def ray_pids(c: Cluster) -> set[int]:
-    """Every process the test cluster started (raylets, GCS, ...)."""
-    return {i.process.pid for node in c.list_all_nodes() for infos in node.all_processes.values() for i in infos
-            if i.process is not None}
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_until(cond, timeout_s: float, what: str, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(interval_s)
-
-
-LOOPBACK = "127.0.0.1"
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """Every raylet, the GCS, this driver and the actors' servers on 127.0.0.1, never the host's address:
-    ``node_ip_address`` alone is not enough, Ray still resolves 127.0.0.1 to the host's "reachable" IP
-    unless its loopback mode is on: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` for the processes Ray starts,
-    and the constant it sets for this already-imported driver."""
-    from ray._private import ray_constants
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, resources={"pdtest_node0": 1},
-                                                          include_dashboard=False, node_ip_address=LOOPBACK))
-    for i in (1, 2):
-        c.add_node(wait=False, num_cpus=1, resources={f"pdtest_node{i}": 1}, node_ip_address=LOOPBACK)
-    pids = ray_pids(c)
-    try:
-        c.wait_for_nodes()
-        ray.init(address=c.address, namespace=NS, log_to_driver=False, _node_ip_address=LOOPBACK)
-        assert c.address.startswith(f"{LOOPBACK}:"), c.address
-        assert {n["NodeManagerAddress"] for n in ray.nodes()} == {LOOPBACK}
-        yield c
-    finally:
-        try:
-            if ray.is_initialized():
-                stop(c.address, NS, grace_s=2.0)
-        finally:
-            ray.shutdown()
-            c.shutdown()
-            mp.undo()
-    wait_until(lambda: not any(pid_alive(p) for p in pids), 30, "the Ray cluster's processes to exit")
 
 
 @pytest.fixture(scope="module")
@@ -99,18 +39,18 @@ def node_names(ray_cluster):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from engine.checkpoint import TINY_GLM5, init_random_model
-    return init_random_model(TINY_GLM5, str(tmp_path_factory.mktemp("ray_model") / "tiny"))
+def model_dir(ray_model_dir):
+    return ray_model_dir
 
 
 API_KEY = "ray-key-0123456789"
 
 
 def cfg(ray_cluster, model_dir, tmp_path_factory, **kw) -> RayLaunchConfig:
-    base = dict(address=ray_cluster.address, namespace=NS, model=model_dir, prefill=2, decode=1, port=0, http_port=0,
-                speculative="off", num_pages=64, threads=1, routing="round_robin", startup_timeout_s=240,
-                placement_timeout_s=20, max_restarts=3, log_dir=str(tmp_path_factory.getbasetemp() / "raylogs"))
+    base = dict(address=ray_cluster.address, namespace=NS, model=model_dir, prefill=2, decode=1,
+                router=RouterConfig(port=0, http_port=0, routing="round_robin"), speculative="off", num_pages=64,
+                threads_per_worker=1, startup_timeout_s=240, placement_timeout_s=20, max_restarts=3,
+                log_dir=str(tmp_path_factory.getbasetemp() / "raylogs"))
     return RayLaunchConfig(**{**base, **kw})
 
 
@@ -123,7 +63,8 @@ def deployment(ray_cluster, model_dir, tmp_path_factory):
     t0 = time.monotonic()
     st = launch(cfg(ray_cluster, model_dir, tmp_path_factory, api_key=API_KEY))
     print(f"launch took {time.monotonic() - t0:.1f}s")
-    return st
+    yield st
+    stop(ray_cluster.address, NS, grace_s=2.0)  # (test_stop did, unless it did not run): the session's cluster empty
 
 
 # -- refusals: fast, clear, nothing left behind ------------------------------------------------------

@@ -3,6 +3,7 @@ import pytest
 
 from cluster.ray_launcher import RayLaunchConfig
 from cluster.ray_placement import PlacementError, actor_resources, demands_for, plan_placement
+from router.config import RouterConfig
 
 
 def nodes(*cpus, gpus=None):
@@ -54,8 +55,9 @@ def test_actor_resources_and_config_validation():
             RayLaunchConfig(resources_per_worker=bad)
     with pytest.raises(ValueError, match="placement"):
         RayLaunchConfig(placement="strict")
-    with pytest.raises(ValueError, match="at least one"):
-        RayLaunchConfig(prefill=0)
+    with pytest.raises(ValueError, match="at least one decode worker"):
+        RayLaunchConfig(decode=0)
+    assert RayLaunchConfig(prefill=0).aggregated  # the decode workers prefill their own prompts
     with pytest.raises(ValueError, match="without a secret"):
-        RayLaunchConfig(host="0.0.0.0")
-    assert RayLaunchConfig(host="0.0.0.0", api_key="k").host == "0.0.0.0"
+        RayLaunchConfig(router=RouterConfig(host="0.0.0.0"))
+    assert RayLaunchConfig(router=RouterConfig(host="0.0.0.0"), api_key="k").router.host == "0.0.0.0"

@@ -255,7 +255,7 @@ def test_metrics_count_every_request_and_token(served, oai, grpc_client, model_n
     assert after["pdserve:num_requests_running"] == 0
     lines = [r["msg"] for r in json_log(served[2] / "router.log") if r["logger"] == "router.access"]
     assert any(re.fullmatch(r"request \S+ api=grpc status=OK finish=length prompt_tokens=2 cached_tokens=\d+ "
-                            r"completion_tokens=4 ttft_ms=[\d.]+ e2e_ms=[\d.]+ prefill=prefill-0 decode=decode-0 "
+                            r"completion_tokens=4 ttft_ms=[\d.]+ router_queue_ms=[\d.]+ e2e_ms=[\d.]+ prefill=prefill-0 decode=decode-0 "
                             r"retries=0 failovers=0", m) for m in lines), lines[-3:]
     # one logging set-up everywhere: the workers log JSON too
     assert any(r["logger"] == "prefill.server" for r in json_log(served[2] / "prefill-0.log"))

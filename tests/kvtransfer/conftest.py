@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 
@@ -11,11 +12,16 @@ import kvt_workers
 class PrefillClient:
     """Drives a ``kvt_workers.prefill_worker`` process: ``run(**cmd)`` -> its report."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
         self.ctx = mp.get_context("spawn")
         self.conn, child = self.ctx.Pipe()
         self.proc = self.ctx.Process(target=kvt_workers.prefill_worker, args=(child,), daemon=True)
-        self.proc.start()
+        if shared:  # the session's worker: tests/conftest.py's leak check lets it outlive the module that started it
+            os.environ["PDSERVE_TEST_SHARED_PROCESS"] = "1"
+        try:
+            self.proc.start()
+        finally:
+            os.environ.pop("PDSERVE_TEST_SHARED_PROCESS", None)
         if not self.conn.poll(120) or self.conn.recv() != "ready":  # imports done: timings start now
             raise AssertionError("prefill worker did not start")
 
@@ -48,7 +54,7 @@ class PrefillClient:
 
 @pytest.fixture(scope="session")
 def prefill():
-    client = PrefillClient()
+    client = PrefillClient(shared=True)
     yield client
     client.close()
 

@@ -23,7 +23,7 @@ from kvt_helpers import (
 )
 
 from engine.kvcache.pool import KVPool
-from kvtransfer import FailReason, KVSender, KVSenderConfig, SendState, TransferError
+from kvtransfer import FailReason, KVSender, KVSenderConfig, SendState, TransferError, TransferState
 from kvtransfer.config import ChecksumKind, TransportKind, WireDType
 from kvtransfer.payload import LayerCodec
 from kvtransfer.protocol import TRAILER, FrameType, checksum, pack_u32
@@ -183,7 +183,10 @@ def _fail_case(how: str) -> None:
                 want = FailReason.CANCELLED
             elif how == "receiver_cancel":
                 h.wait_until(lambda: h.rx.manager.active()[0].received_upto[0] == 40)
-                h.rx.cancel("f")
+                h.rx.cancel("f")  # thread-safe but asynchronous: it runs on the receiver's loop
+                # a FINISH that reached the loop first would fail the half-sent transfer as INCOMPLETE (which it
+                # is): the cancel must have landed before the sender finishes for CANCELLED to be the verdict
+                h.wait_until(lambda: h.rx.poll("f") is TransferState.FAILED)
                 want = FailReason.CANCELLED
             elif how == "drop":
                 want = FailReason.PEER_DIED

@@ -12,13 +12,23 @@ import socket
 import traceback
 
 import torch
+import torch.nn.functional as F
 
+from engine.batch import BatchRequest, ForwardBatch
 from engine.checkpoint import TINY_GLM5
+from engine.kvcache import KVLayout, KVPool
 from engine.load import load_model
 from engine.offline import Engine
-from engine.parallel import ParallelConfig, check_same_on_all_ranks, comm_stats, destroy_tp_group, init_tp_group
+from engine.parallel import (
+    ParallelConfig,
+    all_gather_last,
+    check_same_on_all_ranks,
+    comm_stats,
+    destroy_tp_group,
+    init_tp_group,
+)
 from engine.quant.prepare import model_weight_bytes, quantized_experts
-from engine.sampling import SamplingParams
+from engine.sampling import SamplerState, SamplingParams, sample
 from engine.speculative import run_speculative
 from engine.warmup import warm_up_decode
 
@@ -69,8 +79,6 @@ def job_spec_generate(model_dir: str, pc: ParallelConfig, prompts: list[list[int
 
 def job_logits(model_dir: str, pc: ParallelConfig, ids: list[int]) -> list[list[float]]:
     """Every position's logits of one prompt (prefill, all_logits)."""
-    from engine.batch import BatchRequest, ForwardBatch
-    from engine.kvcache import KVLayout, KVPool
     model, cfg = load_model(model_dir, "float32", "cpu", parallel=pc)
     pool = KVPool(KVLayout.for_model(cfg, 8, "float32", parallel=pc), 64)
     pages = pool.allocator.alloc(pool.pages_for(len(ids)), "t")
@@ -78,7 +86,35 @@ def job_logits(model_dir: str, pc: ParallelConfig, ids: list[int]) -> list[list[
     return model(batch, pool, all_logits=True).logits.tolist()
 
 
-JOBS = {"generate": job_generate, "spec_generate": job_spec_generate, "logits": job_logits}
+def job_padded_vocab(model_dir: str, pc: ParallelConfig, ids: list[int], num_draws: int = 256) -> dict:
+    """What the padded vocabulary's rows hold after loading and whether any padded id reaches a consumer:
+    the padding's LM-head rows are then set to ``1e3 * h`` (``h`` the prompt's last hidden state), so a padded
+    id would win every draw if its logit leaked; ``num_draws`` rows of that position's logits are sampled at
+    temperature 1 with the top-20 logprobs. ``leaked_argmax``: the argmax of the same logits gathered WITHOUT
+    dropping the padding (the control: a padded id)."""
+    model, cfg = load_model(model_dir, "float32", "cpu", parallel=pc)
+    own, vocab = pc.vocab_split(cfg.vocab_size), cfg.vocab_size
+    num_real = max(0, min(own.stop, vocab) - own.start)
+    emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+    pad_rows_zero = bool((emb[num_real:] == 0).all() and (head[num_real:] == 0).all())
+    pool = KVPool(KVLayout.for_model(cfg, 8, "float32", parallel=pc), 16)
+    pages = pool.allocator.alloc(pool.pages_for(len(ids)), "t")
+    out = model(ForwardBatch.build([BatchRequest(pages, 0, ids)], pool.page_size), pool)
+    h = out.hidden[-1:].expand(num_draws, -1)
+    with torch.no_grad():
+        head[num_real:] = 1e3 * out.hidden[-1]
+        logits = model.logits(h)
+        leaked = all_gather_last(F.linear(h[:1], head)).argmax(-1).item()
+    states = [SamplerState(SamplingParams(temperature=1.0, logprobs=20, seed=i), ids) for i in range(num_draws)]
+    res = sample(logits, states)
+    return {"rows": [emb.shape[0], head.shape[0]], "num_pad_rows": head.shape[0] - num_real,
+            "pad_rows_zero": pad_rows_zero, "logits_width": [out.logits.shape[-1], logits.shape[-1]],
+            "sampled": res.token_ids.tolist(), "top_ids": res.top_ids.tolist(),
+            "top_logprobs": res.top_logprobs[0].tolist(), "leaked_argmax": leaked}
+
+
+JOBS = {"generate": job_generate, "spec_generate": job_spec_generate, "logits": job_logits,
+        "padded_vocab": job_padded_vocab}
 
 
 def _rank_main(rank: int, world: int, port: int, moe_parallel: str, timeout_s: float, jobs: mp.Queue,
@@ -146,8 +182,6 @@ class RankPool:
 
 def job_prefill_kv(model_dir: str, pc: ParallelConfig, ids: list[int]) -> dict:
     """Prefill one prompt; return every KV component of layer 0 at its slots ``{name: [T, ...]}``."""
-    from engine.batch import BatchRequest, ForwardBatch
-    from engine.kvcache import KVLayout, KVPool
     model, cfg = load_model(model_dir, "float32", "cpu", parallel=pc)
     pool = KVPool(KVLayout.for_model(cfg, 8, "float32", parallel=pc), 16)
     pages = pool.allocator.alloc(pool.pages_for(len(ids)), "t")

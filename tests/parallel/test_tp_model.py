@@ -23,6 +23,8 @@ from engine.quant.quantize import quantize_checkpoint
 LOGITS_TOL = 1e-5
 """Max |TP2 - TP1| of fp32 logits (of magnitude ~1.6; measured 6-7e-7): float reassociation only."""
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 33))]
+ODD_VOCAB = 311
+"""Not a multiple of 2: the TP2 embedding and LM head hold 156 rows per rank, rank 1's last one padding."""
 TP1 = ParallelConfig()
 
 
@@ -47,8 +49,8 @@ def references():
     return get
 
 
-def hf_greedy(kind: str, prompts: list[list[int]], n: int) -> list[list[int]]:
-    hf = make_hf_model(kind)
+def hf_greedy(kind: str, prompts: list[list[int]], n: int, **overrides) -> list[list[int]]:
+    hf = make_hf_model(kind, **overrides)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     with torch.no_grad():
@@ -67,6 +69,24 @@ def ranks():
 def mtp_dirs(tmp_path_factory):
     return {k: init_random_model(c, str(tmp_path_factory.mktemp(f"tp_{k}")), seed=1)
             for k, c in (("dsa", TINY_DSA_MTP), ("gqa", TINY_GQA_MTP))}
+
+
+@pytest.fixture(scope="module")
+def odd_dirs(tmp_path_factory):
+    """Odd-vocabulary checkpoints (``ODD_VOCAB`` rows: TP2 pads to 312): transformers' tiny models without an MTP
+    layer ('dsa', 'gqa') and pdserve's random ones with it ('dsa_mtp', 'gqa_mtp'; 'gqa_tied': the LM head is the
+    embedding)."""
+    out = {}
+    for kind in ("dsa", "gqa"):
+        d = str(tmp_path_factory.mktemp(f"tp_odd_{kind}"))
+        make_hf_model(kind, vocab_size=ODD_VOCAB).save_pretrained(d)
+        out[kind] = d
+    for kind, c in (("dsa", TINY_DSA_MTP), ("gqa", TINY_GQA_MTP)):
+        out[f"{kind}_mtp"] = init_random_model(dict(c, vocab_size=ODD_VOCAB),
+                                               str(tmp_path_factory.mktemp(f"tp_odd_{kind}_mtp")), seed=4)
+    out["gqa_tied"] = init_random_model(dict(TINY_GQA_MTP, vocab_size=ODD_VOCAB, tie_word_embeddings=True),
+                                        str(tmp_path_factory.mktemp("tp_odd_tied")), seed=5)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +142,46 @@ def test_tp2_speculative_mtp_equals_tp1_greedy(ranks, mtp_dirs, references, kind
     out = ranks.run("spec_generate", model_dir=mtp_dirs[kind], prompts=PROMPTS, max_tokens=64, moe_parallel=moe)
     assert out[0]["tokens"] == out[1]["tokens"] == ref["tokens"]
     assert out[0]["accept_len"] >= 1.0
+
+
+@pytest.mark.parametrize("kind", ["dsa", "gqa"])
+def test_tp2_odd_vocab_greedy_equals_transformers(ranks, odd_dirs, kind):
+    """A 311-token vocabulary on 2 ranks (padded to 312): 32 greedy tokens of two prompts equal transformers'
+    generate on the same checkpoint, and every logits row the engine sampled from was 311 wide."""
+    want = hf_greedy(kind, PROMPTS, 32, vocab_size=ODD_VOCAB)
+    out = ranks.run("generate", model_dir=odd_dirs[kind], prompts=PROMPTS, max_tokens=32)
+    assert out[0]["tokens"] == out[1]["tokens"] == want
+
+
+@pytest.mark.parametrize("kind", ["dsa", "gqa"])
+def test_tp2_odd_vocab_speculative_mtp_equals_tp1_greedy(ranks, odd_dirs, kind):
+    """MTP speculation with the odd vocabulary (the MTP layer's draft logits go through the same padded LM
+    head, its inputs through the padded embedding): 32 tokens equal tp_size 1's plain greedy tokens."""
+    d = odd_dirs[f"{kind}_mtp"]
+    ref = job_generate(d, TP1, PROMPTS, 32)
+    out = ranks.run("spec_generate", model_dir=d, prompts=PROMPTS, max_tokens=32)
+    assert out[0]["tokens"] == out[1]["tokens"] == ref["tokens"]
+    assert out[0]["accept_len"] >= 1.0
+
+
+@pytest.mark.parametrize("kind", ["dsa_mtp", "gqa_tied"])
+def test_tp2_padded_ids_are_never_sampled_or_reported(ranks, odd_dirs, kind):
+    """The padding's rows load as zeros; even when its LM-head row is made to dominate (the control: the
+    unsliced gather's argmax is the padded id 311), 256 draws at temperature 1 and their top-20 logprobs name
+    only ids < 311, and the logprobs are tp_size 1's (the padding is outside the softmax too)."""
+    ids = list(range(3, 40))
+    d = odd_dirs[kind]
+    ref = torch.log_softmax(torch.tensor(job_logits(d, TP1, ids))[-1], dim=-1).topk(20)
+    out = ranks.run("padded_vocab", model_dir=d, ids=ids)
+    assert [r["rows"] for r in out] == [[156, 156], [156, 156]]
+    assert [r["num_pad_rows"] for r in out] == [0, 1]
+    for r in out:
+        assert r["pad_rows_zero"] and r["logits_width"] == [ODD_VOCAB, ODD_VOCAB]
+        assert r["leaked_argmax"] == ODD_VOCAB
+        assert max(r["sampled"]) < ODD_VOCAB and len(set(r["sampled"])) > 1
+        assert max(max(t) for t in r["top_ids"]) < ODD_VOCAB
+        assert r["top_ids"][0] == ref.indices.tolist()
+        assert torch.allclose(torch.tensor(r["top_logprobs"]), ref.values, atol=LOGITS_TOL)
 
 
 @pytest.mark.parametrize("moe", ["tp", "ep"])

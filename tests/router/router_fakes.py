@@ -235,8 +235,11 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
         if request.local_prefill and self.b.local_full:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.b.local_full)
         if request.local_prefill:  # conditional disaggregation: no reservation, prefill here
+            need = math.ceil((len(request.prompt_ids) + 1) / PAGE)
+            if need > self.pages_free:  # as decode.server: refused before any token, nothing held
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"need {need} pages, {self.pages_free} free")
             self.local_prefills.append(req_id)
-            self.reserved[req_id] = math.ceil(len(request.prompt_ids) / PAGE)
+            self.reserved[req_id] = need
             out = [first_token(list(request.prompt_ids))]
             yield worker_pb2.DecodeChunk(token_ids=out)
         elif req_id not in self.reserved:

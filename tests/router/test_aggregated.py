@@ -61,9 +61,10 @@ def test_aggregated_takes_no_prefill_addresses():
 
 def test_a_full_decode_worker_passes_the_request_on_and_all_full_is_resource_exhausted():
     """A decode worker that refuses a local prefill for room before any token: the next one takes it (no
-    failover spent); every one full: RESOURCE_EXHAUSTED naming each, as full reservations are."""
+    failover spent); every one full and no admission queue (``max_queued=0``; tests/router/test_admission.py
+    has the queue): RESOURCE_EXHAUSTED naming each, as full reservations are."""
     async def go():
-        async with FakeCluster(0, 2, aggregated=True, max_failovers=0) as fc:
+        async with FakeCluster(0, 2, aggregated=True, max_failovers=0, max_queued=0) as fc:
             d0, d1 = fc.decodes
             d0.b.local_full = "max_running=1 requests are running"
             for _ in range(3):

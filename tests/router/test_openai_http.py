@@ -114,9 +114,11 @@ def test_completion_tokens_match_the_fake_model_and_errors_map_to_http(tmp_path)
             r = await c.completions.create(model=tmp_path.name, prompt=[5, 6, 7], max_tokens=5)
             assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
             assert r.choices[0].text == fc.router.core.codec.decode(expected_tokens([5, 6, 7], 5))
-            fc.decodes[0].reserved = {"squatter": 64}  # no room: RESOURCE_EXHAUSTED -> 429
-            with pytest.raises(openai.RateLimitError):
-                await c.completions.create(model=tmp_path.name, prompt=[5, 6, 7], max_tokens=5)
+            fc.decodes[0].reserved = {"squatter": 64}  # no room: it waits in the admission queue to its deadline
+            with pytest.raises(openai.APIStatusError, match="admission queue") as e:
+                await c.completions.create(model=tmp_path.name, prompt=[5, 6, 7], max_tokens=5,
+                                           extra_headers={"x-request-timeout-s": "0.3"})
+            assert e.value.status_code == 504 and int(e.value.response.headers["Retry-After"]) >= 1
             fc.decodes[0].reserved = {}
             with pytest.raises(openai.BadRequestError, match="printable ASCII"):
                 await c.completions.create(model=tmp_path.name, prompt=[5], extra_headers={"x-request-id": "a b"})

@@ -56,7 +56,8 @@ def test_first_token_that_ends_the_request_still_frees_the_reservation(kw, promp
 
 def test_reservation_falls_through_to_the_next_decode_worker():
     async def go():
-        async with FakeCluster(1, 2, decode_pages=64, health_interval_s=30.0) as fc:  # statuses stay stale
+        async with FakeCluster(1, 2, decode_pages=64, health_interval_s=30.0, max_queued=0) as fc:  # stale statuses;
+            # no admission queue: all full is refused at once (tests/router/test_admission.py: it waits)
             roomy, other = fc.decodes
             roomy.pages_total = 128
             await fc.registry.poll_once(fc.registry.workers[roomy.key])  # looks like the best choice...

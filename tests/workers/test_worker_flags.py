@@ -1,13 +1,11 @@
 """The workers' flags come from their config dataclasses (``common.flags``): every flag the local and Ray
 launchers pass parses with the role's parser, and every flag has help text (pure: nothing is started)."""
-import dataclasses
-
 import pytest
 
 from cli.main import build_parser as cli_parser
 from cli.serve import serve_config
 from cluster.local import LocalCluster
-from cluster.ray_launcher import RayLaunchConfig, _worker_args
+from cluster.ray_launcher import Deployment, RayLaunchConfig
 from common.flags import config_from_args
 from decode.server import DecodeWorkerConfig
 from decode.server import build_parser as decode_parser
@@ -61,10 +59,13 @@ def test_every_flag_of_pdserve_serve_parses_with_the_workers(tmp_path):
                 assert role == "prefill" or (wcfg.no_speculative and not wcfg.shm)
 
 
-def ray_spec(**kw) -> dict:
-    cfg = RayLaunchConfig(model="/m", resources_per_worker='{"CPU": 3}', **kw)
-    return {**dataclasses.asdict(cfg), "model_hash": "abc123", "secret": "s", "notes": [],
-            "tls_cert": "/c.pem", "tls_key": "/k.pem", "tls_ca": "/ca.pem"}
+def ray_deployment(tmp_path, **kw) -> Deployment:
+    for name in ("c.pem", "k.pem", "ca.pem"):
+        (tmp_path / name).write_text("-----BEGIN CERTIFICATE-----\n")  # read as PEM by the config check only
+    tls = {k: str(tmp_path / f) for k, f in (("tls_cert", "c.pem"), ("tls_key", "k.pem"), ("tls_ca", "ca.pem"))}
+    decode_weights = kw.pop("decode_weights", None)
+    cfg = RayLaunchConfig(model="/m", resources_per_worker='{"CPU": 3}', **tls, **kw)
+    return Deployment(cfg.resolved("/m", decode_weights), "abc123", "s")
 
 
 @pytest.mark.parametrize("kw", [
@@ -73,12 +74,13 @@ def ray_spec(**kw) -> dict:
      "decode_weights": "/q", "speculative": "off", "log_format": "json"},
     {"kv_cache_memory": "512MB", "mem_fraction": 0.4, "no_shm": True},
 ])
-def test_every_flag_of_the_ray_launcher_parses_with_the_workers(kw):
+def test_every_flag_of_the_ray_launcher_parses_with_the_workers(kw, tmp_path):
     for role in PARSERS:
-        argv = _worker_args(ray_spec(**kw), role, f"{role}-1")
+        argv = ray_deployment(tmp_path, **kw).worker_args(role, f"{role}-1")
         wcfg, _, args = parse(role, argv + ["--host", "10.0.0.1"])  # the actor adds its node's IP
         assert (wcfg.expect_model_hash, wcfg.threads, wcfg.worker_id) == ("abc123", 3, f"{role}-1")
-        assert (wcfg.tls_cert, wcfg.host, args.log_format) == ("/c.pem", "10.0.0.1", kw.get("log_format", "text"))
+        assert (wcfg.tls_cert, wcfg.host, args.log_format) == (str(tmp_path / "c.pem"), "10.0.0.1",
+                                                               kw.get("log_format", "text"))
         assert wcfg.num_pages == kw.get("num_pages") and wcfg.mem_fraction == kw.get("mem_fraction")
         if role == "decode":
             assert wcfg.compile == kw.get("compile_decode", False) and wcfg.shm == (not kw.get("no_shm"))
