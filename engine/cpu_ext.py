@@ -14,9 +14,13 @@ runs at ONE level (``isa``): the CPU's own (``host_isa``, from ``/proc/cpuinfo``
 A CPU with none of the levels (no AVX2 + FMA: not x86-64-v3) is ``generic``: it builds ``-march=native`` and the
 kernels' scalar code (it cannot be forced).
 
+A kernel registers its functions as operators (``engine/csrc/ops.h``: ``TORCH_LIBRARY`` in a namespace named after
+the build) and ``build`` returns that namespace, ``torch.ops.<build name>``: ``k.rms_norm(x, w, eps)`` calls the
+operator. No pybind11 module and no ``<torch/extension.h>``: its headers were ~80% of a build's time.
+
 ``torch.utils.cpp_extension.load`` compiles into ``$PDSERVE_HOME/torch_extensions/<name>`` where the name hashes the
 source, the flags, the CPU's flags and torch's version, so a shared home directory holds one build per CPU type and
-level and a changed source rebuilds. A build takes ~40 s on 2 cores the first time, milliseconds after. Without a
+level and a changed source rebuilds. A build takes ~10-25 s on 2 cores the first time, milliseconds after. Without a
 working C++ compiler (or when the build fails) ``build`` logs ONE WARNING naming what runs instead and returns None.
 """
 from __future__ import annotations
@@ -26,7 +30,6 @@ import hashlib
 import logging
 import os
 import shutil
-from types import ModuleType
 from typing import Callable
 
 import torch
@@ -35,6 +38,9 @@ from common.env import CPU_ISA, cpu_isa, cxx, pdserve_home
 from engine.precision import cpu_flags
 
 logger = logging.getLogger(__name__)
+
+Kernel = torch._ops._OpNamespace
+"""What ``build`` returns: ``torch.ops.<build name>``, whose attributes are the kernel's operators."""
 
 ISA_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
 """The levels ``$PDSERVE_CPU_ISA`` accepts, lowest first."""
@@ -113,8 +119,8 @@ def build_name(prefix: str, source: str, level: str) -> str:
     return f"{prefix}_{level}_{h.hexdigest()[:12]}"
 
 
-def build(prefix: str, source: str, instead: str, level: str | None = None) -> ModuleType | None:
-    """The compiled extension of ``source`` for ``level`` (default: ``isa()``; a test passes a lower one), or None
+def build(prefix: str, source: str, instead: str, level: str | None = None) -> Kernel | None:
+    """The operators of ``source`` built for ``level`` (default: ``isa()``; a test passes a lower one), or None
     after one WARNING saying that ``instead`` runs (no compiler, or the build failed). Callers cache the result
     (``functools.cache``)."""
     from torch.utils import cpp_extension  # heavy optional import: only when a kernel is wanted
@@ -129,8 +135,10 @@ def build(prefix: str, source: str, instead: str, level: str | None = None) -> M
     build_dir = os.path.join(pdserve_home(), "torch_extensions", name)
     os.makedirs(build_dir, exist_ok=True)
     try:
-        return cpp_extension.load(name=name, sources=[source], build_directory=build_dir, extra_cflags=cflags(level),
-                                  extra_include_paths=[SHARED_INCLUDE], extra_ldflags=["-fopenmp"], verbose=False)
+        cpp_extension.load(name=name, sources=[source], build_directory=build_dir, extra_cflags=cflags(level),
+                           extra_include_paths=[SHARED_INCLUDE], extra_ldflags=["-fopenmp"], verbose=False,
+                           is_python_module=False)  # loads the library: its TORCH_LIBRARY registers the operators
+        return getattr(torch.ops, name)
     except Exception as e:  # noqa: BLE001 - any build/load failure: one loud fallback, never a crash
         logger.warning("CPU kernel %s (%s) unavailable: building %s failed (%s); %s", prefix, level, source, e,
                        instead)
@@ -138,7 +146,7 @@ def build(prefix: str, source: str, instead: str, level: str | None = None) -> M
 
 
 def build_routed(what: str, prefix: str, source: str, instead: str, level: str,
-                 has_gemm: Callable[[ModuleType], bool]) -> ModuleType | None:
+                 has_gemm: Callable[[Kernel], bool]) -> Kernel | None:
     """A kernel with two GEMM routes (AMX brgemm, or a bf16 gemm called at run time), built for ``level``: the
     extension, or None where neither route can run here (one WARNING, saying ``instead`` runs). At ``amx`` a torch
     whose cpublas cannot pack bf16 takes the gemm route, with one WARNING; ``has_gemm(k)`` says whether this torch

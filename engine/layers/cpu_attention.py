@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import os
-from types import ModuleType
 
 import torch
 
@@ -56,14 +55,14 @@ DECODE_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc",
 LOG2E = 1.4426950408889634
 
 
-def kernel(level: str | None = None) -> ModuleType | None:
+def kernel(level: str | None = None) -> cpu_ext.Kernel | None:
     """The compiled extension for ``level`` (default: the process's, ``cpu_ext.isa()``), or None where prompts run
     torch's SDPA at that level (``TORCH_LEVELS``, a generic CPU) or it did not build (one WARNING)."""
     return _kernel(level or cpu_ext.isa())
 
 
 @functools.cache
-def _kernel(level: str) -> ModuleType | None:
+def _kernel(level: str) -> cpu_ext.Kernel | None:
     if level in TORCH_LEVELS or level == cpu_ext.GENERIC:
         return None
     return cpu_ext.build_routed("prefill attention", "pdserve_prefill_attention", SOURCE,

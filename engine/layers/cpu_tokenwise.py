@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +21,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "token
 
 
 @functools.cache
-def kernel() -> ModuleType | None:
+def kernel() -> cpu_ext.Kernel | None:
     return cpu_ext.build("pdserve_tokenwise", SOURCE, "bf16 RMSNorm runs torch's ops")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import os
-from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -56,14 +55,14 @@ reached 62-81 GFLOP/s there against oneDNN's ~200 at [1024, 256] x [256, 256]). 
 """
 
 
-def kernel(level: str | None = None) -> ModuleType | None:
+def kernel(level: str | None = None) -> cpu_ext.Kernel | None:
     """The compiled extension for ``level`` (default: the process's, ``cpu_ext.isa()``), or None (a generic CPU;
     no compiler or a failed build: one WARNING)."""
     return _kernel(level or cpu_ext.isa())
 
 
 @functools.cache
-def _kernel(level: str) -> ModuleType | None:
+def _kernel(level: str) -> cpu_ext.Kernel | None:
     if level == cpu_ext.GENERIC:
         return None
     return cpu_ext.build_routed("fused MoE", "pdserve_moe_cpu", SOURCE,

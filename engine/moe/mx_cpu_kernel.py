@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from types import ModuleType
 
 import torch
 
@@ -20,14 +19,14 @@ logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "mx_gemm.cpp")
 
 
-def kernel(level: str | None = None) -> ModuleType | None:
+def kernel(level: str | None = None) -> cpu_ext.Kernel | None:
     """The compiled extension for ``level`` (default: the process's, ``cpu_ext.isa()``), or None after one WARNING
     (no compiler, or the build failed)."""
     return _kernel(level or cpu_ext.isa())
 
 
 @functools.cache
-def _kernel(level: str) -> ModuleType | None:
+def _kernel(level: str) -> cpu_ext.Kernel | None:
     return cpu_ext.build("pdserve_mx_gemm", SOURCE, "MX experts run the torch strategies (dequantize, then "
                          "GEMM): slower decode, more memory", level)
 

@@ -13,8 +13,7 @@
 // dot product and exponential is computed per (row, key) alone. So a decode step (one query, no mask) and the
 // verify step of speculative decoding (several queries, a causal or tree mask) round alike: greedy speculation
 // stays lossless. Work items are (request, kv head) pairs.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -225,4 +224,3 @@ TORCH_LIBRARY(pdserve_cpu, m) {
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -18,8 +18,7 @@
 // are handed out longest first from a shared counter (the causal items differ in length up to T / BLOCK_M
 // times), so two threads finish together. The gemm route is the same walk without the packing: its GEMMs read
 // K and V in place (row stride: the token's) and its blocks are exactly as wide as the keys they need.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
@@ -317,7 +316,7 @@ void attend_item(const Attn& a, int64_t hk, int64_t ib, Scratch& w) {
 #endif  // __AVX512F__ || __AVX2__
 
 // brgemm: the AMX route (packs K and V into VNNI blocks first; needs could_pack()), else the gemm route.
-torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 double scale, bool brgemm) {
 #if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
   TORCH_CHECK(false, "prefill_attention: this build has neither AVX-512 nor AVX2 + FMA");
@@ -334,7 +333,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
   TORCH_CHECK(D % 2 == 0 && Dv % 16 == 0, "head dims must be even (", D, ") and a multiple of 16 (", Dv, ")");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && q.stride(1) == D &&
                   k.stride(1) == D && v.stride(1) == Dv, "q, k, v must be contiguous in their last two dims");
-  auto out = torch::empty({T, H, Dv}, q.options());
+  auto out = at::empty({T, H, Dv}, q.options());
   if (T == 0) return out;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const int64_t group = H / Hk, nb = (S + BLOCK_N - 1) / BLOCK_N;
@@ -371,9 +370,9 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("prefill_attention", &prefill_attention, "causal bf16 flash attention over token-major q/k/v",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("brgemm"));
-  m.def("supported", &supported, "this build runs prefill_attention on the gemm route");
-  m.def("could_pack", &could_pack, "cpublas brgemm runs bf16 on VNNI-packed B here (the brgemm route)");
+PDSERVE_OPS(m) {
+  // causal bf16 flash attention over token-major q/k/v
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, bool brgemm) -> Tensor", &prefill_attention);
+  m.def("supported() -> bool", &supported);    // this build runs prefill_attention on the gemm route
+  m.def("could_pack() -> bool", &could_pack);  // cpublas brgemm runs bf16 on VNNI-packed B here (the brgemm route)
 }

@@ -16,8 +16,7 @@
 //
 // Plain loops over uint16 bit patterns that the compiler vectorises for the host (-march=native): the
 // same source serves AVX-512 and AVX2 machines.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #include <cmath>
 #include <cstdint>
@@ -57,19 +56,19 @@ inline void norm_row(const float* xs, int64_t n, const float* w, float eps, uint
   for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(w[i] * bf16_to_f32(f32_to_bf16(xs[i] * r)));
 }
 
-void check(const torch::Tensor& x, const torch::Tensor& w) {
+void check(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "x must be bfloat16 [rows, dim] with contiguous rows");
   TORCH_CHECK(x.size(1) <= MAX_DIM, "dim ", x.size(1), " over ", MAX_DIM);
   TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1), "weight must be [dim]");
 }
 
-torch::Tensor weight_f32(const torch::Tensor& w) { return w.to(at::kFloat).contiguous(); }
+at::Tensor weight_f32(const at::Tensor& w) { return w.to(at::kFloat).contiguous(); }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check(x, w);
   const int64_t T = x.size(0), n = x.size(1), ld = x.stride(0);
-  auto out = torch::empty({T, n}, x.options());
+  auto out = at::empty({T, n}, x.options());
   const auto wf = weight_f32(w);
   const float* wp = wf.data_ptr<float>();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -84,13 +83,13 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
-std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& h, const torch::Tensor& w,
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w,
                                         double eps) {
   check(x, w);
   check(h, w);
   TORCH_CHECK(h.size(0) == x.size(0), "x and h must have the same rows");
   const int64_t T = x.size(0), n = x.size(1), ldx = x.stride(0), ldh = h.stride(0);
-  auto sum = torch::empty({T, n}, x.options()), out = torch::empty({T, n}, x.options());
+  auto sum = at::empty({T, n}, x.options()), out = at::empty({T, n}, x.options());
   const auto wf = weight_f32(w);
   const float* wp = wf.data_ptr<float>();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -136,13 +135,13 @@ bool simd() {
 #endif
 }
 
-torch::Tensor silu_mul(const torch::Tensor& g, const torch::Tensor& u) {
+at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
   TORCH_CHECK(simd(), "silu_mul needs AVX-512");
   TORCH_CHECK(g.scalar_type() == at::kBFloat16 && u.scalar_type() == at::kBFloat16 && g.dim() == 2 &&
                   u.sizes() == g.sizes() && g.stride(1) == 1 && u.stride(1) == 1,
               "g and u must be bfloat16 [rows, dim] of the same shape with contiguous rows");
   const int64_t T = g.size(0), n = g.size(1), ldg = g.stride(0), ldu = u.stride(0);
-  auto out = torch::empty({T, n}, g.options());
+  auto out = at::empty({T, n}, g.options());
 #if defined(__AVX512F__)
   const uint16_t* gp = reinterpret_cast<const uint16_t*>(g.data_ptr<at::BFloat16>());
   const uint16_t* up = reinterpret_cast<const uint16_t*>(u.data_ptr<at::BFloat16>());
@@ -162,7 +161,7 @@ torch::Tensor silu_mul(const torch::Tensor& g, const torch::Tensor& u) {
   return out;
 }
 
-torch::Tensor rope_half(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+at::Tensor rope_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "x must be bfloat16 [tokens, heads, dim] with contiguous heads");
   TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.dim() == 2 &&
@@ -170,7 +169,7 @@ torch::Tensor rope_half(const torch::Tensor& x, const torch::Tensor& cos, const 
               "cos and sin must be bfloat16 [tokens, half] with contiguous rows");
   const int64_t T = x.size(0), nh = x.size(1), D = x.size(2), half = cos.size(1), ldx = x.stride(0);
   TORCH_CHECK(2 * half <= D, "2 * half (", 2 * half, ") over the head dim (", D, ")");
-  auto out = torch::empty({T, nh, D}, x.options());
+  auto out = at::empty({T, nh, D}, x.options());
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
@@ -196,10 +195,12 @@ torch::Tensor rope_half(const torch::Tensor& x, const torch::Tensor& cos, const 
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "GLM RMSNorm of bf16 rows in one pass");
-  m.def("add_rms_norm", &add_rms_norm, "bf16 residual add, then RMSNorm of the sum: (sum, normed)");
-  m.def("silu_mul", &silu_mul, "bf16 silu(g) * u with torch's roundings (AVX-512)");
-  m.def("simd", &simd, "silu_mul is built (AVX-512)");
-  m.def("rope_half", &rope_half, "bf16 rotate-half RoPE on the first 2 * half dims of each head");
+PDSERVE_OPS(m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);  // GLM RMSNorm of bf16 rows in one pass
+  // bf16 residual add, then RMSNorm of the sum: [sum, normed]
+  m.def("add_rms_norm(Tensor x, Tensor h, Tensor w, float eps) -> Tensor[]", &add_rms_norm);
+  m.def("silu_mul(Tensor g, Tensor u) -> Tensor", &silu_mul);  // bf16 silu(g) * u with torch's roundings (AVX-512)
+  m.def("simd() -> bool", &simd);                             // silu_mul is built (AVX-512)
+  // bf16 rotate-half RoPE on the first 2 * half dims of each head
+  m.def("rope_half(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope_half);
 }

@@ -21,8 +21,7 @@
 // The result does not depend on the thread count (each output element is one fixed sequence of operations), and
 // the epilogues round where the torch strategies' bf16 tensors do (below), so it equals the ``gather`` strategy
 // but for the GEMMs' fp32 summation order.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
@@ -313,11 +312,13 @@ int64_t parallel_threads() {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_vnni", &pack_vnni, "w [E, N, K] bf16 -> brgemm VNNI tiles (see moe_cpu.cpp)");
-  m.def("fused_moe", &fused_moe, "fused bf16 MoE experts (see moe_cpu.cpp)");
-  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses here");
-  m.def("could_pack", []() { return at::native::cpublas::could_pack(at::kBFloat16); },
-        "brgemm runs bf16 on VNNI-packed B here (the brgemm route)");
-  m.def("have_gemm", &pdserve::have_gemm_bf16, "the bf16 GEMM of the gemm route is there");
+bool could_pack_bf16() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+PDSERVE_OPS(m) {
+  m.def("pack_vnni(Tensor w, int bn, bool gate_up) -> Tensor", &pack_vnni);  // w [E, N, K] bf16 -> VNNI tiles
+  m.def("fused_moe(Tensor x, Tensor w13p, Tensor w2p, Tensor ids, Tensor weights, int bn1, int bn2, int block_m, "
+        "int chunk_tokens, bool brgemm) -> Tensor", &fused_moe);  // fused bf16 MoE experts (see above)
+  m.def("parallel_threads() -> int", &parallel_threads);  // threads at::parallel_for uses here
+  m.def("could_pack() -> bool", &could_pack_bf16);         // brgemm runs bf16 on VNNI-packed B (the brgemm route)
+  m.def("have_gemm() -> bool", &pdserve::have_gemm_bf16);  // the bf16 GEMM of the gemm route is there
 }

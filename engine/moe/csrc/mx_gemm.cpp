@@ -14,8 +14,7 @@
 // SIMD: AVX-512F (fp4: vpermps over the 16-entry value table; dot: 16 lanes), AVX2+FMA (fp4: 8-entry table
 // + sign bit; dot: 8 lanes), else scalar. Chosen at compile time for the host (-march=native, one build per
 // CPU flag set); fp6/fp8 decode through the scalar LUT and share the SIMD dot.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #include <cstdint>
 #include <cstring>
@@ -173,13 +172,13 @@ inline void dot4(const float* a, const float* w, int64_t K, float* out) {
 #endif
 }
 
-void check_weights(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& lut, int64_t bits) {
-  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kUInt8 && codes.dim() == 3 &&
+void check_weights(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lut, int64_t bits) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == 3 &&
               codes.is_contiguous(), "codes: contiguous uint8 [E, N, Kp] on CPU");
-  TORCH_CHECK(scales.scalar_type() == torch::kUInt8 && scales.dim() == 3 && scales.is_contiguous() &&
+  TORCH_CHECK(scales.scalar_type() == at::kByte && scales.dim() == 3 && scales.is_contiguous() &&
               scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1), "scales: uint8 [E, N, K/bs]");
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
-  TORCH_CHECK(lut.scalar_type() == torch::kFloat && lut.is_contiguous() && lut.numel() == (1 << bits),
+  TORCH_CHECK(lut.scalar_type() == at::kFloat && lut.is_contiguous() && lut.numel() == (1 << bits),
               "lut: float32 [2^bits]");
 }
 
@@ -188,28 +187,28 @@ void check_weights(const torch::Tensor& codes, const torch::Tensor& scales, cons
 // y[p, :] = W[e(p)] @ x[row(p), :] for pairs p grouped by expert: group g covers pairs
 // group_start[g] .. group_start[g+1]-1, all routed to expert group_expert[g]; row(p) = row_index[p]
 // (or p when row_index is empty). x [M, K] fp32; returns y [P, N] fp32.
-torch::Tensor mx_grouped_gemm(torch::Tensor x, torch::Tensor row_index, torch::Tensor group_expert,
-                              torch::Tensor group_start, torch::Tensor codes, torch::Tensor scales,
-                              torch::Tensor lut, int64_t bits, int64_t block_size) {
+at::Tensor mx_grouped_gemm(at::Tensor x, at::Tensor row_index, at::Tensor group_expert,
+                              at::Tensor group_start, at::Tensor codes, at::Tensor scales,
+                              at::Tensor lut, int64_t bits, int64_t block_size) {
   check_weights(codes, scales, lut, bits);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous fp32 [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous fp32 [M, K]");
   const int64_t N = codes.size(1), K = x.size(1);
   TORCH_CHECK(codes.size(2) * 8 == K * bits && scales.size(2) * block_size == K, "x's K does not match the weights");
-  TORCH_CHECK(group_expert.scalar_type() == torch::kLong && group_start.scalar_type() == torch::kLong &&
+  TORCH_CHECK(group_expert.scalar_type() == at::kLong && group_start.scalar_type() == at::kLong &&
               group_start.numel() == group_expert.numel() + 1, "group_expert int64 [G], group_start int64 [G+1]");
   const int64_t G = group_expert.numel();
   const int64_t* ge = group_expert.data_ptr<int64_t>();
   const int64_t* gs = group_start.data_ptr<int64_t>();
   const int64_t P = G ? gs[G] : 0;
   const bool indexed = row_index.numel() > 0;
-  TORCH_CHECK(!indexed || (row_index.scalar_type() == torch::kLong && row_index.numel() == P), "row_index int64 [P]");
+  TORCH_CHECK(!indexed || (row_index.scalar_type() == at::kLong && row_index.numel() == P), "row_index int64 [P]");
   TORCH_CHECK(indexed || x.size(0) >= P, "x has fewer rows than pairs");
   const int64_t* ri = indexed ? row_index.data_ptr<int64_t>() : nullptr;
   for (int64_t g = 0; g < G; ++g)
     TORCH_CHECK(ge[g] >= 0 && ge[g] < codes.size(0) && gs[g] <= gs[g + 1], "bad group ", g);
   for (int64_t p = 0; indexed && p < P; ++p) TORCH_CHECK(ri[p] >= 0 && ri[p] < x.size(0), "row_index out of range");
 
-  auto y = torch::empty({P, N}, x.options());
+  auto y = at::empty({P, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
@@ -245,20 +244,20 @@ torch::Tensor mx_grouped_gemm(torch::Tensor x, torch::Tensor row_index, torch::T
 
 // Dense rows of the experts `experts` [n] -> out [n, N, K] (fp32 or bf16; every MX value is exact in both).
 // The prefill path's tile: one expert (or a few) at a time into a reused buffer, then a library GEMM.
-void mx_dequant_into(torch::Tensor codes, torch::Tensor scales, torch::Tensor experts, torch::Tensor lut,
-                     int64_t bits, int64_t block_size, torch::Tensor out) {
+void mx_dequant_into(at::Tensor codes, at::Tensor scales, at::Tensor experts, at::Tensor lut,
+                     int64_t bits, int64_t block_size, at::Tensor out) {
   check_weights(codes, scales, lut, bits);
   const int64_t N = codes.size(1), K = scales.size(2) * block_size, n = experts.numel();
-  TORCH_CHECK(experts.scalar_type() == torch::kLong, "experts: int64");
+  TORCH_CHECK(experts.scalar_type() == at::kLong, "experts: int64");
   TORCH_CHECK(out.is_contiguous() && out.dim() == 3 && out.size(0) >= n && out.size(1) == N && out.size(2) == K &&
-              (out.scalar_type() == torch::kFloat || out.scalar_type() == torch::kBFloat16), "out: [n, N, K] fp32/bf16");
+              (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16), "out: [n, N, K] fp32/bf16");
   const int64_t* ex = experts.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ex[i] >= 0 && ex[i] < codes.size(0), "expert index out of range");
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
   const float* lp = lut.data_ptr<float>();
   const int64_t Kp = codes.size(2), Ks = scales.size(2);
-  const bool bf16 = out.scalar_type() == torch::kBFloat16;
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
   float* of = bf16 ? nullptr : out.data_ptr<float>();
   uint16_t* ob = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   const DecodeFn decode = decoder(bits);
@@ -289,8 +288,12 @@ void mx_dequant_into(torch::Tensor codes, torch::Tensor scales, torch::Tensor ex
 
 std::string mx_simd() { return simd_name(); }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("mx_grouped_gemm", &mx_grouped_gemm, "grouped MoE GEMM from MX codes (fp32 activations)");
-  m.def("mx_dequant_into", &mx_dequant_into, "dequantize selected experts into a buffer");
-  m.def("simd", &mx_simd, "the SIMD level this build uses");
+PDSERVE_OPS(m) {
+  // grouped MoE GEMM from MX codes (fp32 activations)
+  m.def("mx_grouped_gemm(Tensor x, Tensor row_index, Tensor group_expert, Tensor group_start, Tensor codes, "
+        "Tensor scales, Tensor lut, int bits, int block_size) -> Tensor", &mx_grouped_gemm);
+  // dequantize selected experts into a buffer
+  m.def("mx_dequant_into(Tensor codes, Tensor scales, Tensor experts, Tensor lut, int bits, int block_size, "
+        "Tensor(a!) out) -> ()", &mx_dequant_into);
+  m.def("simd() -> str", &mx_simd);  // the SIMD level this build uses
 }
