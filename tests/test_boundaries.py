@@ -1,6 +1,6 @@
-"""Package boundaries from STYLE.md, checked by parsing every module's imports (ast; nothing is imported).
+"""Package boundaries from docs/architecture.md, checked by parsing every module's imports (ast; nothing is imported).
 
-Floors run one way: common -> protos -> engine -> worker / kvtransfer -> prefill / decode / router -> cluster
+Floors run one way (docs/architecture.md, whose floor line and FORBIDDEN table are checked against these): common -> protos -> engine -> worker / kvtransfer -> prefill / decode / router -> cluster
 -> bench -> cli. A module may import its own floor or lower ones; siblings on one floor that must not know each
 other (prefill, decode and router; engine and grpc) are listed in ``FORBIDDEN``. Every import counts, wherever
 it stands: at the top, inside a function, under ``if TYPE_CHECKING``. No two files may import each other,
@@ -256,3 +256,19 @@ if __name__ == "__main__":
         print("circle:", " <-> ".join(c))
     for u in r["upward"] + r["forbidden"]:
         print("edge:", u)
+
+
+def test_architecture_doc_states_these_floors_and_forbidden_edges():
+    """docs/architecture.md is the rule book these tests enforce: its floor line and its table say the same."""
+    doc = open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8").read()
+    line = next(ln.strip() for ln in doc.splitlines() if ln.strip().startswith("common -> protos"))
+    floors = [[p.strip() for p in step.split("/")] for step in line.split("->")]
+    assert [FLOORS[p] for step in floors for p in step] == sorted(FLOORS[p] for step in floors for p in step)
+    assert {p for step in floors for p in step} == set(PACKAGES)
+    assert all(len({FLOORS[p] for p in step}) == 1 for step in floors), "one floor per step of the line"
+    table = {}
+    for ln in doc.splitlines():
+        cells = [c.strip() for c in ln.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] in FORBIDDEN:
+            table[cells[0]] = {c.strip() for c in cells[1].split(",")}
+    assert table == FORBIDDEN
