@@ -40,9 +40,14 @@ lock:
 protos: install
 	$(PY) -m protos.build
 
+# Two xdist workers (the CI machines have 2 cores; much of the suite waits on servers and sockets), one module per
+# worker at a time (--dist loadgroup: module-scoped servers start once; tests/conftest.py names the groups);
+# --durations=30 prints where the time went.
+TEST_WORKERS ?= 2
+
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30 tests
 
 demo: install
 	$(VENV)/bin/pdserve demo

@@ -83,9 +83,16 @@ def _no_process_outlives_its_module():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n N`` (pytest-xdist, ``--dist loadgroup``): a module's tests run on one worker, so its
-    module-scoped servers and models are built once; every test on the session's Ray cluster runs on one
-    worker, so only one cluster starts."""
+    """Under ``pytest -n N`` (pytest-xdist, ``--dist loadgroup``, what ``make test`` runs): a module's tests run
+    on one worker, so its module-scoped servers and models are built once; every test on the session's Ray
+    cluster runs on one worker, so only one cluster starts; tests/kvtransfer runs on one worker (its session's
+    simulated prefill worker, and Mooncake's transfer engines, which bind fixed local ports)."""
     for item in items:
-        group = "ray_cluster" if "ray_cluster" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        module = item.nodeid.split("::")[0]
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            group = "ray_cluster"
+        elif module.startswith("tests/kvtransfer/"):
+            group = "kvtransfer"
+        else:
+            group = module
         item.add_marker(pytest.mark.xdist_group(group))
