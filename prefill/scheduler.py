@@ -9,8 +9,9 @@ A request walks through::
 Each ``step()`` is schedule -> forward -> sample -> postprocess:
 
 * schedule: running requests continue first, then queued ones are admitted (highest priority,
-  then FCFS) while the token budget and pages last; admission matches the prefix cache (evicting
-  LRU pages when short) and allocates private pages for the rest;
+  then FCFS) while the token budget and pages last; admission matches the prefix cache (evicting LRU
+  pages when short) and its host tier (``prefill.host_cache``: pages restored into fresh pool pages join
+  the radix cache), and allocates private pages for the rest;
 * forward: one batched forward over every scheduled chunk; each layer's KV is handed to the
   request's ``KVSink`` as soon as it is written (transfer overlaps compute); then one batched MTP
   forward over the same chunks (the draft KV the decode side needs), whose next tokens are the
@@ -38,6 +39,7 @@ from engine.sampling import SamplerState, SamplingParams, sample
 from engine.shapes import bucket_chunks, buckets_steps
 from engine.speculative.prefill import PrefillChunk, prefill_forward
 from worker.scheduler_thread import SchedulerThread
+from prefill.host_cache import HostCache
 from prefill.radix import Match, RadixCache
 from prefill.sink import KVSink, LocalSink, TransferFailed
 
@@ -126,12 +128,14 @@ class PrefillScheduler(SchedulerThread):
     """Owns the model, the pool and the prefix cache of one prefill worker. Thread-safe API."""
 
     def __init__(self, model: GlmForCausalLM, pool: KVPool, config: PrefillConfig = PrefillConfig(),
-                 on_cache_event: Callable[[list[int], list[int]], None] | None = None) -> None:
+                 on_cache_event: Callable[[list[int], list[int]], None] | None = None,
+                 host_cache: HostCache | None = None) -> None:
         super().__init__()  # the scheduler thread, its condition variable and heartbeat
         self.model, self.pool, self.config = model, pool, config
         self.bucketed = buckets_steps(pool.device, model.lm_head.weight.dtype)
         """Steps take ``bucket_floor`` tokens (``engine.shapes``: bf16 / fp16 on CPU)."""
         self.cache = RadixCache(pool.allocator, pool.page_size, on_cache_event)
+        self.host = self.cache.lower = host_cache  # the prefix cache's host tier (None: off): pool evictions go there
         self._queue: list[tuple[int, int, PrefillTask]] = []
         self._seq = itertools.count()
         self._running: list[PrefillTask] = []
@@ -242,10 +246,12 @@ class PrefillScheduler(SchedulerThread):
         """True: running now. False: not enough pages yet. None: can never fit (failed)."""
         ids, P = task.token_ids, self.pool.page_size
         match = self.cache.match_prefix(ids)
-        n_hit = match.num_tokens
+        host = self.host.match_prefix(ids, match) if self.host is not None else None
+        n_hit = match.num_tokens + (len(host.entries) * P if host is not None else 0)
         if n_hit >= len(ids):  # at least one token must run to produce logits: recompute the last page
             n_hit -= P
-        need = self.pool.pages_for(len(ids)) - n_hit // P
+        n_host = max(0, n_hit // P - len(match.pages))  # restored into pool pages allocated with the private ones
+        need = self.pool.pages_for(len(ids)) - n_hit // P + n_host
         short = need - self.pool.allocator.num_free
         if short > 0:
             self.cache.evict(short)
@@ -253,10 +259,17 @@ class PrefillScheduler(SchedulerThread):
             private = self.pool.allocator.alloc(need, task.req_id)
         except PoolExhausted as e:
             self.cache.release(match)
+            if host is not None:
+                self.host.release(host)
             if not self._running:  # nothing will free pages: this request can never fit
                 self._fail(task, e)
                 return None
             return False
+        if host is not None:
+            # a page failing its checksum ends the restore there: the pages meant for it and after are recomputed
+            restored = self.host.restore(host, private[:n_host])
+            match, private = self.cache.extend(match, ids, private[:restored]), private[restored:]
+            n_hit = min(n_hit, match.num_tokens)
         task.match, task.num_cached, task.computed = match, n_hit, n_hit
         task.pages = match.pages[:n_hit // P] + private
         task.state, task.t_start = State.RUNNING, time.monotonic()
