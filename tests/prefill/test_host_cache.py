@@ -1,15 +1,20 @@
-"""The prefix cache's host tier without a model: the host page pool, the radix + host tiers' contract, and
+"""The prefix cache's host tier without a model: sizes, the host page pool, the radix + host tiers' contract, and
 both under random traffic (every restored page holds exactly the bytes stored for its prefix; no page of either tier
 leaks). The tiers under the real scheduler and model: test_host_tier_exact.py."""
 import random
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from engine.kvcache import KVComponent, KVLayout, KVPool
 from engine.kvcache.host_pool import HostPagePool, segments
-from prefill.host_cache import HostCache, HostCachePolicy
+from prefill.host_cache import AUTO_HOST_FRACTION, HostCache, HostCachePolicy, plan_host_cache
 from prefill.radix import RadixCache, prefix_block_hashes
+from prefill.server import PrefillWorkerConfig, build_parser
+from protos.pdserve.v1 import generation_pb2
+from worker.config import HOST_CACHE_POLICIES
+from worker.metrics import Labelled, WorkerCollector
 
 P = 4
 
@@ -93,6 +98,30 @@ def finish(pool, cache, ids, match, private, insert=True):
     if rest:
         pool.allocator.decref(rest)
     cache.release(match)
+
+
+def test_host_cache_sizes_and_flags():
+    page = 1000
+    assert plan_host_cache("64M", page, 0, 0).num_pages == 64_000
+    assert plan_host_cache("40G", page, 0, 0).num_pages == 40_000_000
+    assert plan_host_cache("8GiB", page, 0, 0).num_pages == (8 << 30) // page
+    assert plan_host_cache("0", page, 10**9, 10**12) == (0, "--host-cache-bytes 0: off")
+    # auto: twice the pool, capped at a quarter of what the host has available
+    assert plan_host_cache("auto", page, 10**6, 10**12).num_pages == 2_000
+    assert plan_host_cache("AUTO", page, 10**9, 4 * 10**8).num_pages == int(4 * 10**8 * AUTO_HOST_FRACTION) // page
+    for bad in ("12Q", "-5M", "lots", ""):
+        with pytest.raises(ValueError):
+            plan_host_cache(bad, page, 0, 0)
+    with pytest.raises(ValueError, match="holds no page"):
+        plan_host_cache("999", page, 0, 0)
+    args = build_parser().parse_args(["--host-cache-bytes", "64M", "--host-cache-policy", "write_through"])
+    assert (args.host_cache_bytes, args.host_cache_policy) == ("64M", "write_through")
+    assert build_parser().parse_args([]).host_cache_bytes == "auto"
+    with pytest.raises(ValueError):
+        PrefillWorkerConfig(host_cache_bytes="12Q")
+    with pytest.raises(ValueError):
+        PrefillWorkerConfig(host_cache_policy="write_sideways")
+    assert tuple(p.value for p in HostCachePolicy) == HOST_CACHE_POLICIES
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "fp8_e4m3"])
@@ -211,3 +240,16 @@ def test_random_traffic_restores_exact_bytes_and_leaks_no_page(policy):
     cache.reset()
     host.reset()
     assert pool.allocator.num_free == pool.num_pages and host.store.allocator.num_free == host.store.num_pages
+
+
+def test_tier_metrics_carry_a_tier_label():
+    status = generation_pb2.WorkerStatus(worker_id="prefill-0")
+    collector = WorkerCollector(lambda: status, lambda: {
+        "prefix_cache_hit_tokens": (Labelled("tier", {"device": 96.0, "host": 32.0}), "hits by tier")},
+        lambda: {"prefix_cache_bytes": (Labelled("tier", {"device": 10.0, "host": 20.0}), "bytes by tier")})
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert 'pdserve:prefix_cache_hit_tokens_total{tier="host",worker="prefill-0"} 32.0' in text
+    assert 'pdserve:prefix_cache_hit_tokens_total{tier="device",worker="prefill-0"} 96.0' in text
+    assert 'pdserve:prefix_cache_bytes{tier="host",worker="prefill-0"} 20.0' in text

@@ -6,6 +6,7 @@ boundaries, and so are every KV row of every layer (the MTP layer and the indexe
 and the MTP draft state shipped to the decode side. A decode worker given bit-identical KV, first token and draft
 state produces the same greedy tokens and the same speculative acceptance, so those follow."""
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from engine.load import load_model
 from prefill.host_cache import HostCache, HostCachePolicy
 from prefill.radix import prefix_block_hashes
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, RequestAborted
+from prefill.server import PrefillServicer
 from test_prefill_scheduler import CaptureSink, run_all, task
 
 PAGE = 16
@@ -122,6 +124,12 @@ def test_corrupt_host_page_is_recomputed_with_identical_output(tiny, logits_seen
     assert warm[0].cached_tokens == 32 and sched.tokens_done - computed == 68  # pages 0-1 restored, 2.. recomputed
     assert sched.host.corrupt_pages == 1
     assert_same_state(warm, cold)
+    servicer = SimpleNamespace(sched=sched, kv_transfers=0, kv_bytes=0, kv_seconds=0.0)
+    counters = PrefillServicer.counters(servicer)
+    assert counters["prefix_cache_recomputed_pages"][0].values == {"host": 1}
+    assert counters["prefix_cache_hit_tokens"][0].values["host"] == 32
+    tiers = PrefillServicer.gauges(servicer)["prefix_cache_bytes"][0].values
+    assert tiers["host"] == sched.host.num_pages * sched.pool.layout.bytes_per_page() > 0 and tiers["device"] > 0
 
 
 def test_write_through_serves_the_same_prefix(tiny, logits_seen):
