@@ -9,9 +9,8 @@ A request walks through::
 Each ``step()`` is schedule -> forward -> sample -> postprocess:
 
 * schedule: running requests continue first, then queued ones are admitted (highest priority,
-  then FCFS) while the token budget and pages last; admission matches the prefix cache (evicting LRU
-  pages when short) and its host tier (``prefill.host_cache``: pages restored into fresh pool pages join
-  the radix cache), and allocates private pages for the rest;
+  then FCFS) while the token budget and pages last; admission matches the prefix cache and its host tier
+  (``prefill.host_cache``), evicting LRU pages when short, and allocates private pages for the rest;
 * forward: one batched forward over every scheduled chunk; each layer's KV is handed to the
   request's ``KVSink`` as soon as it is written (transfer overlaps compute); then one batched MTP
   forward over the same chunks (the draft KV the decode side needs), whose next tokens are the
@@ -182,6 +181,7 @@ class PrefillScheduler(SchedulerThread):
         return len(self._running)
 
     thread_name = "prefill-scheduler"
+    idle_after_empty_step_s = 0.05  # queued requests waiting for pages a transfer holds: no busy loop
 
     def has_work(self) -> bool:
         return bool(self._queue or self._running or self._has_aborts())
@@ -252,21 +252,20 @@ class PrefillScheduler(SchedulerThread):
             n_hit -= P
         n_host = max(0, n_hit // P - len(match.pages))  # restored into pool pages allocated with the private ones
         need = self.pool.pages_for(len(ids)) - n_hit // P + n_host
-        short = need - self.pool.allocator.num_free
-        if short > 0:
-            self.cache.evict(short)
+        if need > self.pool.allocator.num_free:
+            self.cache.evict(need - self.pool.allocator.num_free)
         try:
             private = self.pool.allocator.alloc(need, task.req_id)
         except PoolExhausted as e:
             self.cache.release(match)
             if host is not None:
                 self.host.release(host)
-            if not self._running:  # nothing will free pages: this request can never fit
+            if not self._running and not any(t.state is State.TRANSFERRING for t in self._tasks.values()):
+                # nothing running or transferring will free pages: this request can never fit
                 self._fail(task, e)
                 return None
             return False
-        if host is not None:
-            # a page failing its checksum ends the restore there: the pages meant for it and after are recomputed
+        if host is not None:  # a bad checksum ends the restore: the pages meant for it and after are recomputed
             restored = self.host.restore(host, private[:n_host])
             match, private = self.cache.extend(match, ids, private[:restored]), private[restored:]
             n_hit = min(n_hit, match.num_tokens)
@@ -367,6 +366,7 @@ class PrefillScheduler(SchedulerThread):
         if task.match is not None:
             self.cache.release(task.match)
             task.match = None
+        self._cv.notify()  # pages came back: a queued request waiting for them may start
 
     def _fail(self, task: PrefillTask, exc: BaseException) -> None:
         task.state = State.FAILED
