@@ -4,7 +4,9 @@ A page enters by the write policy (``HostCachePolicy``)::
 
     write_back     when the radix cache evicts it from the pool, its KV is copied here first (the default: a page
                    costs a copy only once the pool has no room left for it)
-    write_through  as soon as the radix cache takes it (evicting it from the pool later copies nothing)
+    write_through  soon after the radix cache takes it: queued then, copied on the scheduler thread at the next
+                   admission (``match_prefix``) or eviction, not on the thread that finished the request (a second
+                   OpenMP team throttles every step: ``worker/omp.py``); evicting it from the pool copies nothing
 
 A prompt whose cached prefix runs past what the pool holds continues here, page by page, where L1's match ended::
 
@@ -102,16 +104,31 @@ class HostCache:
         self.store = HostPagePool(pool.layout, num_pages, pin=pool.device.type == "cuda" if pin is None else pin)
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         """block hash -> entry, least recently used first."""
+        self._pending: dict[int, CachedPage] = {}
+        """write_through: pages the radix cache took, not copied yet (their pool pages are the cache's until evicted,
+        and ``on_evict`` takes them out of here first)."""
         self._lock = threading.RLock()
         self.hit_tokens = self.stored_pages = self.evicted_pages = self.corrupt_pages = self.dropped_pages = 0
 
     # -- what the radix cache hands down (radix.LowerTier) -------------------------------------------
     def on_insert(self, pages: list[CachedPage]) -> None:
         if self.policy is HostCachePolicy.WRITE_THROUGH:
-            self._store(pages[::-1])  # leaf first, as on_evict
+            with self._lock:
+                self._pending.update((p.hash, p) for p in pages)
 
     def on_evict(self, pages: list[CachedPage]) -> None:
-        self._store(pages)
+        with self._lock:
+            for p in pages:
+                self._pending.pop(p.hash, None)
+            self._store(pages)
+
+    def flush(self) -> None:
+        """Copy the pages write-through queued (on the scheduler thread: ``match_prefix`` calls it)."""
+        with self._lock:
+            if self._pending:
+                pages = list(self._pending.values())[::-1]  # leaf first, as on_evict
+                self._pending.clear()
+                self._store(pages)
 
     def _store(self, pages: Sequence[CachedPage]) -> None:
         """Copy in the pages not stored yet and touch the others; ``pages`` leaf first."""
@@ -177,6 +194,7 @@ class HostCache:
         P = self.page_size
         hashes, entries = [], []
         with self._lock:
+            self.flush()
             parent = after.node.hash
             for i in range(after.num_tokens, len(token_ids) - P + 1, P):
                 chunk = tuple(token_ids[i:i + P])
@@ -233,6 +251,10 @@ class HostCache:
     def num_pages(self) -> int:
         return len(self._entries)
 
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
     def stats(self) -> HostCacheStats:
         n = len(self._entries)
         return HostCacheStats(self.store.num_pages, n, n * self.store.page_bytes, self.hit_tokens, self.stored_pages,
@@ -241,6 +263,7 @@ class HostCache:
     def reset(self) -> None:
         """Drop every unpinned entry (tests and admin)."""
         with self._lock:
+            self._pending.clear()
             for h in [h for h, e in self._entries.items() if not e.pins]:
                 self._drop(h)
 

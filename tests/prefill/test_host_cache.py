@@ -170,13 +170,16 @@ def test_write_back_restore_and_extend():
     assert host.stored_pages == 3 and host.num_pages == 3
 
 
-def test_write_through_copies_at_insert_only():
+def test_write_through_copies_at_the_next_admission_and_never_again():
     pool, cache, host = make_tiers(policy=HostCachePolicy.WRITE_THROUGH)
-    ids = list(range(30, 42))
+    ids, other = list(range(30, 42)), list(range(70, 78))
     finish(pool, cache, ids, *compute(pool, cache, ids)[:2])
-    assert host.num_pages == 3 and host.stored_pages == 3
-    cache.evict(3)
-    assert host.stored_pages == 3
+    assert host.num_pending == 3 and host.num_pages == 0  # queued by the thread that finished the request
+    m, priv, _ = compute(pool, cache, other)  # the next admission copies them (the scheduler's thread)
+    assert host.num_pages == 3 and host.stored_pages == 3 and host.num_pending == 0
+    finish(pool, cache, other, m, priv)
+    cache.evict(5)  # ids' pages are there already; other's 2 are still queued: evicting stores them once
+    assert host.stored_pages == 5 and host.num_pending == 0 and host.num_pages == 5
     assert compute(pool, cache, ids)[2] == 3
 
 
