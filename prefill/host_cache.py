@@ -26,8 +26,11 @@ leaf first, so a page is never older than its descendants and chains shrink from
 second chance: each restore of an entry earns it one more trip past the LRU end (at most ``MAX_CREDIT``). The tier
 is inclusive: a restored page stays here too, so the pool evicting it again copies nothing.
 
+Every page stored or dropped is published (``on_event(stored, evicted)``, block hashes, as the radix cache
+publishes its own), so the router can score a worker's host-tier prefix too (``router.prefix_index``).
+
 Every call runs on the prefill scheduler's thread or under its lock (the radix cache's too, for ``on_insert`` and
-``on_evict``); ``stats()`` may be read from any thread.
+``on_evict``); ``stats()`` and ``all_hashes()`` may be called from any thread.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from engine.kvcache.host_pool import HostPagePool
 from engine.kvcache.pool import KVPool
@@ -108,6 +111,10 @@ class HostCache:
         """write_through: pages the radix cache took, not copied yet (their pool pages are the cache's until evicted,
         and ``on_evict`` takes them out of here first)."""
         self._lock = threading.RLock()
+        self.on_event: Callable[[list[int], list[int]], None] | None = None
+        """Called with (block hashes stored, block hashes dropped) after each change (under the lock)."""
+        self._stored_log: list[int] = []
+        self._dropped_log: list[int] = []
         self.hit_tokens = self.stored_pages = self.evicted_pages = self.corrupt_pages = self.dropped_pages = 0
 
     # -- what the radix cache hands down (radix.LowerTier) -------------------------------------------
@@ -133,36 +140,43 @@ class HostCache:
     def _store(self, pages: Sequence[CachedPage]) -> None:
         """Copy in the pages not stored yet and touch the others; ``pages`` leaf first."""
         with self._lock:
-            fresh, held = [], []
-            for p in pages:
-                e = self._entries.get(p.hash)
-                if e is not None and e.chunk == p.chunk and e.parent_hash == p.parent_hash:
-                    self._entries.move_to_end(p.hash)
-                    held.append(e)
-                    continue
-                if e is not None:  # a 64-bit hash collision: the newer prefix wins
-                    self._drop(p.hash)
-                fresh.append(p)
-            if not fresh:
-                return
-            for e in held:  # making room must not evict what this call just touched
-                e.pins += 1
             try:
-                room = self._make_room(len(fresh))
+                self._store_locked(pages)
             finally:
-                for e in held:
-                    e.pins -= 1
-            if room < len(fresh):  # keep the pages nearest the root: the leaves are useless without them
-                self.dropped_pages += len(fresh) - room
-                fresh = fresh[len(fresh) - room:]
-            if not fresh:
-                return
-            slots = self.store.allocator.alloc(len(fresh), "host")
-            self.store.save(self.pool, [p.page for p in fresh], slots)
-            for p, slot in zip(fresh, slots):
-                digest = self.store.checksum(slot, self._seed(p.hash))
-                self._entries[p.hash] = _Entry(slot, p.parent_hash, p.chunk, digest, self.store.layout_hash)
-            self.stored_pages += len(fresh)
+                self._publish()
+
+    def _store_locked(self, pages: Sequence[CachedPage]) -> None:
+        fresh, held = [], []
+        for p in pages:
+            e = self._entries.get(p.hash)
+            if e is not None and e.chunk == p.chunk and e.parent_hash == p.parent_hash:
+                self._entries.move_to_end(p.hash)
+                held.append(e)
+                continue
+            if e is not None:  # a 64-bit hash collision: the newer prefix wins
+                self._drop(p.hash)
+            fresh.append(p)
+        if not fresh:
+            return
+        for e in held:  # making room must not evict what this call just touched
+            e.pins += 1
+        try:
+            room = self._make_room(len(fresh))
+        finally:
+            for e in held:
+                e.pins -= 1
+        if room < len(fresh):  # keep the pages nearest the root: the leaves are useless without them
+            self.dropped_pages += len(fresh) - room
+            fresh = fresh[len(fresh) - room:]
+        if not fresh:
+            return
+        slots = self.store.allocator.alloc(len(fresh), "host")
+        self.store.save(self.pool, [p.page for p in fresh], slots)
+        for p, slot in zip(fresh, slots):
+            digest = self.store.checksum(slot, self._seed(p.hash))
+            self._entries[p.hash] = _Entry(slot, p.parent_hash, p.chunk, digest, self.store.layout_hash)
+        self.stored_pages += len(fresh)
+        self._stored_log += [p.hash for p in fresh]
 
     def _make_room(self, n: int) -> int:
         """Evict LRU entries (pinned ones and second chances skipped) until ``n`` slots are free; -> how many are."""
@@ -184,6 +198,15 @@ class HostCache:
     def _drop(self, h: int) -> None:
         e = self._entries.pop(h)
         self.store.allocator.decref([e.slot])
+        self._dropped_log.append(h)
+
+    def _publish(self) -> None:
+        stored, dropped = self._stored_log, self._dropped_log
+        if not (stored or dropped):
+            return
+        self._stored_log, self._dropped_log = [], []
+        if self.on_event is not None:
+            self.on_event(stored, dropped)
 
     def _seed(self, h: int) -> int:
         return h ^ self.store.layout_hash
@@ -233,6 +256,7 @@ class HostCache:
                 self._entries.move_to_end(h)
             self.hit_tokens += good * self.page_size
             self._unpin(hm)
+            self._publish()
             return good
 
     def release(self, hm: HostMatch) -> None:
@@ -266,6 +290,12 @@ class HostCache:
             self._pending.clear()
             for h in [h for h, e in self._entries.items() if not e.pins]:
                 self._drop(h)
+            self._publish()
+
+    def all_hashes(self) -> list[int]:
+        """Block hashes of every page stored (a snapshot for a new cache-event subscriber)."""
+        with self._lock:
+            return list(self._entries)
 
 
 class HostCacheSize(NamedTuple):

@@ -63,9 +63,21 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     # called from scheduler threads
     def publish(self, stored: list[int], evicted: list[int]) -> None:
-        ev = worker_pb2.CacheEvent(stored=stored, evicted=evicted)
+        self._publish(worker_pb2.CacheEvent(stored=stored, evicted=evicted))
+
+    def publish_host(self, stored: list[int], evicted: list[int]) -> None:
+        """The host tier's changes (``HostCache.on_event``)."""
+        self._publish(worker_pb2.CacheEvent(host_stored=stored, host_evicted=evicted))
+
+    def _publish(self, ev: worker_pb2.CacheEvent) -> None:
         for q in list(self.subscribers):
             self.loop.call_soon_threadsafe(_put_nowait, q, ev)
+
+    def snapshot(self) -> worker_pb2.CacheEvent:
+        """Everything both tiers hold, as a reset event (a new subscriber's first, or after an overflow)."""
+        host = self.sched.host
+        return worker_pb2.CacheEvent(reset=True, stored=self.sched.cache.all_hashes(),
+                                     host_stored=host.all_hashes() if host is not None else [])
 
     async def Prefill(self, request, context):
         ids = list(request.token_ids) + list(request.output_prefix)
@@ -206,11 +218,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         q: asyncio.Queue = asyncio.Queue(maxsize=10_000)
         self.subscribers.add(q)
         try:
-            yield worker_pb2.CacheEvent(reset=True, stored=self.sched.cache.all_hashes())
+            yield self.snapshot()
             while True:
                 ev = await q.get()
                 if ev is None:  # overflowed: resync from a snapshot
-                    yield worker_pb2.CacheEvent(reset=True, stored=self.sched.cache.all_hashes())
+                    yield self.snapshot()
                 else:
                     yield ev
         finally:
@@ -299,6 +311,8 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
                                wcfg.worker_id or f"prefill-{port}", address, mhash, wcfg.fault_injection, model_info,
                                ranks)
     sched.cache.on_event = servicer.publish
+    if sched.host is not None:
+        sched.host.on_event = servicer.publish_host
     sched.heartbeat = heartbeat.Heartbeat(wcfg.stall_after)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])

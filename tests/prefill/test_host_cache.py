@@ -2,6 +2,7 @@
 both under random traffic (every restored page holds exactly the bytes stored for its prefix; no page of either tier
 leaks). The tiers under the real scheduler and model: test_host_tier_exact.py."""
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from engine.kvcache import KVComponent, KVLayout, KVPool
 from engine.kvcache.host_pool import HostPagePool, segments
 from prefill.host_cache import AUTO_HOST_FRACTION, HostCache, HostCachePolicy, plan_host_cache
 from prefill.radix import RadixCache, prefix_block_hashes
-from prefill.server import PrefillWorkerConfig, build_parser
+from prefill.server import PrefillServicer, PrefillWorkerConfig, build_parser
 from protos.pdserve.v1 import generation_pb2
 from worker.config import HOST_CACHE_POLICIES
 from worker.metrics import Labelled, WorkerCollector
@@ -214,6 +215,21 @@ def test_host_lru_gives_restored_pages_a_second_chance():
     cache.evict(2)  # c needs room: a is the least recently used but spends its credit; b goes
     hashes = set(host._entries)
     assert set(prefix_block_hashes(a, P)) | set(prefix_block_hashes(c, P)) == hashes and host.evicted_pages == 2
+
+
+def test_host_tier_publishes_what_it_stores_and_drops():
+    pool, cache, host = make_tiers(pool_pages=8, host_pages=2)
+    events = []
+    host.on_event = lambda stored, dropped: events.append((stored, dropped))
+    ids = list(range(10, 22))
+    h = prefix_block_hashes(ids, P)  # 3 pages
+    finish(pool, cache, ids, *compute(pool, cache, ids)[:2])
+    cache.evict(3)  # room for 2: the two nearest the root are kept
+    assert events == [([h[1], h[0]], [])] and host.dropped_pages == 1
+    snap = PrefillServicer.snapshot(SimpleNamespace(sched=SimpleNamespace(cache=cache, host=host)))
+    assert snap.reset and list(snap.stored) == [] and sorted(snap.host_stored) == sorted(h[:2])
+    host.store.data[host._entries[h[0]].slot, 0] ^= 1
+    assert compute(pool, cache, ids)[2] == 0 and events[-1] == ([], [h[0]])
 
 
 @pytest.mark.parametrize("policy", list(HostCachePolicy))
