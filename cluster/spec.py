@@ -28,7 +28,7 @@ from kvtransfer.config import TransportConfig, add_transport_args
 from protos import tls
 from router import config as router_config
 from router.config import RouterConfig
-from worker.config import DTYPES, KV_DTYPES, MOE_PARALLEL
+from worker.config import DTYPES, HOST_CACHE_POLICIES, KV_DTYPES, MOE_PARALLEL
 
 ROUTER_OWNED = ("prefill", "decode", "aggregated", "model", "api_key", "cluster_secret", "tls_cert", "tls_key",
                 "tls_ca", "startup_timeout_s", "grace_s")
@@ -36,7 +36,8 @@ ROUTER_OWNED = ("prefill", "decode", "aggregated", "model", "api_key", "cluster_
 secrets, TLS, the timeouts every process shares); every other field is a cluster option (``ROUTER_OPTIONS``)."""
 ROUTER_OPTIONS = tuple(f.name for f in dataclasses.fields(RouterConfig) if f.name not in ROUTER_OWNED)
 """The router's fields that are flags of ``pdserve serve`` and ``pdserve launch``, passed to the router as given."""
-CHOICES = {"dtype": DTYPES, "kv_dtype": KV_DTYPES, "moe_parallel": MOE_PARALLEL, "log_format": logs.LOG_FORMATS}
+CHOICES = {"dtype": DTYPES, "kv_dtype": KV_DTYPES, "moe_parallel": MOE_PARALLEL, "log_format": logs.LOG_FORMATS,
+           "host_cache_policy": HOST_CACHE_POLICIES}
 SPECULATION_OFF = ("", "off")
 
 
@@ -101,6 +102,12 @@ class ClusterSpec:
     prefill_chunk: int = 2048
     """Decode workers' own prefill (--prefill 0, --local-prefill-below): prompt tokens per step; a longer prompt
     continues over the next steps while the running requests keep decoding."""
+    host_cache_bytes: str = "auto"
+    """Each prefill worker's host-memory tier of the prefix cache, below its KV pool (64M, 40G, 8GiB; 0: off; auto:
+    twice its KV pool, at most a quarter of the host memory available when it starts)."""
+    host_cache_policy: str = "write_back"
+    """When a page enters the host tier: write_back (when the KV pool evicts it) or write_through (as soon as the
+    prefix cache takes it)."""
     no_shm: bool = False
     """Decode pools in private memory: prefill workers on the same host ship KV over TCP too (default: shared
     memory, pages copied)."""
@@ -151,6 +158,8 @@ class ClusterSpec:
         if self.startup_timeout_s <= 0 or self.stall_after_s <= 0 or self.grace_s < 0:
             raise ValueError(f"startup_timeout_s ({self.startup_timeout_s}) and stall_after_s "
                              f"({self.stall_after_s}) must be > 0, grace_s ({self.grace_s}) >= 0")
+        if self.host_cache_policy not in HOST_CACHE_POLICIES:
+            raise ValueError(f"host_cache_policy must be one of {HOST_CACHE_POLICIES}, got {self.host_cache_policy!r}")
         if not self.decode_weights:
             raise ValueError("decode_weights must be 'model', an MX format or a directory, got ''")
         check_bind(self.router.host, self.api_key, "the router (give --api-key)")
@@ -188,7 +197,10 @@ class ClusterSpec:
 
     def prefill_argv(self, slot: WorkerSlot) -> list[str]:
         """``python -m prefill.server`` flags (the launcher adds ``--host``)."""
-        return self._worker_argv(Role.PREFILL, slot) + (["--fault-injection"] if self.router.fault_injection else [])
+        args = self._worker_argv(Role.PREFILL, slot) + (["--fault-injection"] if self.router.fault_injection else [])
+        args += [] if self.host_cache_bytes == "auto" else ["--host-cache-bytes", self.host_cache_bytes]
+        policy = self.host_cache_policy
+        return args + ([] if policy == "write_back" else ["--host-cache-policy", policy])
 
     def decode_argv(self, slot: WorkerSlot) -> list[str]:
         """``python -m decode.server`` flags (the launcher adds ``--host``). Its own prefill forwards (aggregated

@@ -14,6 +14,11 @@ Lifecycle of a request's prefix::
 
 Every stored or evicted page is published as a block hash (a chain hash of the token
 chunks from the root), so a router can score workers by the prefixes they really hold.
+
+A lower tier (``LowerTier``: the host-memory cache of ``prefill.host_cache``) sees every page the
+cache takes (``on_insert``, for write-through) and every page it evicts, while the page still
+holds its KV (``on_evict``, for write-back). Pages a lower tier restores come back with
+``extend(match, ...)``, which also moves the request's lock to the longer path.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import itertools
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 from engine.kvcache.pool import PageAllocator
 
@@ -64,6 +69,28 @@ class Match:
     """Deepest matched node; the whole path to it is locked until ``release``."""
 
 
+class CachedPage(NamedTuple):
+    """One page of the tree as a lower tier sees it."""
+    hash: int
+    """Its block hash (``block_hash(parent_hash, chunk)``)."""
+    parent_hash: int
+    """The block hash of the page before it (0 for a prefix's first page)."""
+    chunk: tuple[int, ...]
+    """The ``page_size`` token ids it holds the KV of."""
+    page: int
+    """Its KV pool page (valid only during the call)."""
+
+
+class LowerTier(Protocol):
+    """A cache below this one; both calls run under the cache's lock while every page named holds its KV."""
+
+    def on_insert(self, pages: list[CachedPage]) -> None:
+        """Pages the cache just took, root first."""
+
+    def on_evict(self, pages: list[CachedPage]) -> None:
+        """Pages about to be freed, leaves first (a page's descendants before it)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CacheStats:
     cached_pages: int
@@ -80,6 +107,8 @@ class RadixCache:
         self.root = _Node((), -1, 0, None)
         self.on_event = on_event
         """Called with (stored block hashes, evicted block hashes)."""
+        self.lower: LowerTier | None = None
+        """The tier below (None: evicted pages are gone)."""
         self._num_pages = 0
         self._lock = threading.RLock()
         self.hit_tokens = 0
@@ -128,6 +157,7 @@ class RadixCache:
         with self._lock:
             node, taken, t = self.root, 0, next(_clock)
             dup: list[int] = []
+            new: list[CachedPage] = []
             for i in range(n_full):
                 chunk = tuple(token_ids[i * P:(i + 1) * P])
                 child = node.children.get(chunk)
@@ -137,6 +167,7 @@ class RadixCache:
                     self._num_pages += 1
                     self.allocator.set_owner([pages[i]], "radix")
                     stored.append(child.hash)
+                    new.append(_cached(child))
                     taken += 1
                 elif child.page != pages[i]:
                     dup.append(pages[i])
@@ -144,27 +175,65 @@ class RadixCache:
                 node = child
             if dup:
                 self.allocator.decref(dup)
+            if new and self.lower is not None:
+                self.lower.on_insert(new)
         if stored and self.on_event:
             self.on_event(stored, [])
         return taken
 
+    def extend(self, match: Match, token_ids: Sequence[int], pages: Sequence[int]) -> Match:
+        """Append ``pages`` (restored by a lower tier: the KV of the full pages of ``token_ids`` right after
+        ``match``) below ``match``'s node; returns the longer match, locked, and unlocks ``match``. The cache
+        takes the pages (a page whose prefix is cached meanwhile is freed and the cached one used)."""
+        P, start = self.page_size, match.num_tokens
+        if start + len(pages) * P > len(token_ids):
+            raise ValueError(f"{len(pages)} pages after {start} tokens need more than {len(token_ids)} tokens")
+        stored, dup, out = [], [], list(match.pages)
+        with self._lock:
+            node, t = match.node, next(_clock)
+            for i, page in enumerate(pages):
+                chunk = tuple(token_ids[start + i * P:start + (i + 1) * P])
+                child = node.children.get(chunk)
+                if child is None:
+                    child = _Node(chunk, page, block_hash(node.hash, chunk), node)
+                    node.children[chunk] = child
+                    self._num_pages += 1
+                    self.allocator.set_owner([page], "radix")
+                    stored.append(child.hash)
+                elif child.page != page:
+                    dup.append(page)
+                child.last_access = t
+                node = child
+                out.append(node.page)
+            self._lock_path(node, +1)
+            self._lock_path(match.node, -1)
+            if dup:
+                self.allocator.decref(dup)
+        if stored and self.on_event:
+            self.on_event(stored, [])
+        return Match(out, len(out) * P, node)
+
     def evict(self, num_pages: int) -> int:
         """Free up to ``num_pages`` pages from unlocked LRU leaves; returns how many were freed."""
-        evicted_hashes: list[int] = []
         with self._lock:
             leaves = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0]
-            freed = 0
-            while freed < num_pages and leaves:
+            victims: list[_Node] = []
+            while len(victims) < num_pages and leaves:
                 leaves.sort(key=lambda n: n.last_access)
                 node = leaves.pop(0)
                 parent = node.parent
                 del parent.children[node.chunk]
-                self.allocator.decref([node.page])
-                self._num_pages -= 1
-                evicted_hashes.append(node.hash)
-                freed += 1
+                victims.append(node)
                 if parent is not self.root and not parent.children and parent.lock_ref == 0:
                     leaves.append(parent)
+            if victims and self.lower is not None:  # before the pages are freed: they still hold the KV
+                self.lower.on_evict([_cached(n) for n in victims])
+            # freed in reverse, as one by one before: a chain evicted leaf first is allocated again root first
+            if victims:
+                self.allocator.decref([n.page for n in reversed(victims)])
+            self._num_pages -= len(victims)
+            evicted_hashes = [n.hash for n in victims]
+            freed = len(victims)
         if evicted_hashes and self.on_event:
             self.on_event([], evicted_hashes)
         return freed
@@ -196,3 +265,7 @@ class RadixCache:
     def all_hashes(self) -> list[int]:
         with self._lock:
             return [n.hash for n in self._iter_nodes()]
+
+
+def _cached(node: _Node) -> CachedPage:
+    return CachedPage(node.hash, node.parent.hash, node.chunk, node.page)

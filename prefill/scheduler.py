@@ -9,8 +9,8 @@ A request walks through::
 Each ``step()`` is schedule -> forward -> sample -> postprocess:
 
 * schedule: running requests continue first, then queued ones are admitted (highest priority,
-  then FCFS) while the token budget and pages last; admission matches the prefix cache (evicting
-  LRU pages when short) and allocates private pages for the rest;
+  then FCFS) while the token budget and pages last; admission matches the prefix cache and its host tier
+  (``prefill.host_cache``), evicting LRU pages when short, and allocates private pages for the rest;
 * forward: one batched forward over every scheduled chunk; each layer's KV is handed to the
   request's ``KVSink`` as soon as it is written (transfer overlaps compute); then one batched MTP
   forward over the same chunks (the draft KV the decode side needs), whose next tokens are the
@@ -38,6 +38,7 @@ from engine.sampling import SamplerState, SamplingParams, sample
 from engine.shapes import bucket_chunks, buckets_steps
 from engine.speculative.prefill import PrefillChunk, prefill_forward
 from worker.scheduler_thread import SchedulerThread
+from prefill.host_cache import HostCache
 from prefill.radix import Match, RadixCache
 from prefill.sink import KVSink, LocalSink, TransferFailed
 
@@ -126,12 +127,14 @@ class PrefillScheduler(SchedulerThread):
     """Owns the model, the pool and the prefix cache of one prefill worker. Thread-safe API."""
 
     def __init__(self, model: GlmForCausalLM, pool: KVPool, config: PrefillConfig = PrefillConfig(),
-                 on_cache_event: Callable[[list[int], list[int]], None] | None = None) -> None:
+                 on_cache_event: Callable[[list[int], list[int]], None] | None = None,
+                 host_cache: HostCache | None = None) -> None:
         super().__init__()  # the scheduler thread, its condition variable and heartbeat
         self.model, self.pool, self.config = model, pool, config
         self.bucketed = buckets_steps(pool.device, model.lm_head.weight.dtype)
         """Steps take ``bucket_floor`` tokens (``engine.shapes``: bf16 / fp16 on CPU)."""
         self.cache = RadixCache(pool.allocator, pool.page_size, on_cache_event)
+        self.host = self.cache.lower = host_cache  # the prefix cache's host tier (None: off): pool evictions go there
         self._queue: list[tuple[int, int, PrefillTask]] = []
         self._seq = itertools.count()
         self._running: list[PrefillTask] = []
@@ -178,6 +181,7 @@ class PrefillScheduler(SchedulerThread):
         return len(self._running)
 
     thread_name = "prefill-scheduler"
+    idle_after_empty_step_s = 0.05  # queued requests waiting for pages a transfer holds: no busy loop
 
     def has_work(self) -> bool:
         return bool(self._queue or self._running or self._has_aborts())
@@ -242,21 +246,29 @@ class PrefillScheduler(SchedulerThread):
         """True: running now. False: not enough pages yet. None: can never fit (failed)."""
         ids, P = task.token_ids, self.pool.page_size
         match = self.cache.match_prefix(ids)
-        n_hit = match.num_tokens
+        host = self.host.match_prefix(ids, match) if self.host is not None else None
+        n_hit = match.num_tokens + (len(host.entries) * P if host is not None else 0)
         if n_hit >= len(ids):  # at least one token must run to produce logits: recompute the last page
             n_hit -= P
-        need = self.pool.pages_for(len(ids)) - n_hit // P
-        short = need - self.pool.allocator.num_free
-        if short > 0:
-            self.cache.evict(short)
+        n_host = max(0, n_hit // P - len(match.pages))  # restored into pool pages allocated with the private ones
+        need = self.pool.pages_for(len(ids)) - n_hit // P + n_host
+        if need > self.pool.allocator.num_free:
+            self.cache.evict(need - self.pool.allocator.num_free)
         try:
             private = self.pool.allocator.alloc(need, task.req_id)
         except PoolExhausted as e:
             self.cache.release(match)
-            if not self._running:  # nothing will free pages: this request can never fit
+            if host is not None:
+                self.host.release(host)
+            if not self._running and not any(t.state is State.TRANSFERRING for t in self._tasks.values()):
+                # nothing running or transferring will free pages: this request can never fit
                 self._fail(task, e)
                 return None
             return False
+        if host is not None:  # a bad checksum ends the restore: the pages meant for it and after are recomputed
+            restored = self.host.restore(host, private[:n_host])
+            match, private = self.cache.extend(match, ids, private[:restored]), private[restored:]
+            n_hit = min(n_hit, match.num_tokens)
         task.match, task.num_cached, task.computed = match, n_hit, n_hit
         task.pages = match.pages[:n_hit // P] + private
         task.state, task.t_start = State.RUNNING, time.monotonic()
@@ -354,6 +366,7 @@ class PrefillScheduler(SchedulerThread):
         if task.match is not None:
             self.cache.release(task.match)
             task.match = None
+        self._cv.notify()  # pages came back: a queued request waiting for them may start
 
     def _fail(self, task: PrefillTask, exc: BaseException) -> None:
         task.state = State.FAILED

@@ -24,8 +24,10 @@ from common.reasons import AbortReason, Role
 from engine.defaults import default_model_dir
 from engine.kvcache import KVPool, PoolExhausted
 from engine.loader import model_hash
+from engine.memory import host_memory, parse_bytes
 from kvtransfer import KVSender, KVSenderConfig, TransferTicket, TransportKind
 from kvtransfer.config import TransportConfig, add_transport_args
+from prefill.host_cache import AUTO, HostCache, HostCachePolicy, plan_host_cache
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
 from prefill.gather_sink import GatherSink
 from prefill.sink import LocalSink, TransferFailed
@@ -33,9 +35,9 @@ from prefill.transfer import TransferSink
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from worker import boot, convert, heartbeat, omp, process
-from worker.config import WorkerConfig, add_worker_args
+from worker.config import HOST_CACHE_POLICIES, WorkerConfig, add_worker_args
 from worker.convert import sampling_from_proto
-from worker.metrics import serve_metrics
+from worker.metrics import Labelled, Values, serve_metrics
 from worker.model_proxy import load_rank_model
 
 logger = logging.getLogger("prefill.server")
@@ -61,9 +63,21 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     # called from scheduler threads
     def publish(self, stored: list[int], evicted: list[int]) -> None:
-        ev = worker_pb2.CacheEvent(stored=stored, evicted=evicted)
+        self._publish(worker_pb2.CacheEvent(stored=stored, evicted=evicted))
+
+    def publish_host(self, stored: list[int], evicted: list[int]) -> None:
+        """The host tier's changes (``HostCache.on_event``)."""
+        self._publish(worker_pb2.CacheEvent(host_stored=stored, host_evicted=evicted))
+
+    def _publish(self, ev: worker_pb2.CacheEvent) -> None:
         for q in list(self.subscribers):
             self.loop.call_soon_threadsafe(_put_nowait, q, ev)
+
+    def snapshot(self) -> worker_pb2.CacheEvent:
+        """Everything both tiers hold, as a reset event (a new subscriber's first, or after an overflow)."""
+        host = self.sched.host
+        return worker_pb2.CacheEvent(reset=True, stored=self.sched.cache.all_hashes(),
+                                     host_stored=host.all_hashes() if host is not None else [])
 
     async def Prefill(self, request, context):
         ids = list(request.token_ids) + list(request.output_prefix)
@@ -147,17 +161,42 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                   **({} if self.sender.pool is self.sched.pool else
                      {"kv_staging_pages_used": str(self.sender.pool.allocator.num_used)}),
                   "kv_drops_armed": str(self.sender.drops_armed), "kv_drops_fired": str(self.sender.drops_fired),
+                  **self.host_info(),
                   **({"unhealthy": problem} if problem else {})})
 
-    def counters(self) -> dict[str, tuple[float, str]]:
+    def host_info(self) -> dict[str, str]:
+        """The host tier's figures for ``WorkerStatus.info`` (none when it is off)."""
+        if self.sched.host is None:
+            return {}
+        st = self.sched.host.stats()
+        return {"host_cache_pages": str(st.cached_pages), "host_cache_capacity_pages": str(st.capacity_pages),
+                "host_cache_hit_tokens": str(st.hit_tokens), "host_cache_corrupt_pages": str(st.corrupt_pages)}
+
+    def counters(self) -> Values:
         """Monotonic totals for /metrics (``worker.metrics``)."""
-        c = self.sched.cache
+        c, h = self.sched.cache, self.sched.host
+        host = {} if h is None else {
+            "prefix_cache_hit_tokens": (Labelled("tier", {"device": c.hit_tokens, "host": h.hit_tokens}),
+                                        "Prompt tokens found in the prefix cache, by tier"),
+            "prefix_cache_host_stored_pages": (h.stored_pages, "KV pages copied into the host tier"),
+            "prefix_cache_host_evicted_pages": (h.evicted_pages, "KV pages evicted from the host tier"),
+            "prefix_cache_recomputed_pages": (Labelled("tier", {"host": h.corrupt_pages}),
+                                              "Cached KV pages that failed their checksum and were recomputed")}
         return {"prefix_cache_queries": (c.query_tokens, "Prompt tokens looked up in the prefix cache"),
-                "prefix_cache_hits": (c.hit_tokens, "Prompt tokens found in the prefix cache"),
+                "prefix_cache_hits": (c.hit_tokens, "Prompt tokens found in the prefix cache (device tier)"),
+                **host,
                 "prefill_tokens_computed": (self.sched.tokens_done, "Prompt tokens prefilled (cache misses)"),
                 "kv_transfers": (self.kv_transfers, "KV transfers to decode workers"),
                 "kv_transfer_bytes": (self.kv_bytes, "KV bytes shipped to decode workers"),
                 "kv_transfer_seconds": (self.kv_seconds, "Seconds spent shipping KV")}
+
+    def gauges(self) -> Values:
+        """Current values for /metrics: the prefix cache's bytes per tier."""
+        c, h = self.sched.cache, self.sched.host
+        tiers = {"device": c.num_pages * self.sched.pool.layout.bytes_per_page()}
+        if h is not None:
+            tiers["host"] = h.stats().cached_bytes
+        return {"prefix_cache_bytes": (Labelled("tier", tiers), "KV bytes held by the prefix cache, by tier")}
 
     async def InjectFault(self, request, context):
         """``drop-kv``: cut the KV connection of each of the next ``count`` transfers mid-transfer."""
@@ -179,11 +218,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         q: asyncio.Queue = asyncio.Queue(maxsize=10_000)
         self.subscribers.add(q)
         try:
-            yield worker_pb2.CacheEvent(reset=True, stored=self.sched.cache.all_hashes())
+            yield self.snapshot()
             while True:
                 ev = await q.get()
                 if ev is None:  # overflowed: resync from a snapshot
-                    yield worker_pb2.CacheEvent(reset=True, stored=self.sched.cache.all_hashes())
+                    yield self.snapshot()
                 else:
                     yield ev
         finally:
@@ -228,6 +267,17 @@ class PrefillWorkerConfig(WorkerConfig):
     """queued requests beyond this are refused (RESOURCE_EXHAUSTED), never buffered"""
     fault_injection: bool = False
     """accept InjectFault calls (resilience benchmarks: pdserve bench --fault drop-kv@S)"""
+    host_cache_bytes: str = AUTO
+    """host-memory tier of the prefix cache below the KV pool (64M, 40G, 8GiB; 0: off; auto: twice the KV pool,
+    at most a quarter of the host memory available at start)"""
+    host_cache_policy: str = HostCachePolicy.WRITE_BACK.value
+    """when a page enters the host tier: write_back (when the KV pool evicts it) or write_through (as soon as the
+    prefix cache takes it)"""
+
+    def __post_init__(self) -> None:
+        if self.host_cache_bytes.strip().lower() != AUTO:
+            parse_bytes(self.host_cache_bytes)  # ValueError naming the value
+        HostCachePolicy(self.host_cache_policy)
 
 
 async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
@@ -247,7 +297,8 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
                                               mooncake_protocol=transport.mooncake_protocol, tp_size=wcfg.tp))
     sched = PrefillScheduler(model, pool, PrefillConfig(chunk_size=wcfg.chunk_size,
                                                         max_batch_tokens=max(wcfg.chunk_size, wcfg.max_batch_tokens),
-                                                        max_queue=wcfg.max_queue))
+                                                        max_queue=wcfg.max_queue),
+                             host_cache=build_host_cache(wcfg, pool, plan.pool.pool_bytes))
     server = rpc.make_server(secret)
     port = boot.bind(server, wcfg, Role.PREFILL)
     address = f"{wcfg.host}:{port}"
@@ -260,6 +311,8 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
                                wcfg.worker_id or f"prefill-{port}", address, mhash, wcfg.fault_injection, model_info,
                                ranks)
     sched.cache.on_event = servicer.publish
+    if sched.host is not None:
+        sched.host.on_event = servicer.publish_host
     sched.heartbeat = heartbeat.Heartbeat(wcfg.stall_after)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])
@@ -271,7 +324,7 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
     logger.info("prefill worker %s serving on %s (model %s, hash %s)", servicer.worker_id, address, model_dir, mhash)
     if wcfg.metrics_port:
         info["metrics_port"] = str(serve_metrics(wcfg.host, max(wcfg.metrics_port, 0), servicer.status,
-                                                 servicer.counters))
+                                                 servicer.counters, servicer.gauges))
     print(f"PDSERVE_READY prefill {address}", flush=True)
 
     async def on_stop():
@@ -293,10 +346,21 @@ def load_prefill_model(wcfg: PrefillWorkerConfig, model_dir: str, mhash: str, pl
     return model, cfg, pool, staging
 
 
+def build_host_cache(wcfg: PrefillWorkerConfig, pool: KVPool, pool_bytes: int) -> HostCache | None:
+    """The prefix cache's host tier as ``--host-cache-bytes`` sizes it (None: off)."""
+    size = plan_host_cache(wcfg.host_cache_bytes, pool.layout.bytes_per_page(), pool_bytes,
+                           host_memory().available_bytes)
+    if size.num_pages and wcfg.tp > 1:  # each rank holds its own pool: a restore would have to reach every rank
+        logger.warning("host prefix cache off: not implemented for --tp %d (%s)", wcfg.tp, size.reason)
+        return None
+    logger.info("host prefix cache: %d pages, %s (%s)", size.num_pages, size.reason, wcfg.host_cache_policy)
+    return HostCache(pool, size.num_pages, HostCachePolicy(wcfg.host_cache_policy)) if size.num_pages else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of a prefill worker: ``PrefillWorkerConfig``'s fields, ``TransportConfig``'s and logging's."""
     p = argparse.ArgumentParser("pdserve prefill worker")
-    add_worker_args(p, PrefillWorkerConfig)
+    add_worker_args(p, PrefillWorkerConfig, choices={"host_cache_policy": HOST_CACHE_POLICIES})
     add_transport_args(p)
     return p
 

@@ -51,6 +51,9 @@ class RouterConfig:
     """cache_aware: loads are imbalanced when max - min load exceeds this (requests) ..."""
     balance_rel_threshold: float = 1.5
     """... and max load exceeds min load times this; imbalanced -> least load, else the longest prefix."""
+    host_hit_weight: float = 0.9
+    """cache_aware: what a prefix page a prefill worker holds in its host-memory tier counts for, against 1 for a
+    page in its KV pool (a host hit is restored, not recomputed, but not free): device hit > host hit > none."""
     local_prefill_below: int = 0
     """Prompts shorter than this are prefilled on the decode worker itself (0: always disaggregate)."""
     aggregated: bool = False
@@ -129,9 +132,9 @@ class RouterConfig:
                      "transfer_timeout_s", "decode_stall_timeout_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
-            raise ValueError(f"balance thresholds must be abs >= 0 and rel >= 1, got "
-                             f"{self.balance_abs_threshold} and {self.balance_rel_threshold}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0 or not 0 <= self.host_hit_weight <= 1:
+            raise ValueError(f"balance thresholds must be abs >= 0 and rel >= 1 and host_hit_weight in [0, 1], got "
+                             f"{self.balance_abs_threshold}, {self.balance_rel_threshold} and {self.host_hit_weight}")
         if self.aggregated and self.prefill:
             raise ValueError(f"an aggregated router takes no prefill workers, got {', '.join(self.prefill)}")
         tls_config(self.tls_cert, self.tls_key, self.tls_ca)  # ValueError for a half-given pair or a bad file

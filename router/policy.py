@@ -97,12 +97,15 @@ class LeastLoadPolicy(PrefillPolicy):
 class CacheAwarePolicy(PrefillPolicy):
     """SGLang-style: when loads are imbalanced (max - min > abs threshold and max > rel threshold * min)
     route to the least-loaded worker; otherwise to the longest prefix the workers really hold (their cache
-    events), ties going to the lighter load and then to the worker holding fewer blocks (spreads the cache)."""
+    events), ties going to the lighter load and then to the worker holding fewer blocks (spreads the cache).
+    A prefix's blocks in a worker's host tier count ``host_hit_weight`` each, its KV pool's 1: for the same
+    length a device hit beats a host hit, which beats nothing."""
 
     def __init__(self, cfg: RouterConfig | None = None) -> None:
         cfg = cfg or RouterConfig()
         self.abs_threshold = cfg.balance_abs_threshold
         self.rel_threshold = cfg.balance_rel_threshold
+        self.host_weight = cfg.host_hit_weight
         self._least = LeastLoadPolicy()
         self._tie = 0
 
@@ -115,16 +118,19 @@ class CacheAwarePolicy(PrefillPolicy):
         if prompt is None or len(candidates) == 1 or self.imbalanced(candidates):
             c = self._least.choose(candidates, prompt, index)
             return Choice(c.worker_id, 0, "least_load" if len(candidates) > 1 else "only")
-        matched = index.match(prompt, [c.worker_id for c in candidates])
+        matched = index.match_tiers(prompt, [c.worker_id for c in candidates])
         self._tie += 1
         n = len(candidates)
 
         def key(i: int):
             c = candidates[i]
-            return (-matched[c.worker_id], c.load, index.num_blocks(c.worker_id), (i - self._tie) % n)
+            m = matched[c.worker_id]
+            return (-(m.device + self.host_weight * m.host), c.load, index.num_blocks(c.worker_id),
+                    (i - self._tie) % n)
         best = candidates[min(range(n), key=key)]
-        blocks = matched[best.worker_id]
-        return Choice(best.worker_id, blocks * prompt.page_size, "prefix" if blocks else "cold")
+        m = matched[best.worker_id]
+        reason = "prefix" if m.device else "host_prefix" if m.host else "cold"
+        return Choice(best.worker_id, (m.device + m.host) * prompt.page_size, reason)
 
 
 def order_decode(candidates: Sequence[Candidate], need_pages: int) -> list[Candidate]:

@@ -8,13 +8,18 @@ prefix, so a longest-prefix match is a walk down the prompt's block hashes that 
 
 The walk is lazy: block hashes are computed only while some worker still matches, so a cold prompt
 costs one hash whatever its length.
+
+Tiers: a prefill worker also publishes the pages its host-memory tier stores and drops (``host_stored``,
+``host_evicted``; ``prefill.host_cache``). Its prefix lookup walks its KV pool first and continues in its host
+tier where the pool's match ends, so ``match_tiers`` reports, per worker, the blocks held on the device and the
+blocks after those held in host memory (restored into the pool instead of recomputed).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import struct
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 
 @functools.lru_cache(maxsize=64)
@@ -64,49 +69,48 @@ class PromptHashes:
             yield self[i]
 
 
+class TierMatch(NamedTuple):
+    """A worker's matched prefix in blocks: ``device`` in its KV pool, then ``host`` more in its host tier."""
+    device: int
+    host: int
+
+
 class PrefixIndex:
-    """Block hashes held per worker. Not thread-safe: used from the router's event loop only."""
+    """Block hashes held per worker and tier. Not thread-safe: used from the router's event loop only."""
 
     def __init__(self) -> None:
         self._holders: dict[int, set[str]] = {}
-        """block hash -> workers holding it"""
+        """block hash -> workers holding it in their KV pool"""
         self._by_worker: dict[str, set[int]] = {}
+        self._host_by_worker: dict[str, set[int]] = {}
+        """worker -> block hashes in its host tier (looked up per worker only: no reverse map)"""
 
     def apply(self, worker_id: str, stored: Iterable[int] = (), evicted: Iterable[int] = (),
-              reset: bool = False) -> None:
-        """Apply one cache event (``reset`` drops what was known first; ``stored`` is then a snapshot)."""
+              reset: bool = False, host_stored: Iterable[int] = (), host_evicted: Iterable[int] = ()) -> None:
+        """Apply one cache event (``reset`` drops what was known first; ``stored`` and ``host_stored`` are then
+        snapshots)."""
         if reset:
             self.drop(worker_id)
-        mine = self._by_worker.setdefault(worker_id, set())
-        for h in evicted:
-            if h in mine:
-                mine.discard(h)
-                holders = self._holders[h]
-                holders.discard(worker_id)
-                if not holders:
-                    del self._holders[h]
-        for h in stored:
-            if h not in mine:
-                mine.add(h)
-                self._holders.setdefault(h, set()).add(worker_id)
+        _apply(self._holders, self._by_worker, worker_id, stored, evicted)
+        _apply(None, self._host_by_worker, worker_id, host_stored, host_evicted)
 
     def drop(self, worker_id: str) -> None:
         """Forget a worker's blocks (its event stream broke or it left)."""
-        for h in self._by_worker.pop(worker_id, ()):
-            holders = self._holders.get(h)
-            if holders is not None:
-                holders.discard(worker_id)
-                if not holders:
-                    del self._holders[h]
+        _drop(self._holders, self._by_worker, worker_id)
+        _drop(None, self._host_by_worker, worker_id)
 
     def num_blocks(self, worker_id: str) -> int:
+        """Blocks in the worker's KV pool."""
         return len(self._by_worker.get(worker_id, ()))
+
+    def num_host_blocks(self, worker_id: str) -> int:
+        return len(self._host_by_worker.get(worker_id, ()))
 
     def holds(self, worker_id: str, h: int) -> bool:
         return h in self._by_worker.get(worker_id, ())
 
     def match(self, prompt: PromptHashes, worker_ids: Iterable[str]) -> dict[str, int]:
-        """Matched prefix length in *blocks* for each of ``worker_ids`` (0 when nothing matches)."""
+        """Matched prefix length in *blocks* in each of ``worker_ids``' KV pool (0 when nothing matches)."""
         result = dict.fromkeys(worker_ids, 0)
         alive = {w for w in result if self._by_worker.get(w)}
         i = 0
@@ -120,3 +124,41 @@ class PrefixIndex:
         for w in alive:
             result[w] = i
         return result
+
+    def match_tiers(self, prompt: PromptHashes, worker_ids: Iterable[str]) -> dict[str, TierMatch]:
+        """``match``, then for each worker the blocks right after its pool's match that its host tier holds."""
+        out = {}
+        for w, device in self.match(prompt, worker_ids).items():
+            mine, i = self._host_by_worker.get(w), device
+            while mine and i < prompt.num_blocks and prompt[i] in mine:
+                i += 1
+            out[w] = TierMatch(device, i - device)
+        return out
+
+
+def _apply(holders: dict[int, set[str]] | None, by_worker: dict[str, set[int]], worker_id: str,
+           stored: Iterable[int], evicted: Iterable[int]) -> None:
+    """One tier's event: ``by_worker`` and, when kept, the reverse map ``holders``."""
+    mine = by_worker.setdefault(worker_id, set())
+    for h in evicted:
+        if h in mine:
+            mine.discard(h)
+            if holders is not None:
+                who = holders[h]
+                who.discard(worker_id)
+                if not who:
+                    del holders[h]
+    for h in stored:
+        if h not in mine:
+            mine.add(h)
+            if holders is not None:
+                holders.setdefault(h, set()).add(worker_id)
+
+
+def _drop(holders: dict[int, set[str]] | None, by_worker: dict[str, set[int]], worker_id: str) -> None:
+    for h in by_worker.pop(worker_id, ()):
+        who = holders.get(h) if holders is not None else None
+        if who is not None:
+            who.discard(worker_id)
+            if not who:
+                del holders[h]

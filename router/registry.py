@@ -366,7 +366,7 @@ class Registry:
             call = w.stub.StreamCacheEvents(worker_pb2.CacheEventsRequest(), metadata=self.metadata)
             try:
                 async for ev in call:
-                    self.index.apply(w.key, ev.stored, ev.evicted, ev.reset)
+                    self.index.apply(w.key, ev.stored, ev.evicted, ev.reset, ev.host_stored, ev.host_evicted)
                     backoff = 0.1
             except grpc.aio.AioRpcError as e:
                 logger.debug("cache event stream of %s broke: %s", w.address, e.code().name)

@@ -17,6 +17,8 @@ KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3")
 """``--kv-dtype`` choices."""
 MOE_PARALLEL = ("tp", "ep")
 """``--moe-parallel`` choices."""
+HOST_CACHE_POLICIES = ("write_back", "write_through")
+"""``--host-cache-policy`` choices (``prefill.host_cache.HostCachePolicy``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +80,10 @@ class WorkerConfig:
     every rank of the worker"""
 
 
-def add_worker_args(p: argparse.ArgumentParser, cls: type[WorkerConfig] = WorkerConfig) -> None:
-    """The flags of ``cls`` (``WorkerConfig`` or a role's subclass) and the logging flags."""
+def add_worker_args(p: argparse.ArgumentParser, cls: type[WorkerConfig] = WorkerConfig,
+                    choices: dict[str, tuple[str, ...]] | None = None) -> None:
+    """The flags of ``cls`` (``WorkerConfig`` or a role's subclass, ``choices`` for its own fields) and the logging
+    flags."""
     flags.add_config_args(p, cls, choices={"dtype": DTYPES, "kv_dtype": KV_DTYPES,
-                                                  "moe_parallel": MOE_PARALLEL})
+                                                  "moe_parallel": MOE_PARALLEL, **(choices or {})})
     logs.add_log_args(p)

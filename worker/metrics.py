@@ -4,14 +4,15 @@ in its status, so ``Admin.GetClusterStatus`` lists where to scrape every worker)
 Collected at scrape time from what the worker's ``GetStatus`` reports (one source of truth) plus the
 worker's own counters, under vLLM's names with the ``pdserve:`` prefix and a ``worker`` label:
 requests running / waiting / preempted, KV pool pages (total, free, ``kv_cache_usage_perc``), the prefix
-cache (pages, hit and query tokens), tokens per second, KV transfers (bytes, seconds), and a speculating
-decode worker's accept length and per-position acceptance rates. The scrape runs on prometheus_client's
-HTTP thread: it reads plain counters, never waits for the scheduler.
+cache (pages, hit and query tokens; with a host tier hit tokens and bytes per tier, ``{tier="device"|"host"}``),
+tokens per second, KV transfers (bytes, seconds), and a speculating decode worker's accept length and
+per-position acceptance rates. The scrape runs on prometheus_client's HTTP thread: it reads plain counters,
+never waits for the scheduler.
 """
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -24,13 +25,23 @@ INFO_GAUGES = {"preempted": ("num_requests_preempted", "Requests preempted and w
 """WorkerStatus.info keys exported as gauges: key -> (name, help)."""
 
 
-class WorkerCollector:
-    """``status()`` (the worker's WorkerStatus) and ``counters()`` ({name: (value, help)}, monotonic totals)
-    as metric families."""
+class Labelled(NamedTuple):
+    """A metric's values by the values of one more label: ``Labelled("tier", {"device": 96, "host": 32})``."""
+    label: str
+    values: dict[str, float]
 
-    def __init__(self, status: Callable[[], generation_pb2.WorkerStatus],
-                 counters: Callable[[], dict[str, tuple[float, str]]]) -> None:
-        self.status, self.counters = status, counters
+
+Values = dict[str, tuple["float | Labelled", str]]
+"""{name: (value or ``Labelled`` values, help)}."""
+
+
+class WorkerCollector:
+    """``status()`` (the worker's WorkerStatus), ``counters()`` (monotonic totals) and ``gauges()`` (current
+    values; both ``Values``) as metric families."""
+
+    def __init__(self, status: Callable[[], generation_pb2.WorkerStatus], counters: Callable[[], Values],
+                 gauges: Callable[[], Values] | None = None) -> None:
+        self.status, self.counters, self.gauges = status, counters, gauges
 
     def collect(self):
         st = self.status()
@@ -52,10 +63,17 @@ class WorkerCollector:
         yield gauge("prefix_cache_pages", "KV pages held by the prefix cache", st.pages_cached)
         yield gauge("tokens_per_second", "Tokens per busy second since start", st.tokens_per_s)
         yield gauge("healthy", "1 when the worker reports itself healthy", 1.0 if st.healthy else 0.0)
-        for name, (value, doc) in self.counters().items():
-            c = CounterMetricFamily(P + name, doc, labels=["worker"])
-            c.add_metric(lab, value)
-            yield c
+        families = ((CounterMetricFamily, self.counters()), (GaugeMetricFamily, self.gauges() if self.gauges else {}))
+        for kind, values in families:
+            for name, (value, doc) in values.items():
+                if isinstance(value, Labelled):
+                    m = kind(P + name, doc, labels=["worker", value.label])
+                    for key, v in value.values.items():
+                        m.add_metric([st.worker_id, key], v)
+                else:
+                    m = kind(P + name, doc, labels=["worker"])
+                    m.add_metric(lab, value)
+                yield m
         if st.HasField("spec"):
             yield gauge("spec_decode_accept_length", "Mean tokens per verify step", st.spec.accept_len)
             g = GaugeMetricFamily(P + "spec_decode_acceptance_rate_per_position",
@@ -65,10 +83,10 @@ class WorkerCollector:
             yield g
 
 
-def serve_metrics(host: str, port: int, status, counters) -> int:
+def serve_metrics(host: str, port: int, status, counters, gauges=None) -> int:
     """Start ``/metrics`` on ``host:port`` (0: any free port) in a daemon thread; returns the bound port."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(WorkerCollector(status, counters))
+    registry.register(WorkerCollector(status, counters, gauges))
     server, _ = start_http_server(port, addr=host, registry=registry)
     bound = server.server_port
     logger.info("metrics on http://%s:%d/metrics", host, bound)

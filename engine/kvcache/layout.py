@@ -25,6 +25,8 @@ fp32 scale per token (per head for GQA): ``scale = amax / 448``.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +99,13 @@ class KVLayout:
         return {"model_type": self.model_type, "num_layers": self.num_layers, "page_size": self.page_size,
                 "kv_dtype": self.kv_dtype,
                 "components": [[c.name, list(c.shape)] for c in self.components]}
+
+    def layout_hash(self) -> int:
+        """64-bit digest of ``to_dict()``: the fields the KV handshake compares (``kvtransfer.protocol.
+        check_compatible``), so two pools with equal hashes read each other's page bytes alike. Tags every page a
+        prefix-cache tier stores (``engine.kvcache.host_pool``)."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
     @classmethod
     def from_dict(cls, d: dict) -> "KVLayout":

@@ -252,6 +252,43 @@ def test_a_cancelled_queued_request_leaves_the_queue_at_once(tiny):
     assert sched.pool.allocator.num_free + sched.cache.num_pages == start and not sched._tasks
 
 
+class HeldSink(CaptureSink):
+    """Finishes its transfer only once ``done`` is set (a decode worker slow to acknowledge)."""
+
+    def __init__(self, pool):
+        super().__init__(pool)
+        self.finishing, self.done = threading.Event(), threading.Event()
+
+    def finish(self, draft=None):
+        self.finishing.set()
+        assert self.done.wait(30)
+        return super().finish(draft)
+
+
+def test_a_request_waits_for_the_pages_a_transfer_holds(tiny):
+    """Pages held by a request still transferring come back when its transfer ends: a request that needs them
+    waits for them, and is not failed as one that can never fit (it was: RESOURCE_EXHAUSTED on a small pool under
+    load, when no other request happened to be running)."""
+    sched, res = make_sched(tiny, num_pages=8), {}
+    held = HeldSink(sched.pool)
+    sched.start()
+    try:
+        sched.submit(task("a", list(range(2, 102)), res, sink=held))  # 7 of the 8 pages
+        assert held.finishing.wait(30)
+        sched.submit(task("b", list(range(300, 400)), res))  # 7 pages too: only after a's transfer
+        time.sleep(0.3)
+        assert "b" not in res and sched.num_queued == 1
+        held.done.set()
+        deadline = time.monotonic() + 30
+        while len(res) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(res["a"], PrefillResult) and isinstance(res["b"], PrefillResult)
+    finally:
+        held.done.set()
+        sched.stop()
+    assert sched.pool.allocator.num_free + sched.cache.num_pages == 8
+
+
 @pytest.fixture(scope="module")
 def tiny_bf16(tiny_glm5_dir):
     return load_model(tiny_glm5_dir, "bfloat16", "cpu")

@@ -138,9 +138,9 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
                                            info={**info(), "pages_owned_by_requests": str(self.running),
                                                  **self.b.extra_info})
 
-    def publish(self, stored=(), evicted=(), reset=False):
+    def publish(self, stored=(), evicted=(), reset=False, host_stored=()):
         for q in self.queues:
-            q.put_nowait(worker_pb2.CacheEvent(stored=stored, evicted=evicted, reset=reset))
+            q.put_nowait(worker_pb2.CacheEvent(stored=stored, evicted=evicted, reset=reset, host_stored=host_stored))
 
     async def InjectFault(self, request, context):
         self.faults.append((request.kind, request.count))

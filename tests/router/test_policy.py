@@ -82,3 +82,22 @@ def test_decode_order_prefers_room_then_fewer_running():
 def test_local_prefill_decision(below, supports, n, expect):
     d = Candidate("d", 0, supports_local_prefill=supports)
     assert use_local_prefill(n, RouterConfig(local_prefill_below=below), d) is expect
+
+
+def test_cache_aware_scores_a_device_hit_over_a_host_hit_over_nothing():
+    ids = list(range(40))
+    h = prefix_block_hashes(ids, 4)
+    idx = PrefixIndex()
+    idx.apply("w0", stored=h[:4])  # 4 blocks in its KV pool
+    idx.apply("w1", stored=h[:1], host_stored=h[1:4])  # 1 in the pool, the next 3 in its host tier
+    idx.apply("w2", host_stored=h[:4])  # 4 in its host tier
+    pol = CacheAwarePolicy(RouterConfig())
+    p = PromptHashes(ids, 4)
+    assert pol.choose(cands(0, 0, 0, 0), p, idx) == ("w0", 16, "prefix")
+    assert pol.choose(cands(9, 0, 0, 0)[1:], p, idx) == ("w1", 16, "prefix")  # 1 + 0.9 x 3 > 0.9 x 4
+    assert pol.choose(cands(0, 0, 0, 0)[2:], p, idx) == ("w2", 16, "host_prefix")  # a host hit beats nothing
+    idx.apply("w2", host_stored=h[4:8])
+    assert pol.choose(cands(0, 0, 0, 0), p, idx).worker_id == "w2"  # 0.9 x 8 blocks > 4 on the device
+    assert CacheAwarePolicy(RouterConfig(host_hit_weight=0.0)).choose(cands(0, 0, 0, 0), p, idx).worker_id == "w0"
+    with pytest.raises(ValueError, match="host_hit_weight"):
+        RouterConfig(host_hit_weight=1.5)

@@ -70,3 +70,45 @@ def test_match_with_radix_cache_events():
             cache.release(m)
             assert idx.match(PromptHashes(q, 4), ["w"])["w"] * 4 == m.num_tokens
         assert sorted(idx._by_worker["w"]) == sorted(cache.all_hashes())
+
+
+def test_host_tier_continues_where_the_device_match_ends():
+    ids = list(range(64))
+    h = prefix_block_hashes(ids, 16)
+    idx = PrefixIndex()
+    idx.apply("a", stored=h[:1], host_stored=h[1:3])
+    idx.apply("b", host_stored=h[1:])  # no first block anywhere: nothing usable
+    idx.apply("c", stored=h[:2], host_stored=h[:4])  # inclusive host tier: counted after the device run only
+    p = PromptHashes(ids, 16)
+    assert idx.match_tiers(p, ["a", "b", "c", "d"]) == {"a": (1, 2), "b": (0, 0), "c": (2, 2), "d": (0, 0)}
+    assert idx.match(p, ["a", "c"]) == {"a": 1, "c": 2} and idx.num_host_blocks("c") == 4
+    idx.apply("a", host_evicted=[h[2]])
+    idx.apply("c", stored=h[:1], host_stored=h[:1], reset=True)
+    assert idx.match_tiers(p, ["a", "c"]) == {"a": (1, 1), "c": (1, 0)}
+    idx.drop("a")
+    assert idx.match_tiers(p, ["a"]) == {"a": (0, 0)} and idx.num_host_blocks("a") == 0
+
+
+def test_match_tiers_with_radix_and_host_cache_events():
+    """Events published by a real RadixCache and its HostCache drive the index to the worker's own two-tier
+    lookup: the pool's match, then the host tier's continuation."""
+    from engine.kvcache import KVComponent, KVLayout, KVPool
+    from prefill.host_cache import HostCache
+    pool = KVPool(KVLayout("glm_moe_dsa", 1, 4, "float32", (KVComponent("latent", (4,)),)), 16)
+    idx = PrefixIndex()
+    cache = radix.RadixCache(pool.allocator, 4, on_event=lambda s, e: idx.apply("w", s, e))
+    host = HostCache(pool, 5)
+    host.on_event = lambda s, e: idx.apply("w", host_stored=s, host_evicted=e)
+    cache.lower = host
+    prompts = [list(range(20)), list(range(8)) + [50] * 12, [3] * 16, [7] * 12]
+    for q in prompts:
+        cache.insert(q, pool.allocator.alloc(len(q) // 4, "req"))
+    for evict in (2, 3, 4, 6):
+        cache.evict(evict)  # pages move down to the host tier (5 pages: it evicts too)
+        for q in prompts + [list(range(16)) + [1] * 4]:
+            m = cache.match_prefix(q)
+            hm = host.match_prefix(q, m)
+            host.release(hm)
+            cache.release(m)
+            assert idx.match_tiers(PromptHashes(q, 4), ["w"])["w"] == (len(m.pages), len(hm.entries))
+        assert sorted(idx._host_by_worker["w"]) == sorted(host.all_hashes())

@@ -11,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.prefix_index import prefix_block_hashes
 from router_fakes import EOS_TRIGGER, VOCAB, FakeCluster, expected_tokens, rpc_error, run_bounded, write_tokenizer
 
 
@@ -319,6 +320,19 @@ def test_cache_aware_routes_a_shared_prefix_to_the_worker_holding_it():
             st = await fc.client.cluster_status()
             blocks = {w.worker_id: int(w.info["router_cached_blocks"]) for w in st.workers if w.role == "prefill"}
             assert blocks[holder] == 9 and sum(blocks.values()) == 9  # the 5-token tail filled one more page
+    run(go())
+
+
+def test_cache_aware_routes_to_the_worker_holding_the_prefix_in_its_host_tier():
+    async def go():
+        async with FakeCluster(2, 1) as fc:
+            shared = list(range(2, 34))  # 8 pages of 4
+            p = fc.prefills[0]  # the one a cold prompt's tie-break would not pick first
+            await fc.wait_for(lambda: bool(p.queues), what="event stream")
+            p.publish(host_stored=prefix_block_hashes(shared, 4))
+            await fc.wait_for(lambda: fc.registry.index.num_host_blocks(p.key) == 8, what="host cache events")
+            c = await fc.client.generate(token_ids=shared + [50, 51], max_tokens=2)
+            assert c.metrics.prefill_worker == p.worker_id
     run(go())
 
 

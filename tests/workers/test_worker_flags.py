@@ -39,7 +39,8 @@ def test_every_flag_of_pdserve_serve_parses_with_the_workers(tmp_path):
            "--tls-ca", str(tmp_path / "ca.pem")]
     for flags in ([], ["--kv-dtype", "fp8_e4m3", "--num-pages", "64", "--no-spec-fallback", "--compile",
                        "--fault-injection", "--kv-transport", "mooncake", "--mooncake-protocol", "rdma",
-                       "--log-format", "json", "--speculative", "3/1/4", *tls],
+                       "--log-format", "json", "--speculative", "3/1/4", "--host-cache-bytes", "64M",
+                       "--host-cache-policy", "write_through", *tls],
                   ["--kv-cache-memory", "1GiB", "--mem-fraction", "0.5", "--no-speculative", "--no-shm"]):
         for role, cmd in local_cmds(tmp_path, *flags).items():
             assert cmd[1:3] == ["-m", f"{role}.server"]
@@ -54,6 +55,9 @@ def test_every_flag_of_pdserve_serve_parses_with_the_workers(tmp_path):
                     assert wcfg.quantized_model == "/q" and wcfg.shm
                 else:
                     assert wcfg.fault_injection
+                    assert (wcfg.host_cache_bytes, wcfg.host_cache_policy) == ("64M", "write_through")
+            elif role == "prefill":
+                assert (wcfg.host_cache_bytes, wcfg.host_cache_policy) == ("auto", "write_back")
             if "--no-speculative" in flags:
                 assert (wcfg.kv_cache_memory, wcfg.mem_fraction) == ("1GiB", 0.25)  # the fraction split by 2 workers
                 assert role == "prefill" or (wcfg.no_speculative and not wcfg.shm)
@@ -72,7 +76,7 @@ def ray_deployment(tmp_path, **kw) -> Deployment:
     {},
     {"kv_dtype": "bfloat16", "num_pages": 64, "compile_decode": True, "no_spec_fallback": True,
      "decode_weights": "/q", "speculative": "off", "log_format": "json"},
-    {"kv_cache_memory": "512MB", "mem_fraction": 0.4, "no_shm": True},
+    {"kv_cache_memory": "512MB", "mem_fraction": 0.4, "no_shm": True, "host_cache_bytes": "0"},
 ])
 def test_every_flag_of_the_ray_launcher_parses_with_the_workers(kw, tmp_path):
     for role in PARSERS:
@@ -85,6 +89,8 @@ def test_every_flag_of_the_ray_launcher_parses_with_the_workers(kw, tmp_path):
         if role == "decode":
             assert wcfg.compile == kw.get("compile_decode", False) and wcfg.shm == (not kw.get("no_shm"))
             assert wcfg.quantized_model == kw.get("decode_weights")
+        else:
+            assert wcfg.host_cache_bytes == kw.get("host_cache_bytes", "auto")
 
 
 @pytest.mark.parametrize("role", list(PARSERS))

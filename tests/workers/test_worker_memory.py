@@ -47,6 +47,10 @@ def test_a_pool_sized_by_mem_fraction_fits_and_is_reported(model_dir, tmp_path):
             log = f.read()
         assert "dtype auto -> float32: the checkpoint is float32" in log
         assert f"KV pool: {st.pages_total} pages of 16 tokens" in log
+        # the prefix cache's host tier is on by default: twice the pool (a quarter of the host's memory at most)
+        host_pages = int(st.info["host_cache_capacity_pages"])
+        assert 0 < host_pages <= 2 * st.pages_total and st.info["host_cache_pages"] == "0"
+        assert f"host prefix cache: {host_pages} pages, auto: 2 x the KV pool" in log
     finally:
         w.stop()
 

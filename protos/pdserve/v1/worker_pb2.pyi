@@ -120,11 +120,15 @@ class CacheEventsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheEvent(_message.Message):
-    __slots__ = ("stored", "evicted", "reset")
+    __slots__ = ("stored", "evicted", "reset", "host_stored", "host_evicted")
     STORED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    HOST_STORED_FIELD_NUMBER: _ClassVar[int]
+    HOST_EVICTED_FIELD_NUMBER: _ClassVar[int]
     stored: _containers.RepeatedScalarFieldContainer[int]
     evicted: _containers.RepeatedScalarFieldContainer[int]
     reset: bool
-    def __init__(self, stored: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ...) -> None: ...
+    host_stored: _containers.RepeatedScalarFieldContainer[int]
+    host_evicted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stored: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., host_stored: _Optional[_Iterable[int]] = ..., host_evicted: _Optional[_Iterable[int]] = ...) -> None: ...

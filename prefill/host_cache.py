@@ -1,0 +1,321 @@
+"""The prefix cache's host tier (L2): KV pages in host memory, below the KV pool (L1, ``prefill.radix``).
+
+A page enters by the write policy (``HostCachePolicy``)::
+
+    write_back     when the radix cache evicts it from the pool, its KV is copied here first (the default: a page
+                   costs a copy only once the pool has no room left for it)
+    write_through  soon after the radix cache takes it: queued then, copied on the scheduler thread at the next
+                   admission (``match_prefix``) or eviction, not on the thread that finished the request (a second
+                   OpenMP team throttles every step: ``worker/omp.py``); evicting it from the pool copies nothing
+
+A prompt whose cached prefix runs past what the pool holds continues here, page by page, where L1's match ended::
+
+    match_prefix(ids, l1_match) -> HostMatch (entries pinned)   the pages stored for ids right after the L1 match
+    restore(hm, pool_pages) -> pages restored                   checksums verified, bytes copied into fresh pool
+                                                                pages (the caller hands them to RadixCache.extend)
+    release(hm)                                                 unpin without restoring (no pool pages for it now)
+
+Identity: an entry is keyed by its block hash (the chain hash from the root, ``prefill.radix.block_hash``) and keeps
+its token chunk and its parent's hash, both compared on lookup: a page is restored only for the same tokens after
+the same prefix. Integrity: an entry carries the pool layout's hash (``KVLayout.layout_hash``) and an xxh3 checksum
+of its bytes seeded with its block hash and that layout hash, verified before the bytes are used; a page that fails
+ends the restore there, is dropped and counted (``corrupt_pages``), and the request recomputes from it on.
+
+Eviction: least recently used first. A restore touches a chain's entries leaf first and write-back stores a chain
+leaf first, so a page is never older than its descendants and chains shrink from their ends. Hit counts give a
+second chance: each restore of an entry earns it one more trip past the LRU end (at most ``MAX_CREDIT``). The tier
+is inclusive: a restored page stays here too, so the pool evicting it again copies nothing.
+
+Every page stored or dropped is published (``on_event(stored, evicted)``, block hashes, as the radix cache
+publishes its own), so the router can score a worker's host-tier prefix too (``router.prefix_index``).
+
+Every call runs on the prefill scheduler's thread or under its lock (the radix cache's too, for ``on_insert`` and
+``on_evict``); ``stats()`` and ``all_hashes()`` may be called from any thread.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
+
+from engine.kvcache.host_pool import HostPagePool
+from engine.kvcache.pool import KVPool
+from engine.memory import gib, parse_bytes
+from prefill.radix import CachedPage, Match, block_hash
+
+logger = logging.getLogger(__name__)
+
+MAX_CREDIT = 3
+"""Most second chances an entry banks from its restores."""
+AUTO = "auto"
+AUTO_POOL_MULTIPLE = 2
+"""``--host-cache-bytes auto``: twice the KV pool (SGLang HiCache's default host/device ratio) ..."""
+AUTO_HOST_FRACTION = 0.25
+"""... but at most this fraction of the host memory available when the worker starts."""
+
+
+class HostCachePolicy(str, enum.Enum):
+    WRITE_BACK = "write_back"
+    WRITE_THROUGH = "write_through"
+
+
+@dataclass(eq=False, slots=True)
+class _Entry:
+    slot: int
+    parent_hash: int
+    chunk: tuple[int, ...]
+    checksum: int
+    layout_hash: int
+    hits: int = 0
+    credit: int = 0
+    pins: int = 0
+
+
+class HostMatch(NamedTuple):
+    hashes: list[int]
+    """Block hashes of the matched pages, in prompt order."""
+    entries: list[_Entry]
+    """Their entries, pinned until ``restore`` or ``release``."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostCacheStats:
+    capacity_pages: int
+    cached_pages: int
+    cached_bytes: int
+    hit_tokens: int
+    """Prompt tokens restored from this tier (after missing the pool)."""
+    stored_pages: int
+    """Pages copied in (write-back or write-through)."""
+    evicted_pages: int
+    corrupt_pages: int
+    """Pages whose checksum or layout tag failed at restore (each one recomputed instead)."""
+    dropped_pages: int
+    """Pages not stored for want of room (every entry pinned)."""
+
+
+class HostCache:
+    """The L2 tier of one prefill worker's prefix cache: ``num_pages`` host pages of ``pool``'s layout."""
+
+    def __init__(self, pool: KVPool, num_pages: int, policy: HostCachePolicy = HostCachePolicy.WRITE_BACK,
+                 pin: bool | None = None) -> None:
+        self.pool, self.policy = pool, HostCachePolicy(policy)
+        self.page_size = pool.page_size
+        self.store = HostPagePool(pool.layout, num_pages, pin=pool.device.type == "cuda" if pin is None else pin)
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        """block hash -> entry, least recently used first."""
+        self._pending: dict[int, CachedPage] = {}
+        """write_through: pages the radix cache took, not copied yet (their pool pages are the cache's until evicted,
+        and ``on_evict`` takes them out of here first)."""
+        self._lock = threading.RLock()
+        self.on_event: Callable[[list[int], list[int]], None] | None = None
+        """Called with (block hashes stored, block hashes dropped) after each change (under the lock)."""
+        self._stored_log: list[int] = []
+        self._dropped_log: list[int] = []
+        self.hit_tokens = self.stored_pages = self.evicted_pages = self.corrupt_pages = self.dropped_pages = 0
+
+    # -- what the radix cache hands down (radix.LowerTier) -------------------------------------------
+    def on_insert(self, pages: list[CachedPage]) -> None:
+        if self.policy is HostCachePolicy.WRITE_THROUGH:
+            with self._lock:
+                self._pending.update((p.hash, p) for p in pages)
+
+    def on_evict(self, pages: list[CachedPage]) -> None:
+        with self._lock:
+            for p in pages:
+                self._pending.pop(p.hash, None)
+            self._store(pages)
+
+    def flush(self) -> None:
+        """Copy the pages write-through queued (on the scheduler thread: ``match_prefix`` calls it)."""
+        with self._lock:
+            if self._pending:
+                pages = list(self._pending.values())[::-1]  # leaf first, as on_evict
+                self._pending.clear()
+                self._store(pages)
+
+    def _store(self, pages: Sequence[CachedPage]) -> None:
+        """Copy in the pages not stored yet and touch the others; ``pages`` leaf first."""
+        with self._lock:
+            try:
+                self._store_locked(pages)
+            finally:
+                self._publish()
+
+    def _store_locked(self, pages: Sequence[CachedPage]) -> None:
+        fresh, held = [], []
+        for p in pages:
+            e = self._entries.get(p.hash)
+            if e is not None and e.chunk == p.chunk and e.parent_hash == p.parent_hash:
+                self._entries.move_to_end(p.hash)
+                held.append(e)
+                continue
+            if e is not None:  # a 64-bit hash collision: the newer prefix wins
+                self._drop(p.hash)
+            fresh.append(p)
+        if not fresh:
+            return
+        for e in held:  # making room must not evict what this call just touched
+            e.pins += 1
+        try:
+            room = self._make_room(len(fresh))
+        finally:
+            for e in held:
+                e.pins -= 1
+        if room < len(fresh):  # keep the pages nearest the root: the leaves are useless without them
+            self.dropped_pages += len(fresh) - room
+            fresh = fresh[len(fresh) - room:]
+        if not fresh:
+            return
+        slots = self.store.allocator.alloc(len(fresh), "host")
+        self.store.save(self.pool, [p.page for p in fresh], slots)
+        for p, slot in zip(fresh, slots):
+            digest = self.store.checksum(slot, self._seed(p.hash))
+            self._entries[p.hash] = _Entry(slot, p.parent_hash, p.chunk, digest, self.store.layout_hash)
+        self.stored_pages += len(fresh)
+        self._stored_log += [p.hash for p in fresh]
+
+    def _make_room(self, n: int) -> int:
+        """Evict LRU entries (pinned ones and second chances skipped) until ``n`` slots are free; -> how many are."""
+        free = self.store.allocator.num_free
+        budget = len(self._entries) * (MAX_CREDIT + 2)  # every entry moves at most MAX_CREDIT + 1 times
+        while free < n and self._entries and budget > 0:
+            budget -= 1
+            h, e = next(iter(self._entries.items()))
+            if e.pins or e.credit:
+                if not e.pins:
+                    e.credit -= 1
+                self._entries.move_to_end(h)
+                continue
+            self._drop(h)
+            self.evicted_pages += 1
+            free += 1
+        return min(n, free)
+
+    def _drop(self, h: int) -> None:
+        e = self._entries.pop(h)
+        self.store.allocator.decref([e.slot])
+        self._dropped_log.append(h)
+
+    def _publish(self) -> None:
+        stored, dropped = self._stored_log, self._dropped_log
+        if not (stored or dropped):
+            return
+        self._stored_log, self._dropped_log = [], []
+        if self.on_event is not None:
+            self.on_event(stored, dropped)
+
+    def _seed(self, h: int) -> int:
+        return h ^ self.store.layout_hash
+
+    # -- lookups ------------------------------------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int], after: Match) -> HostMatch:
+        """The pages stored here for the full pages of ``token_ids`` right after ``after`` (an L1 match), pinned."""
+        P = self.page_size
+        hashes, entries = [], []
+        with self._lock:
+            self.flush()
+            parent = after.node.hash
+            for i in range(after.num_tokens, len(token_ids) - P + 1, P):
+                chunk = tuple(token_ids[i:i + P])
+                h = block_hash(parent, chunk)
+                e = self._entries.get(h)
+                if e is None or e.chunk != chunk or e.parent_hash != parent:
+                    break
+                e.pins += 1
+                hashes.append(h)
+                entries.append(e)
+                parent = h
+        return HostMatch(hashes, entries)
+
+    def restore(self, hm: HostMatch, pool_pages: Sequence[int]) -> int:
+        """Copy the first ``len(pool_pages)`` matched pages into ``pool_pages``; unpins ``hm``. Stops at the first
+        page that fails its checksum or layout tag (dropped, counted) or was dropped meanwhile; -> pages restored."""
+        with self._lock:
+            n = min(len(pool_pages), len(hm.entries))
+            good = 0
+            while good < n:
+                h, e = hm.hashes[good], hm.entries[good]
+                if self._entries.get(h) is not e:
+                    break
+                if e.layout_hash != self.store.layout_hash or self.store.checksum(e.slot, self._seed(h)) != e.checksum:
+                    self.corrupt_pages += 1
+                    logger.warning("host prefix cache: page %016x failed its checksum; recomputing it", h)
+                    e.pins -= 1
+                    self._drop(h)
+                    hm.entries[good] = None  # unpinned already
+                    break
+                good += 1
+            self.store.load([e.slot for e in hm.entries[:good]], self.pool, pool_pages[:good])
+            for h, e in zip(reversed(hm.hashes[:good]), reversed(hm.entries[:good])):  # leaf first: parents newest
+                e.hits += 1
+                e.credit = min(MAX_CREDIT, e.credit + 1)
+                self._entries.move_to_end(h)
+            self.hit_tokens += good * self.page_size
+            self._unpin(hm)
+            self._publish()
+            return good
+
+    def release(self, hm: HostMatch) -> None:
+        with self._lock:
+            self._unpin(hm)
+
+    @staticmethod
+    def _unpin(hm: HostMatch) -> None:
+        for i, e in enumerate(hm.entries):
+            if e is not None:
+                e.pins -= 1
+                hm.entries[i] = None
+
+    # -- accounting ---------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def stats(self) -> HostCacheStats:
+        n = len(self._entries)
+        return HostCacheStats(self.store.num_pages, n, n * self.store.page_bytes, self.hit_tokens, self.stored_pages,
+                              self.evicted_pages, self.corrupt_pages, self.dropped_pages)
+
+    def reset(self) -> None:
+        """Drop every unpinned entry (tests and admin)."""
+        with self._lock:
+            self._pending.clear()
+            for h in [h for h, e in self._entries.items() if not e.pins]:
+                self._drop(h)
+            self._publish()
+
+    def all_hashes(self) -> list[int]:
+        """Block hashes of every page stored (a snapshot for a new cache-event subscriber)."""
+        with self._lock:
+            return list(self._entries)
+
+
+class HostCacheSize(NamedTuple):
+    num_pages: int
+    reason: str
+    """How the size was chosen (logged at start-up)."""
+
+
+def plan_host_cache(spec: str, page_bytes: int, pool_bytes: int, host_available_bytes: int) -> HostCacheSize:
+    """``--host-cache-bytes`` -> host pages: ``0`` off; a size (``64M``, ``40G``, ``8GiB``: ``engine.memory.
+    parse_bytes``); ``auto``: ``AUTO_POOL_MULTIPLE`` x the KV pool, at most ``AUTO_HOST_FRACTION`` of the host's
+    available memory. ``ValueError`` for anything else."""
+    if spec.strip().lower() == AUTO:
+        cap = int(host_available_bytes * AUTO_HOST_FRACTION)
+        want = min(AUTO_POOL_MULTIPLE * pool_bytes, cap)
+        n = want // page_bytes
+        return HostCacheSize(n, f"auto: {AUTO_POOL_MULTIPLE} x the KV pool ({gib(pool_bytes)}), at most "
+                                f"{AUTO_HOST_FRACTION:g} of {gib(host_available_bytes)} available: "
+                                f"{gib(n * page_bytes)}")
+    n = parse_bytes(spec) // page_bytes
+    if n == 0 and parse_bytes(spec) > 0:
+        raise ValueError(f"--host-cache-bytes {spec} holds no page: one page takes {page_bytes} bytes")
+    return HostCacheSize(n, f"--host-cache-bytes {spec}: {gib(n * page_bytes)}" if n else "--host-cache-bytes 0: off")
