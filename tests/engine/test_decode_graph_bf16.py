@@ -21,7 +21,7 @@ from torch._inductor.utils import run_and_get_code
 from engine.batch import BatchRequest, ForwardBatch
 from engine.checkpoint import init_random_model
 from engine.kvcache import KVLayout, KVPool
-from engine.layers import mlp
+from engine.layers import cpu_attention, mlp
 from engine.layers.decode_graph import HeadWeights, graph_moe_strategy, lm_head
 from engine.load import load_model
 from engine.moe.router import route
@@ -113,7 +113,7 @@ def test_bf16_step_is_one_graph_and_matches_eager(bf16_dirs, compiled_bf16, name
 
 
 @pytest.mark.parametrize("name", ["gqa"])
-def test_bf16_compiled_greedy_is_eager_greedy_up_to_bf16_ties(bf16_dirs, compiled_bf16, name):
+def test_bf16_compiled_greedy_is_eager_greedy_up_to_bf16_ties(bf16_dirs, compiled_bf16, name, monkeypatch):
     """Every token greedy decoding picks through the bf16 graphs (one request: one-graph steps; nine: per-layer
     graphs) is eager's greedy choice on the same context, or within bf16 rounding of it: eager's logit of the
     picked token is at most ``TIE_ULPS`` bf16 ulps below eager's best (teacher-forced: the eager model reads the compiled
@@ -125,6 +125,11 @@ def test_bf16_compiled_greedy_is_eager_greedy_up_to_bf16_ties(bf16_dirs, compile
     model, cfg = compiled_bf16[name]
     eager, _ = load_model(bf16_dirs[name], "bfloat16", "cpu")
     params = SamplingParams(max_tokens=32, ignore_eos=True)
+    # Prompts attend in torch's SDPA here, the reference's teacher-forced pass included: the test is about the
+    # decode graphs. With our prefill kernel (engine.layers.cpu_attention; tested against SDPA and fp32 on its
+    # own) the reference pass rounds differently, and on the AVX2 EPYC one token of a 32-token generation was
+    # 10 ulps below that reference's best (the compiled tokens themselves unchanged).
+    monkeypatch.setattr(cpu_attention, "usable", lambda q, k, v: False)
     for lens in ((37,), (5, 23, 40, 7, 30, 19, 12, 33, 26)):
         prompts = prompts_for(cfg, lens, seed=7)
         got = make_engine(model, cfg, "bfloat16").generate(prompts, params)

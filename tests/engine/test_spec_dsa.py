@@ -195,10 +195,12 @@ def test_spec_greedy_equals_plain_with_index_share(dirs, spec):
     check_spec_equals_plain(dirs, "shared", "float32", spec)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_spec_greedy_equals_compiled_plain_past_index_topk(dirs, dtype):
+@pytest.mark.parametrize("dtype,spec", [("float32", "4/2/8"), ("bfloat16", "5/1/6")])
+def test_compiled_spec_greedy_equals_compiled_plain_past_index_topk(dirs, dtype, spec):
     """``--compile``: verify and draft steps through the compiled graphs (their own copy of the top-k); in bf16
-    the routed experts run eagerly at every batch size (``decode_graph.REDUCED_PRECISION``)."""
+    the routed experts run eagerly at every batch size (``decode_graph.REDUCED_PRECISION``). One shape of
+    speculation per dtype (each costs its own graphs' compile, minutes on 2 cores): a wide tree in fp32, a
+    5-step chain in bf16; test_decode_graph's compiled tests add a 3/2/6 tree and 3/1/4 chains (fp8 pool, GQA)."""
     if dtype == "bfloat16" and not bf16_gemm_rows_alike():
         pytest.skip("this CPU's bf16 GEMMs round a row differently at different row counts")
     model, cfg = load_model(dirs["full"], dtype, "cpu")  # its own copy: the graphs stay with it
@@ -208,12 +210,11 @@ def test_compiled_spec_greedy_equals_compiled_plain_past_index_topk(dirs, dtype)
     # and sparse selection, chain and tree verify, drafts) are all reached; the graphs' compile is the cost
     params = SamplingParams(max_tokens=COMPILED_TOKENS, ignore_eos=True)
     ref = [r.token_ids for r in eng.generate(prompts_for(cfg), params)]
-    for spec in ("5/1/6", "4/2/8"):
-        out = SpecEngine(Engine(model, cfg, kv_dtype=dtype, page_size=8, num_pages=512),
-                         SpecConfig.parse(spec)).generate(prompts_for(cfg), params)
-        for n, r, o in zip(LENS, ref, out):
-            first = first_difference(r, o.token_ids)
-            assert first is None, f"compiled {spec} {dtype}: prompt of {n} diverges at token {first}"
+    out = SpecEngine(Engine(model, cfg, kv_dtype=dtype, page_size=8, num_pages=512),
+                     SpecConfig.parse(spec)).generate(prompts_for(cfg), params)
+    for n, r, o in zip(LENS, ref, out):
+        first = first_difference(r, o.token_ids)
+        assert first is None, f"compiled {spec} {dtype}: prompt of {n} diverges at token {first}"
 
 
 # -- sampling past index_topk ------------------------------------------------------------------------
