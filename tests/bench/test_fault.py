@@ -129,10 +129,23 @@ def test_slow_readers_fault_against_a_real_router(tmp_path):
             cfg = BenchConfig(target=fc.router.address, workload="random", input_len=16, output_len=4,
                               rps=(20.0,), warmup_s=0.0, duration_s=6.0, drain_timeout_s=20.0, vocab_size=VOCAB,
                               out=str(tmp_path / "out"), quiet=True, fault="slow-readers@1").with_defaults()
-            result = await run_sweep_async(cfg, progress=False)
+            peak = 0
+
+            async def watch():  # the router's own count of admitted requests, sampled while the sweep runs
+                nonlocal peak
+                while True:
+                    peak = max(peak, fc.router.core.inflight)
+                    await asyncio.sleep(0.005)
+            watcher = asyncio.ensure_future(watch())
+            try:
+                result = await run_sweep_async(cfg, progress=False)
+            finally:
+                watcher.cancel()
             f = result["fault"]
             assert f["streams"] == SLOW_READER_STREAMS and f["worker"] == "router", f
-            assert f["failed"] > 0  # the attack took every slot for a while...
+            # the attack took every slot for a while (whether a bench request then met a full router is timing:
+            # a stream the router ended is replaced 20 ms later, and a loaded host lets some requests in)...
+            assert peak >= fc.router.core.cfg.max_inflight, peak
             assert f["first_ok_sent_after_s"] is not None and f["first_ok_sent_after_s"] < 2.0 + 2.0, f
             assert "never-read streams" in format_fault(f)
             await fc.wait_for(lambda: fc.router.core.inflight == 0 and
