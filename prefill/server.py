@@ -27,6 +27,7 @@ from engine.loader import model_hash
 from engine.memory import host_memory, parse_bytes
 from kvtransfer import KVSender, KVSenderConfig, TransferTicket, TransportKind
 from kvtransfer.config import TransportConfig, add_transport_args
+from prefill.disk_cache import DiskCache, plan_disk_cache
 from prefill.host_cache import AUTO, HostCache, HostCachePolicy, plan_host_cache
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
 from prefill.gather_sink import GatherSink
@@ -272,12 +273,25 @@ class PrefillWorkerConfig(WorkerConfig):
     at most a quarter of the host memory available at start)"""
     host_cache_policy: str = HostCachePolicy.WRITE_BACK.value
     """when a page enters the host tier: write_back (when the KV pool evicts it) or write_through (as soon as the
-    prefix cache takes it)"""
+    prefix cache takes it); the disk tier's pages come down on eviction from the host tier or as it stores them"""
+    disk_cache_dir: str | None = None
+    """local directory of the prefix cache's disk tier, below the host tier (one per worker; a restarted worker
+    keeps what it holds)"""
+    disk_cache_bytes: str = AUTO
+    """byte budget of the disk tier (64M, 40G; 0: off; auto: half the directory's free space at start, plus what
+    it holds; off without --disk-cache-dir)"""
 
     def __post_init__(self) -> None:
         if self.host_cache_bytes.strip().lower() != AUTO:
             parse_bytes(self.host_cache_bytes)  # ValueError naming the value
         HostCachePolicy(self.host_cache_policy)
+        if self.disk_cache_bytes.strip().lower() != AUTO and parse_bytes(self.disk_cache_bytes) and \
+                not self.disk_cache_dir:
+            raise ValueError(f"--disk-cache-bytes {self.disk_cache_bytes} needs --disk-cache-dir")
+        if self.disk_cache_dir and self.host_cache_bytes.strip().lower() != AUTO and not parse_bytes(
+                self.host_cache_bytes):
+            raise ValueError("--disk-cache-dir needs the host tier (--host-cache-bytes not 0): pages reach the disk "
+                             "through it")
 
 
 async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
@@ -329,6 +343,8 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
 
     async def on_stop():
         sched.stop()
+        if sched.host is not None:
+            sched.host.close()  # the disk tier's writer finishes what is queued
         sender.close(grace_s=2.0)
         if ranks is not None:
             ranks.close()
@@ -354,7 +370,16 @@ def build_host_cache(wcfg: PrefillWorkerConfig, pool: KVPool, pool_bytes: int) -
         logger.warning("host prefix cache off: not implemented for --tp %d (%s)", wcfg.tp, size.reason)
         return None
     logger.info("host prefix cache: %d pages, %s (%s)", size.num_pages, size.reason, wcfg.host_cache_policy)
-    return HostCache(pool, size.num_pages, HostCachePolicy(wcfg.host_cache_policy)) if size.num_pages else None
+    disk = plan_disk_cache(wcfg.disk_cache_dir, wcfg.disk_cache_bytes)
+    if not size.num_pages:
+        if disk.capacity_bytes:
+            logger.warning("disk prefix cache off: it sits below the host tier, which is off")
+        return None
+    host = HostCache(pool, size.num_pages, HostCachePolicy(wcfg.host_cache_policy))
+    if disk.capacity_bytes:
+        logger.info("disk prefix cache: %s, %s", wcfg.disk_cache_dir, disk.reason)
+        host.lower = DiskCache(wcfg.disk_cache_dir, disk.capacity_bytes, host.store, pool)
+    return host
 
 
 def build_parser() -> argparse.ArgumentParser:
