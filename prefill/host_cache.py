@@ -181,6 +181,10 @@ class HostCache:
                 e.pins -= 1
         if room < len(fresh):  # keep the pages nearest the root: the leaves are useless without them
             self.dropped_pages += len(fresh) - room
+            if self.lower is not None:  # ... and the disk tier takes the leaves straight from the pool
+                left = fresh[:len(fresh) - room]
+                for p, row in zip(left, self.store.save_rows(self.pool, [p.page for p in left])):
+                    self.lower.put(p.hash, p.parent_hash, p.chunk, row)
             fresh = fresh[len(fresh) - room:]
         if not fresh:
             return

@@ -70,15 +70,21 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         """The host tier's changes (``HostCache.on_event``)."""
         self._publish(worker_pb2.CacheEvent(host_stored=stored, host_evicted=evicted))
 
+    def publish_disk(self, stored: list[int], evicted: list[int]) -> None:
+        """The disk tier's changes (``DiskCache.on_event``, from its writer thread too)."""
+        self._publish(worker_pb2.CacheEvent(disk_stored=stored, disk_evicted=evicted))
+
     def _publish(self, ev: worker_pb2.CacheEvent) -> None:
         for q in list(self.subscribers):
             self.loop.call_soon_threadsafe(_put_nowait, q, ev)
 
     def snapshot(self) -> worker_pb2.CacheEvent:
-        """Everything both tiers hold, as a reset event (a new subscriber's first, or after an overflow)."""
+        """Everything every tier holds, as a reset event (a new subscriber's first, or after an overflow)."""
         host = self.sched.host
+        disk = host.lower if host is not None else None
         return worker_pb2.CacheEvent(reset=True, stored=self.sched.cache.all_hashes(),
-                                     host_stored=host.all_hashes() if host is not None else [])
+                                     host_stored=host.all_hashes() if host is not None else [],
+                                     disk_stored=disk.all_hashes() if disk is not None else [])
 
     async def Prefill(self, request, context):
         ids = list(request.token_ids) + list(request.output_prefix)
@@ -166,23 +172,38 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                   **({"unhealthy": problem} if problem else {})})
 
     def host_info(self) -> dict[str, str]:
-        """The host tier's figures for ``WorkerStatus.info`` (none when it is off)."""
+        """The host and disk tiers' figures for ``WorkerStatus.info`` (none for a tier that is off)."""
         if self.sched.host is None:
             return {}
         st = self.sched.host.stats()
-        return {"host_cache_pages": str(st.cached_pages), "host_cache_capacity_pages": str(st.capacity_pages),
-                "host_cache_hit_tokens": str(st.hit_tokens), "host_cache_corrupt_pages": str(st.corrupt_pages)}
+        out = {"host_cache_pages": str(st.cached_pages), "host_cache_capacity_pages": str(st.capacity_pages),
+               "host_cache_hit_tokens": str(st.hit_tokens), "host_cache_corrupt_pages": str(st.corrupt_pages)}
+        if self.sched.host.lower is not None:
+            d = self.sched.host.lower.stats()
+            out.update(disk_cache_dir=self.sched.host.lower.dir, disk_cache_pages=str(d.cached_pages),
+                       disk_cache_capacity_bytes=str(d.capacity_bytes), disk_cache_hit_tokens=str(d.hit_tokens),
+                       disk_cache_corrupt_pages=str(d.corrupt_pages), disk_cache_indexed_pages=str(d.indexed_pages))
+        return out
 
     def counters(self) -> Values:
         """Monotonic totals for /metrics (``worker.metrics``)."""
         c, h = self.sched.cache, self.sched.host
+        d = h.lower if h is not None else None
+        disk = {} if d is None else {
+            "prefix_cache_disk_stored_pages": (d.stored_pages, "KV pages written to the disk tier"),
+            "prefix_cache_disk_evicted_pages": (d.evicted_pages, "KV pages evicted from the disk tier"),
+            "prefix_cache_disk_dropped_pages": (d.dropped_pages, "KV pages not written to the disk tier (its queue "
+                                                                 "full, no room or a failed write)")}
         host = {} if h is None else {
-            "prefix_cache_hit_tokens": (Labelled("tier", {"device": c.hit_tokens, "host": h.hit_tokens}),
+            "prefix_cache_hit_tokens": (Labelled("tier", {"device": c.hit_tokens, "host": h.hit_tokens,
+                                                          **({"disk": d.hit_tokens} if d is not None else {})}),
                                         "Prompt tokens found in the prefix cache, by tier"),
             "prefix_cache_host_stored_pages": (h.stored_pages, "KV pages copied into the host tier"),
             "prefix_cache_host_evicted_pages": (h.evicted_pages, "KV pages evicted from the host tier"),
-            "prefix_cache_recomputed_pages": (Labelled("tier", {"host": h.corrupt_pages}),
-                                              "Cached KV pages that failed their checksum and were recomputed")}
+            "prefix_cache_recomputed_pages": (Labelled("tier", {"host": h.corrupt_pages,
+                                                                **({"disk": d.corrupt_pages} if d is not None else {})}),
+                                              "Cached KV pages that failed their checksum and were recomputed"),
+            **disk}
         return {"prefix_cache_queries": (c.query_tokens, "Prompt tokens looked up in the prefix cache"),
                 "prefix_cache_hits": (c.hit_tokens, "Prompt tokens found in the prefix cache (device tier)"),
                 **host,
@@ -197,6 +218,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         tiers = {"device": c.num_pages * self.sched.pool.layout.bytes_per_page()}
         if h is not None:
             tiers["host"] = h.stats().cached_bytes
+        if h is not None and h.lower is not None:
+            tiers["disk"] = h.lower.used_bytes
         return {"prefix_cache_bytes": (Labelled("tier", tiers), "KV bytes held by the prefix cache, by tier")}
 
     async def InjectFault(self, request, context):
@@ -327,6 +350,8 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
     sched.cache.on_event = servicer.publish
     if sched.host is not None:
         sched.host.on_event = servicer.publish_host
+    if sched.host is not None and sched.host.lower is not None:
+        sched.host.lower.on_event = servicer.publish_disk
     sched.heartbeat = heartbeat.Heartbeat(wcfg.stall_after)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])

@@ -93,6 +93,16 @@ class HostPagePool:
             rows = self._pool_view(pool, seg).index_select(0, src)  # [n, seg bytes] on the pool's device
             self.data.narrow(1, seg.offset, seg.num_bytes).index_copy_(0, dst, rows.to("cpu"))
 
+    def save_rows(self, pool: KVPool, pool_pages: Sequence[int]) -> torch.Tensor:
+        """Pool pages ``pool_pages`` as ``[n, page_bytes]`` uint8 rows in slot layout, outside the slots (for the
+        disk tier, when the slots have no room)."""
+        self._check(pool)
+        src = torch.as_tensor(list(pool_pages), dtype=torch.long, device=pool.device)
+        out = torch.empty((len(pool_pages), self.page_bytes), dtype=torch.uint8)
+        for seg in self.segments:
+            out.narrow(1, seg.offset, seg.num_bytes).copy_(self._pool_view(pool, seg).index_select(0, src))
+        return out
+
     def load(self, slots: Sequence[int], pool: KVPool, pool_pages: Sequence[int]) -> None:
         """Copy slot ``slots[i]`` into pool page ``pool_pages[i]`` (every layer and component)."""
         if len(slots):

@@ -208,8 +208,9 @@ def test_random_traffic_through_three_tiers_restores_exact_bytes_and_leaks_nothi
     assert not any(e.pins for e in host._entries.values()) and not any(e.pins for e in disk._entries.values())
     assert files(disk) == sorted(f"{x:016x}.kv" for x in disk.all_hashes()) and not files(disk, ".tmp")
     assert disk.used_bytes == disk.num_pages * disk.file_bytes <= disk.capacity_bytes
-    cache.reset()
+    cache.reset()  # its pages go down (write-back: to the host tier; write-through: queued for the disk too)
     host.reset()
+    assert disk.flush()
     disk.reset()
     host.close()
     assert pool.allocator.num_free == pool.num_pages and host.store.allocator.num_free == host.store.num_pages
