@@ -311,7 +311,9 @@ class HostCache:
             self.lower.release(hm.disk)
 
     def close(self) -> None:
-        """Close the disk tier below (its writer finishes what is queued). The host memory is freed with this."""
+        """Copy what write-through still queues (the scheduler has stopped: no other OpenMP team runs), then close
+        the disk tier below (its writer finishes what is queued). The host memory is freed with this object."""
+        self.flush()
         if self.lower is not None:
             self.lower.close()
 
