@@ -1,17 +1,14 @@
 """The prefix cache's disk tier (L3): KV pages as files in a local directory, below the host tier (L2,
 ``prefill.host_cache``).
 
-A page comes down from the host tier, never straight from the pool (its bytes are a host-tier row, in
-``engine.kvcache.host_pool``'s slot layout: every layer and component, fp8 scales, the MTP layer)::
-
-    write_back     the host tier evicts it: put(...)
-    write_through  the host tier stores it: put(...)
+Pages come down through the host tier (write_back: as it evicts them; write_through: as it stores them; pages too
+many for its room: straight from the pool), as rows of ``engine.kvcache.host_pool``'s slot layout (every layer and
+component, fp8 scales, the MTP layer)::
 
     put(hash, parent, chunk, row)   scheduler thread: the row is copied and queued for the writer thread; a full
                                     queue drops the page (counted): the scheduler never waits for the disk
     writer thread                   makes room (LRU with hit credit, pinned entries skipped), writes
-                                    <hash>.kv.tmp, renames it to <hash>.kv: only then is the page an entry (a hit);
-                                    a page still queued or being written is not a hit yet
+                                    <hash>.kv.tmp, renames it to <hash>.kv: only then is the page an entry (a hit)
 
 A prompt whose cached prefix runs past what the host tier holds continues here::
 
@@ -30,10 +27,9 @@ a missing, truncated or corrupt file ends the restore there: it is removed, coun
 request recomputes that page and everything after it. Files appear by rename only, so a crash leaves either a whole
 page or a ``.tmp`` file (removed at the next start); what an OS crash may leave half-written fails its checksum.
 
-Start: the worker takes an exclusive lock on its layout directory (a second worker on the same directory refuses
-to start), removes ``.tmp`` files, re-indexes the ``.kv`` files by their headers (oldest modified first in the LRU,
-a file whose header does not check out removed) and removes the oldest until the byte budget holds. Directories of
-other layouts are ignored, logged once. So a worker restart keeps its disk cache.
+Start: an exclusive lock on the layout directory (a second worker on it refuses to start), ``.tmp`` files removed,
+the ``.kv`` files re-indexed by their headers (oldest modified first in the LRU; a bad header: removed), the oldest
+removed until the budget holds; other layouts' directories ignored, logged once. A restart keeps the disk cache.
 """
 from __future__ import annotations
 
@@ -119,8 +115,7 @@ class DiskCache:
         self._pin = pool.device.type == "cuda"
         self._entries: OrderedDict[int, _DiskEntry] = OrderedDict()
         """block hash -> entry (a whole file on disk), least recently used first."""
-        self._inflight: set[int] = set()
-        """Queued or being written: not a hit yet."""
+        self._inflight: set[int] = set()  # queued or being written: not a hit yet
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self.used_bytes = 0
@@ -128,8 +123,7 @@ class DiskCache:
         """Called with (block hashes stored, block hashes dropped) after each change (under the lock, from the
         writer thread or the scheduler's)."""
         self.hit_tokens = self.stored_pages = self.evicted_pages = self.corrupt_pages = self.dropped_pages = 0
-        self._warned_write = False
-        self._closed = False
+        self._warned_write = self._closed = False
         os.makedirs(self.dir, exist_ok=True)
         self._lock_fd = _lock_dir(self.dir)
         try:
@@ -350,9 +344,9 @@ class DiskCache:
     def close(self, drain: bool = True) -> None:
         """Stop the writer (after it wrote what is queued, when ``drain``) and unlock the directory. Idempotent."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+            closed, self._closed = self._closed, True
+        if closed:
+            return
         while not drain:
             try:
                 h = self._queue.get_nowait()[0]

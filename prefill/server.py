@@ -32,13 +32,14 @@ from prefill.host_cache import AUTO, HostCache, HostCachePolicy, plan_host_cache
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
 from prefill.gather_sink import GatherSink
 from prefill.sink import LocalSink, TransferFailed
+from prefill.tier_metrics import tier_counters, tier_gauges, tier_info
 from prefill.transfer import TransferSink
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from worker import boot, convert, heartbeat, omp, process
 from worker.config import HOST_CACHE_POLICIES, WorkerConfig, add_worker_args
 from worker.convert import sampling_from_proto
-from worker.metrics import Labelled, Values, serve_metrics
+from worker.metrics import Values, serve_metrics
 from worker.model_proxy import load_rank_model
 
 logger = logging.getLogger("prefill.server")
@@ -168,45 +169,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                   **({} if self.sender.pool is self.sched.pool else
                      {"kv_staging_pages_used": str(self.sender.pool.allocator.num_used)}),
                   "kv_drops_armed": str(self.sender.drops_armed), "kv_drops_fired": str(self.sender.drops_fired),
-                  **self.host_info(),
+                  **tier_info(self.sched.host),
                   **({"unhealthy": problem} if problem else {})})
-
-    def host_info(self) -> dict[str, str]:
-        """The host and disk tiers' figures for ``WorkerStatus.info`` (none for a tier that is off)."""
-        if self.sched.host is None:
-            return {}
-        st = self.sched.host.stats()
-        out = {"host_cache_pages": str(st.cached_pages), "host_cache_capacity_pages": str(st.capacity_pages),
-               "host_cache_hit_tokens": str(st.hit_tokens), "host_cache_corrupt_pages": str(st.corrupt_pages)}
-        if self.sched.host.lower is not None:
-            d = self.sched.host.lower.stats()
-            out.update(disk_cache_dir=self.sched.host.lower.dir, disk_cache_pages=str(d.cached_pages),
-                       disk_cache_capacity_bytes=str(d.capacity_bytes), disk_cache_hit_tokens=str(d.hit_tokens),
-                       disk_cache_corrupt_pages=str(d.corrupt_pages), disk_cache_indexed_pages=str(d.indexed_pages))
-        return out
 
     def counters(self) -> Values:
         """Monotonic totals for /metrics (``worker.metrics``)."""
-        c, h = self.sched.cache, self.sched.host
-        d = h.lower if h is not None else None
-        disk = {} if d is None else {
-            "prefix_cache_disk_stored_pages": (d.stored_pages, "KV pages written to the disk tier"),
-            "prefix_cache_disk_evicted_pages": (d.evicted_pages, "KV pages evicted from the disk tier"),
-            "prefix_cache_disk_dropped_pages": (d.dropped_pages, "KV pages not written to the disk tier (its queue "
-                                                                 "full, no room or a failed write)")}
-        host = {} if h is None else {
-            "prefix_cache_hit_tokens": (Labelled("tier", {"device": c.hit_tokens, "host": h.hit_tokens,
-                                                          **({"disk": d.hit_tokens} if d is not None else {})}),
-                                        "Prompt tokens found in the prefix cache, by tier"),
-            "prefix_cache_host_stored_pages": (h.stored_pages, "KV pages copied into the host tier"),
-            "prefix_cache_host_evicted_pages": (h.evicted_pages, "KV pages evicted from the host tier"),
-            "prefix_cache_recomputed_pages": (Labelled("tier", {"host": h.corrupt_pages,
-                                                                **({"disk": d.corrupt_pages} if d is not None else {})}),
-                                              "Cached KV pages that failed their checksum and were recomputed"),
-            **disk}
+        c = self.sched.cache
         return {"prefix_cache_queries": (c.query_tokens, "Prompt tokens looked up in the prefix cache"),
                 "prefix_cache_hits": (c.hit_tokens, "Prompt tokens found in the prefix cache (device tier)"),
-                **host,
+                **tier_counters(c, self.sched.host),
                 "prefill_tokens_computed": (self.sched.tokens_done, "Prompt tokens prefilled (cache misses)"),
                 "kv_transfers": (self.kv_transfers, "KV transfers to decode workers"),
                 "kv_transfer_bytes": (self.kv_bytes, "KV bytes shipped to decode workers"),
@@ -214,13 +185,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def gauges(self) -> Values:
         """Current values for /metrics: the prefix cache's bytes per tier."""
-        c, h = self.sched.cache, self.sched.host
-        tiers = {"device": c.num_pages * self.sched.pool.layout.bytes_per_page()}
-        if h is not None:
-            tiers["host"] = h.stats().cached_bytes
-        if h is not None and h.lower is not None:
-            tiers["disk"] = h.lower.used_bytes
-        return {"prefix_cache_bytes": (Labelled("tier", tiers), "KV bytes held by the prefix cache, by tier")}
+        return tier_gauges(self.sched.cache, self.sched.host, self.sched.pool.layout.bytes_per_page())
 
     async def InjectFault(self, request, context):
         """``drop-kv``: cut the KV connection of each of the next ``count`` transfers mid-transfer."""
