@@ -107,7 +107,14 @@ class ClusterSpec:
     twice its KV pool, at most a quarter of the host memory available when it starts)."""
     host_cache_policy: str = "write_back"
     """When a page enters the host tier: write_back (when the KV pool evicts it) or write_through (as soon as the
-    prefix cache takes it)."""
+    prefix cache takes it); the disk tier's pages come down on eviction from the host tier or as it stores them."""
+    disk_cache_dir: str | None = None
+    """Local directory of the prefill workers' disk tier of the prefix cache, below the host tier: each worker
+    keeps its pages in a subdirectory named after it (DIR/prefill-0, ...), which a restarted worker indexes again;
+    with launch, a path on each node's local disk (default: off)."""
+    disk_cache_bytes: str = "auto"
+    """Each prefill worker's disk tier budget (64M, 40G; 0: off; auto: half its directory's free space at start,
+    plus what it holds; off without --disk-cache-dir)."""
     no_shm: bool = False
     """Decode pools in private memory: prefill workers on the same host ship KV over TCP too (default: shared
     memory, pages copied)."""
@@ -160,6 +167,8 @@ class ClusterSpec:
                              f"({self.stall_after_s}) must be > 0, grace_s ({self.grace_s}) >= 0")
         if self.host_cache_policy not in HOST_CACHE_POLICIES:
             raise ValueError(f"host_cache_policy must be one of {HOST_CACHE_POLICIES}, got {self.host_cache_policy!r}")
+        if self.disk_cache_bytes not in ("auto", "0") and not self.disk_cache_dir:
+            raise ValueError(f"--disk-cache-bytes {self.disk_cache_bytes} needs --disk-cache-dir")
         if not self.decode_weights:
             raise ValueError("decode_weights must be 'model', an MX format or a directory, got ''")
         check_bind(self.router.host, self.api_key, "the router (give --api-key)")
@@ -181,7 +190,8 @@ class ClusterSpec:
     def resolved(self, model: str, decode_weights: str | None):
         """This spec as a launcher starts it: the model directory, the decode workers' checkpoint (None: the
         model's own) and the TLS files as absolute paths (what ``*_argv`` pass on)."""
-        paths = {k: os.path.abspath(v) for k in ("tls_cert", "tls_key", "tls_ca") if (v := getattr(self, k))}
+        paths = {k: os.path.abspath(v) for k in ("tls_cert", "tls_key", "tls_ca", "disk_cache_dir")
+                 if (v := getattr(self, k))}
         return dataclasses.replace(self, model=os.path.abspath(model), decode_weights=decode_weights or "model",
                                    **paths)
 
@@ -200,7 +210,10 @@ class ClusterSpec:
         args = self._worker_argv(Role.PREFILL, slot) + (["--fault-injection"] if self.router.fault_injection else [])
         args += [] if self.host_cache_bytes == "auto" else ["--host-cache-bytes", self.host_cache_bytes]
         policy = self.host_cache_policy
-        return args + ([] if policy == "write_back" else ["--host-cache-policy", policy])
+        args += [] if policy == "write_back" else ["--host-cache-policy", policy]
+        if self.disk_cache_dir:  # one directory per worker (it locks it), the same one after a restart
+            args += ["--disk-cache-dir", os.path.join(self.disk_cache_dir, slot.worker_id)]
+        return args + ([] if self.disk_cache_bytes == "auto" else ["--disk-cache-bytes", self.disk_cache_bytes])
 
     def decode_argv(self, slot: WorkerSlot) -> list[str]:
         """``python -m decode.server`` flags (the launcher adds ``--host``). Its own prefill forwards (aggregated

@@ -26,6 +26,10 @@ leaf first, so a page is never older than its descendants and chains shrink from
 second chance: each restore of an entry earns it one more trip past the LRU end (at most ``MAX_CREDIT``). The tier
 is inclusive: a restored page stays here too, so the pool evicting it again copies nothing.
 
+Below it, optionally, the disk tier (``prefill.disk_cache``, ``self.lower``): under write-back a page this tier
+evicts is queued to be written there, under write-through a page this tier stores; a prompt's match continues there
+where this tier's ends (``HostMatch.disk``) and ``restore`` loads those pages too, after this tier's.
+
 Every page stored or dropped is published (``on_event(stored, evicted)``, block hashes, as the radix cache
 publishes its own), so the router can score a worker's host-tier prefix too (``router.prefix_index``).
 
@@ -44,6 +48,7 @@ from typing import Callable, NamedTuple, Sequence
 from engine.kvcache.host_pool import HostPagePool
 from engine.kvcache.pool import KVPool
 from engine.memory import gib, parse_bytes
+from prefill.disk_cache import DiskCache, DiskMatch
 from prefill.radix import CachedPage, Match, block_hash
 
 logger = logging.getLogger(__name__)
@@ -79,6 +84,13 @@ class HostMatch(NamedTuple):
     """Block hashes of the matched pages, in prompt order."""
     entries: list[_Entry]
     """Their entries, pinned until ``restore`` or ``release``."""
+    disk: DiskMatch | None = None
+    """The disk tier's pages right after these (pinned there), None without a disk tier."""
+
+    @property
+    def num_pages(self) -> int:
+        """Pages matched in this tier and the disk tier."""
+        return len(self.entries) + (len(self.disk.entries) if self.disk is not None else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +123,8 @@ class HostCache:
         """write_through: pages the radix cache took, not copied yet (their pool pages are the cache's until evicted,
         and ``on_evict`` takes them out of here first)."""
         self._lock = threading.RLock()
+        self.lower: DiskCache | None = None
+        """The disk tier below (None: evicted pages are gone)."""
         self.on_event: Callable[[list[int], list[int]], None] | None = None
         """Called with (block hashes stored, block hashes dropped) after each change (under the lock)."""
         self._stored_log: list[int] = []
@@ -167,6 +181,10 @@ class HostCache:
                 e.pins -= 1
         if room < len(fresh):  # keep the pages nearest the root: the leaves are useless without them
             self.dropped_pages += len(fresh) - room
+            if self.lower is not None:  # ... and the disk tier takes the leaves straight from the pool
+                left = fresh[:len(fresh) - room]
+                for p, row in zip(left, self.store.save_rows(self.pool, [p.page for p in left])):
+                    self.lower.put(p.hash, p.parent_hash, p.chunk, row)
             fresh = fresh[len(fresh) - room:]
         if not fresh:
             return
@@ -175,6 +193,8 @@ class HostCache:
         for p, slot in zip(fresh, slots):
             digest = self.store.checksum(slot, self._seed(p.hash))
             self._entries[p.hash] = _Entry(slot, p.parent_hash, p.chunk, digest, self.store.layout_hash)
+            if self.lower is not None and self.policy is HostCachePolicy.WRITE_THROUGH:
+                self.lower.put(p.hash, p.parent_hash, p.chunk, self.store.data[slot])
         self.stored_pages += len(fresh)
         self._stored_log += [p.hash for p in fresh]
 
@@ -190,10 +210,22 @@ class HostCache:
                     e.credit -= 1
                 self._entries.move_to_end(h)
                 continue
+            if self.lower is not None:  # write-back (write-through queued it at store: then this only touches it)
+                self.lower.put(h, e.parent_hash, e.chunk, self.store.data[e.slot])
             self._drop(h)
             self.evicted_pages += 1
             free += 1
         return min(n, free)
+
+    def evict(self, num_pages: int) -> int:
+        """Evict up to ``num_pages`` LRU entries as making room would (down to the disk tier); -> how many."""
+        with self._lock:
+            before = self.evicted_pages
+            try:
+                self._make_room(self.store.allocator.num_free + num_pages)
+            finally:
+                self._publish()
+            return self.evicted_pages - before
 
     def _drop(self, h: int) -> None:
         e = self._entries.pop(h)
@@ -216,6 +248,7 @@ class HostCache:
         """The pages stored here for the full pages of ``token_ids`` right after ``after`` (an L1 match), pinned."""
         P = self.page_size
         hashes, entries = [], []
+        disk = None
         with self._lock:
             self.flush()
             parent = after.node.hash
@@ -229,11 +262,23 @@ class HostCache:
                 hashes.append(h)
                 entries.append(e)
                 parent = h
-        return HostMatch(hashes, entries)
+            if self.lower is not None:
+                disk = self.lower.match_prefix(token_ids, after.num_tokens + len(entries) * P, parent)
+        return HostMatch(hashes, entries, disk)
 
     def restore(self, hm: HostMatch, pool_pages: Sequence[int]) -> int:
-        """Copy the first ``len(pool_pages)`` matched pages into ``pool_pages``; unpins ``hm``. Stops at the first
-        page that fails its checksum or layout tag (dropped, counted) or was dropped meanwhile; -> pages restored."""
+        """Copy the first ``len(pool_pages)`` matched pages into ``pool_pages``, this tier's then the disk tier's;
+        unpins ``hm``. Stops at the first page that fails its checksum or layout tag (dropped, counted) or was
+        dropped meanwhile; -> pages restored."""
+        good = self._restore_here(hm, pool_pages)
+        if hm.disk is not None and self.lower is not None:  # outside the lock: file reads
+            if good == len(hm.entries):
+                good += self.lower.restore(hm.disk, pool_pages[good:])
+            else:
+                self.lower.release(hm.disk)
+        return good
+
+    def _restore_here(self, hm: HostMatch, pool_pages: Sequence[int]) -> int:
         with self._lock:
             n = min(len(pool_pages), len(hm.entries))
             good = 0
@@ -262,6 +307,15 @@ class HostCache:
     def release(self, hm: HostMatch) -> None:
         with self._lock:
             self._unpin(hm)
+        if hm.disk is not None and self.lower is not None:
+            self.lower.release(hm.disk)
+
+    def close(self) -> None:
+        """Copy what write-through still queues (the scheduler has stopped: no other OpenMP team runs), then close
+        the disk tier below (its writer finishes what is queued). The host memory is freed with this object."""
+        self.flush()
+        if self.lower is not None:
+            self.lower.close()
 
     @staticmethod
     def _unpin(hm: HostMatch) -> None:

@@ -10,7 +10,7 @@ Each ``step()`` is schedule -> forward -> sample -> postprocess:
 
 * schedule: running requests continue first, then queued ones are admitted (highest priority,
   then FCFS) while the token budget and pages last; admission matches the prefix cache and its host tier
-  (``prefill.host_cache``), evicting LRU pages when short, and allocates private pages for the rest;
+  (``prefill.host_cache``, and the disk tier below it), evicting LRU pages when short, and allocates private pages for the rest;
 * forward: one batched forward over every scheduled chunk; each layer's KV is handed to the
   request's ``KVSink`` as soon as it is written (transfer overlaps compute); then one batched MTP
   forward over the same chunks (the draft KV the decode side needs), whose next tokens are the
@@ -247,7 +247,7 @@ class PrefillScheduler(SchedulerThread):
         ids, P = task.token_ids, self.pool.page_size
         match = self.cache.match_prefix(ids)
         host = self.host.match_prefix(ids, match) if self.host is not None else None
-        n_hit = match.num_tokens + (len(host.entries) * P if host is not None else 0)
+        n_hit = match.num_tokens + (host.num_pages * P if host is not None else 0)
         if n_hit >= len(ids):  # at least one token must run to produce logits: recompute the last page
             n_hit -= P
         n_host = max(0, n_hit // P - len(match.pages))  # restored into pool pages allocated with the private ones

@@ -27,17 +27,19 @@ from engine.loader import model_hash
 from engine.memory import host_memory, parse_bytes
 from kvtransfer import KVSender, KVSenderConfig, TransferTicket, TransportKind
 from kvtransfer.config import TransportConfig, add_transport_args
+from prefill.disk_cache import DiskCache, plan_disk_cache
 from prefill.host_cache import AUTO, HostCache, HostCachePolicy, plan_host_cache
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
 from prefill.gather_sink import GatherSink
 from prefill.sink import LocalSink, TransferFailed
+from prefill.tier_metrics import tier_counters, tier_gauges, tier_info
 from prefill.transfer import TransferSink
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from worker import boot, convert, heartbeat, omp, process
 from worker.config import HOST_CACHE_POLICIES, WorkerConfig, add_worker_args
 from worker.convert import sampling_from_proto
-from worker.metrics import Labelled, Values, serve_metrics
+from worker.metrics import Values, serve_metrics
 from worker.model_proxy import load_rank_model
 
 logger = logging.getLogger("prefill.server")
@@ -69,15 +71,21 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         """The host tier's changes (``HostCache.on_event``)."""
         self._publish(worker_pb2.CacheEvent(host_stored=stored, host_evicted=evicted))
 
+    def publish_disk(self, stored: list[int], evicted: list[int]) -> None:
+        """The disk tier's changes (``DiskCache.on_event``, from its writer thread too)."""
+        self._publish(worker_pb2.CacheEvent(disk_stored=stored, disk_evicted=evicted))
+
     def _publish(self, ev: worker_pb2.CacheEvent) -> None:
         for q in list(self.subscribers):
             self.loop.call_soon_threadsafe(_put_nowait, q, ev)
 
     def snapshot(self) -> worker_pb2.CacheEvent:
-        """Everything both tiers hold, as a reset event (a new subscriber's first, or after an overflow)."""
+        """Everything every tier holds, as a reset event (a new subscriber's first, or after an overflow)."""
         host = self.sched.host
+        disk = host.lower if host is not None else None
         return worker_pb2.CacheEvent(reset=True, stored=self.sched.cache.all_hashes(),
-                                     host_stored=host.all_hashes() if host is not None else [])
+                                     host_stored=host.all_hashes() if host is not None else [],
+                                     disk_stored=disk.all_hashes() if disk is not None else [])
 
     async def Prefill(self, request, context):
         ids = list(request.token_ids) + list(request.output_prefix)
@@ -161,30 +169,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                   **({} if self.sender.pool is self.sched.pool else
                      {"kv_staging_pages_used": str(self.sender.pool.allocator.num_used)}),
                   "kv_drops_armed": str(self.sender.drops_armed), "kv_drops_fired": str(self.sender.drops_fired),
-                  **self.host_info(),
+                  **tier_info(self.sched.host),
                   **({"unhealthy": problem} if problem else {})})
-
-    def host_info(self) -> dict[str, str]:
-        """The host tier's figures for ``WorkerStatus.info`` (none when it is off)."""
-        if self.sched.host is None:
-            return {}
-        st = self.sched.host.stats()
-        return {"host_cache_pages": str(st.cached_pages), "host_cache_capacity_pages": str(st.capacity_pages),
-                "host_cache_hit_tokens": str(st.hit_tokens), "host_cache_corrupt_pages": str(st.corrupt_pages)}
 
     def counters(self) -> Values:
         """Monotonic totals for /metrics (``worker.metrics``)."""
-        c, h = self.sched.cache, self.sched.host
-        host = {} if h is None else {
-            "prefix_cache_hit_tokens": (Labelled("tier", {"device": c.hit_tokens, "host": h.hit_tokens}),
-                                        "Prompt tokens found in the prefix cache, by tier"),
-            "prefix_cache_host_stored_pages": (h.stored_pages, "KV pages copied into the host tier"),
-            "prefix_cache_host_evicted_pages": (h.evicted_pages, "KV pages evicted from the host tier"),
-            "prefix_cache_recomputed_pages": (Labelled("tier", {"host": h.corrupt_pages}),
-                                              "Cached KV pages that failed their checksum and were recomputed")}
+        c = self.sched.cache
         return {"prefix_cache_queries": (c.query_tokens, "Prompt tokens looked up in the prefix cache"),
                 "prefix_cache_hits": (c.hit_tokens, "Prompt tokens found in the prefix cache (device tier)"),
-                **host,
+                **tier_counters(c, self.sched.host),
                 "prefill_tokens_computed": (self.sched.tokens_done, "Prompt tokens prefilled (cache misses)"),
                 "kv_transfers": (self.kv_transfers, "KV transfers to decode workers"),
                 "kv_transfer_bytes": (self.kv_bytes, "KV bytes shipped to decode workers"),
@@ -192,11 +185,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def gauges(self) -> Values:
         """Current values for /metrics: the prefix cache's bytes per tier."""
-        c, h = self.sched.cache, self.sched.host
-        tiers = {"device": c.num_pages * self.sched.pool.layout.bytes_per_page()}
-        if h is not None:
-            tiers["host"] = h.stats().cached_bytes
-        return {"prefix_cache_bytes": (Labelled("tier", tiers), "KV bytes held by the prefix cache, by tier")}
+        return tier_gauges(self.sched.cache, self.sched.host, self.sched.pool.layout.bytes_per_page())
 
     async def InjectFault(self, request, context):
         """``drop-kv``: cut the KV connection of each of the next ``count`` transfers mid-transfer."""
@@ -272,12 +261,25 @@ class PrefillWorkerConfig(WorkerConfig):
     at most a quarter of the host memory available at start)"""
     host_cache_policy: str = HostCachePolicy.WRITE_BACK.value
     """when a page enters the host tier: write_back (when the KV pool evicts it) or write_through (as soon as the
-    prefix cache takes it)"""
+    prefix cache takes it); the disk tier's pages come down on eviction from the host tier or as it stores them"""
+    disk_cache_dir: str | None = None
+    """local directory of the prefix cache's disk tier, below the host tier (one per worker; a restarted worker
+    keeps what it holds)"""
+    disk_cache_bytes: str = AUTO
+    """byte budget of the disk tier (64M, 40G; 0: off; auto: half the directory's free space at start, plus what
+    it holds; off without --disk-cache-dir)"""
 
     def __post_init__(self) -> None:
         if self.host_cache_bytes.strip().lower() != AUTO:
             parse_bytes(self.host_cache_bytes)  # ValueError naming the value
         HostCachePolicy(self.host_cache_policy)
+        if self.disk_cache_bytes.strip().lower() != AUTO and parse_bytes(self.disk_cache_bytes) and \
+                not self.disk_cache_dir:
+            raise ValueError(f"--disk-cache-bytes {self.disk_cache_bytes} needs --disk-cache-dir")
+        if self.disk_cache_dir and self.host_cache_bytes.strip().lower() != AUTO and not parse_bytes(
+                self.host_cache_bytes):
+            raise ValueError("--disk-cache-dir needs the host tier (--host-cache-bytes not 0): pages reach the disk "
+                             "through it")
 
 
 async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
@@ -313,6 +315,8 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
     sched.cache.on_event = servicer.publish
     if sched.host is not None:
         sched.host.on_event = servicer.publish_host
+    if sched.host is not None and sched.host.lower is not None:
+        sched.host.lower.on_event = servicer.publish_disk
     sched.heartbeat = heartbeat.Heartbeat(wcfg.stall_after)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])
@@ -329,6 +333,8 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
 
     async def on_stop():
         sched.stop()
+        if sched.host is not None:
+            sched.host.close()  # the disk tier's writer finishes what is queued
         sender.close(grace_s=2.0)
         if ranks is not None:
             ranks.close()
@@ -354,7 +360,16 @@ def build_host_cache(wcfg: PrefillWorkerConfig, pool: KVPool, pool_bytes: int) -
         logger.warning("host prefix cache off: not implemented for --tp %d (%s)", wcfg.tp, size.reason)
         return None
     logger.info("host prefix cache: %d pages, %s (%s)", size.num_pages, size.reason, wcfg.host_cache_policy)
-    return HostCache(pool, size.num_pages, HostCachePolicy(wcfg.host_cache_policy)) if size.num_pages else None
+    disk = plan_disk_cache(wcfg.disk_cache_dir, wcfg.disk_cache_bytes)
+    if not size.num_pages:
+        if disk.capacity_bytes:
+            logger.warning("disk prefix cache off: it sits below the host tier, which is off")
+        return None
+    host = HostCache(pool, size.num_pages, HostCachePolicy(wcfg.host_cache_policy))
+    if disk.capacity_bytes:
+        logger.info("disk prefix cache: %s, %s", wcfg.disk_cache_dir, disk.reason)
+        host.lower = DiskCache(wcfg.disk_cache_dir, disk.capacity_bytes, host.store, pool)
+    return host
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,6 +54,9 @@ class RouterConfig:
     host_hit_weight: float = 0.9
     """cache_aware: what a prefix page a prefill worker holds in its host-memory tier counts for, against 1 for a
     page in its KV pool (a host hit is restored, not recomputed, but not free): device hit > host hit > none."""
+    disk_hit_weight: float = 0.6
+    """cache_aware: what a prefix page in a prefill worker's local-disk tier counts for (read from a file, slower
+    than host memory, still far cheaper than a recompute): device hit > host hit > disk hit > none."""
     local_prefill_below: int = 0
     """Prompts shorter than this are prefilled on the decode worker itself (0: always disaggregate)."""
     aggregated: bool = False
@@ -112,6 +115,14 @@ class RouterConfig:
         """What the router serves with, for its UNAVAILABLE and /health messages."""
         return "decode workers" if self.aggregated else "prefill and decode workers"
 
+    def _check_cache_aware(self) -> None:
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError(f"balance thresholds must be abs >= 0 and rel >= 1, got {self.balance_abs_threshold} "
+                             f"and {self.balance_rel_threshold}")
+        for name in ("host_hit_weight", "disk_hit_weight"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
@@ -132,9 +143,7 @@ class RouterConfig:
                      "transfer_timeout_s", "decode_stall_timeout_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0 or not 0 <= self.host_hit_weight <= 1:
-            raise ValueError(f"balance thresholds must be abs >= 0 and rel >= 1 and host_hit_weight in [0, 1], got "
-                             f"{self.balance_abs_threshold}, {self.balance_rel_threshold} and {self.host_hit_weight}")
+        self._check_cache_aware()
         if self.aggregated and self.prefill:
             raise ValueError(f"an aggregated router takes no prefill workers, got {', '.join(self.prefill)}")
         tls_config(self.tls_cert, self.tls_key, self.tls_ca)  # ValueError for a half-given pair or a bad file

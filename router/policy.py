@@ -98,14 +98,16 @@ class CacheAwarePolicy(PrefillPolicy):
     """SGLang-style: when loads are imbalanced (max - min > abs threshold and max > rel threshold * min)
     route to the least-loaded worker; otherwise to the longest prefix the workers really hold (their cache
     events), ties going to the lighter load and then to the worker holding fewer blocks (spreads the cache).
-    A prefix's blocks in a worker's host tier count ``host_hit_weight`` each, its KV pool's 1: for the same
-    length a device hit beats a host hit, which beats nothing."""
+    A prefix's blocks in a worker's host tier count ``host_hit_weight`` each, in its disk tier
+    ``disk_hit_weight``, its KV pool's 1: for the same length a device hit beats a host hit, which beats a disk
+    hit, which beats nothing."""
 
     def __init__(self, cfg: RouterConfig | None = None) -> None:
         cfg = cfg or RouterConfig()
         self.abs_threshold = cfg.balance_abs_threshold
         self.rel_threshold = cfg.balance_rel_threshold
         self.host_weight = cfg.host_hit_weight
+        self.disk_weight = cfg.disk_hit_weight
         self._least = LeastLoadPolicy()
         self._tie = 0
 
@@ -125,12 +127,12 @@ class CacheAwarePolicy(PrefillPolicy):
         def key(i: int):
             c = candidates[i]
             m = matched[c.worker_id]
-            return (-(m.device + self.host_weight * m.host), c.load, index.num_blocks(c.worker_id),
+            return (-(m.device + self.host_weight * m.host + self.disk_weight * m.disk), c.load, index.num_blocks(c.worker_id),
                     (i - self._tie) % n)
         best = candidates[min(range(n), key=key)]
         m = matched[best.worker_id]
-        reason = "prefix" if m.device else "host_prefix" if m.host else "cold"
-        return Choice(best.worker_id, (m.device + m.host) * prompt.page_size, reason)
+        reason = "prefix" if m.device else "host_prefix" if m.host else "disk_prefix" if m.disk else "cold"
+        return Choice(best.worker_id, (m.device + m.host + m.disk) * prompt.page_size, reason)
 
 
 def order_decode(candidates: Sequence[Candidate], need_pages: int) -> list[Candidate]:

@@ -12,7 +12,9 @@ costs one hash whatever its length.
 Tiers: a prefill worker also publishes the pages its host-memory tier stores and drops (``host_stored``,
 ``host_evicted``; ``prefill.host_cache``). Its prefix lookup walks its KV pool first and continues in its host
 tier where the pool's match ends, so ``match_tiers`` reports, per worker, the blocks held on the device and the
-blocks after those held in host memory (restored into the pool instead of recomputed).
+blocks after those held in host memory (restored into the pool instead of recomputed). Below the host tier, a worker
+may have a local-disk tier (``disk_stored``, ``disk_evicted``; ``prefill.disk_cache``): its lookup continues there
+where the host tier's ends, and so does ``match_tiers``.
 """
 from __future__ import annotations
 
@@ -70,9 +72,11 @@ class PromptHashes:
 
 
 class TierMatch(NamedTuple):
-    """A worker's matched prefix in blocks: ``device`` in its KV pool, then ``host`` more in its host tier."""
+    """A worker's matched prefix in blocks: ``device`` in its KV pool, then ``host`` more in its host tier, then
+    ``disk`` more in its disk tier."""
     device: int
     host: int
+    disk: int = 0
 
 
 class PrefixIndex:
@@ -84,20 +88,25 @@ class PrefixIndex:
         self._by_worker: dict[str, set[int]] = {}
         self._host_by_worker: dict[str, set[int]] = {}
         """worker -> block hashes in its host tier (looked up per worker only: no reverse map)"""
+        self._disk_by_worker: dict[str, set[int]] = {}
+        """worker -> block hashes in its disk tier (as the host tier's)"""
 
     def apply(self, worker_id: str, stored: Iterable[int] = (), evicted: Iterable[int] = (),
-              reset: bool = False, host_stored: Iterable[int] = (), host_evicted: Iterable[int] = ()) -> None:
-        """Apply one cache event (``reset`` drops what was known first; ``stored`` and ``host_stored`` are then
-        snapshots)."""
+              reset: bool = False, host_stored: Iterable[int] = (), host_evicted: Iterable[int] = (),
+              disk_stored: Iterable[int] = (), disk_evicted: Iterable[int] = ()) -> None:
+        """Apply one cache event (``reset`` drops what was known first; ``stored``, ``host_stored`` and
+        ``disk_stored`` are then snapshots)."""
         if reset:
             self.drop(worker_id)
         _apply(self._holders, self._by_worker, worker_id, stored, evicted)
         _apply(None, self._host_by_worker, worker_id, host_stored, host_evicted)
+        _apply(None, self._disk_by_worker, worker_id, disk_stored, disk_evicted)
 
     def drop(self, worker_id: str) -> None:
         """Forget a worker's blocks (its event stream broke or it left)."""
         _drop(self._holders, self._by_worker, worker_id)
         _drop(None, self._host_by_worker, worker_id)
+        _drop(None, self._disk_by_worker, worker_id)
 
     def num_blocks(self, worker_id: str) -> int:
         """Blocks in the worker's KV pool."""
@@ -105,6 +114,9 @@ class PrefixIndex:
 
     def num_host_blocks(self, worker_id: str) -> int:
         return len(self._host_by_worker.get(worker_id, ()))
+
+    def num_disk_blocks(self, worker_id: str) -> int:
+        return len(self._disk_by_worker.get(worker_id, ()))
 
     def holds(self, worker_id: str, h: int) -> bool:
         return h in self._by_worker.get(worker_id, ())
@@ -126,14 +138,22 @@ class PrefixIndex:
         return result
 
     def match_tiers(self, prompt: PromptHashes, worker_ids: Iterable[str]) -> dict[str, TierMatch]:
-        """``match``, then for each worker the blocks right after its pool's match that its host tier holds."""
+        """``match``, then for each worker the blocks right after its pool's match that its host tier holds, then
+        the blocks right after those that its disk tier holds."""
         out = {}
         for w, device in self.match(prompt, worker_ids).items():
-            mine, i = self._host_by_worker.get(w), device
-            while mine and i < prompt.num_blocks and prompt[i] in mine:
-                i += 1
-            out[w] = TierMatch(device, i - device)
+            host = _run(self._host_by_worker.get(w), prompt, device)
+            disk = _run(self._disk_by_worker.get(w), prompt, device + host)
+            out[w] = TierMatch(device, host, disk)
         return out
+
+
+def _run(mine: set[int] | None, prompt: PromptHashes, start: int) -> int:
+    """How many of the prompt's blocks from ``start`` on ``mine`` holds, one after the other."""
+    i = start
+    while mine and i < prompt.num_blocks and prompt[i] in mine:
+        i += 1
+    return i - start
 
 
 def _apply(holders: dict[int, set[str]] | None, by_worker: dict[str, set[int]], worker_id: str,

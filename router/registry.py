@@ -366,7 +366,8 @@ class Registry:
             call = w.stub.StreamCacheEvents(worker_pb2.CacheEventsRequest(), metadata=self.metadata)
             try:
                 async for ev in call:
-                    self.index.apply(w.key, ev.stored, ev.evicted, ev.reset, ev.host_stored, ev.host_evicted)
+                    self.index.apply(w.key, ev.stored, ev.evicted, ev.reset, ev.host_stored, ev.host_evicted,
+                                     ev.disk_stored, ev.disk_evicted)
                     backoff = 0.1
             except grpc.aio.AioRpcError as e:
                 logger.debug("cache event stream of %s broke: %s", w.address, e.code().name)

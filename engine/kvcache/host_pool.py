@@ -93,16 +93,35 @@ class HostPagePool:
             rows = self._pool_view(pool, seg).index_select(0, src)  # [n, seg bytes] on the pool's device
             self.data.narrow(1, seg.offset, seg.num_bytes).index_copy_(0, dst, rows.to("cpu"))
 
+    def save_rows(self, pool: KVPool, pool_pages: Sequence[int]) -> torch.Tensor:
+        """Pool pages ``pool_pages`` as ``[n, page_bytes]`` uint8 rows in slot layout, outside the slots (for the
+        disk tier, when the slots have no room)."""
+        self._check(pool)
+        src = torch.as_tensor(list(pool_pages), dtype=torch.long, device=pool.device)
+        out = torch.empty((len(pool_pages), self.page_bytes), dtype=torch.uint8)
+        for seg in self.segments:
+            out.narrow(1, seg.offset, seg.num_bytes).copy_(self._pool_view(pool, seg).index_select(0, src))
+        return out
+
     def load(self, slots: Sequence[int], pool: KVPool, pool_pages: Sequence[int]) -> None:
         """Copy slot ``slots[i]`` into pool page ``pool_pages[i]`` (every layer and component)."""
+        if len(slots):
+            self.load_rows(self.data.index_select(0, torch.as_tensor(list(slots), dtype=torch.long)), pool,
+                           pool_pages)
+
+    def load_rows(self, rows: torch.Tensor, pool: KVPool, pool_pages: Sequence[int]) -> None:
+        """Copy ``rows[i]`` (``[n, page_bytes]`` uint8 in slot layout, e.g. read from the disk tier) into pool page
+        ``pool_pages[i]``."""
         self._check(pool)
-        if not len(slots):
+        if not len(pool_pages):
             return
-        src = torch.as_tensor(list(slots), dtype=torch.long)
+        if rows.shape != (len(pool_pages), self.page_bytes) or rows.dtype != torch.uint8:
+            raise ValueError(f"rows {tuple(rows.shape)} {rows.dtype} for {len(pool_pages)} pages of "
+                             f"{self.page_bytes} bytes")
         dst = torch.as_tensor(list(pool_pages), dtype=torch.long, device=pool.device)
         for seg in self.segments:
-            rows = self.data.narrow(1, seg.offset, seg.num_bytes).index_select(0, src)
-            self._pool_view(pool, seg).index_copy_(0, dst, rows.to(pool.device))
+            part = rows.narrow(1, seg.offset, seg.num_bytes)
+            self._pool_view(pool, seg).index_copy_(0, dst, part.to(pool.device))
 
     def checksum(self, slot: int, seed: int) -> int:
         """xxh3-64 of the slot's bytes, seeded (a page's block hash and layout hash: the same bytes stored for

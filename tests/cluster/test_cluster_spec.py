@@ -100,7 +100,8 @@ def test_the_same_flags_make_the_same_cluster_for_both_launchers(commands):
 
 def non_default(f: dataclasses.Field):
     """A value of router field ``f`` other than its default that ``RouterConfig`` accepts."""
-    special = {"routing": "round_robin", "host": "127.0.0.2", "host_hit_weight": 0.5}  # a weight is at most 1
+    special = {"routing": "round_robin", "host": "127.0.0.2", "host_hit_weight": 0.5,  # a weight is at most 1
+               "disk_hit_weight": 0.25}
     if f.name in special:
         return special[f.name]
     if isinstance(f.default, bool):

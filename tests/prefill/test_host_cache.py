@@ -69,7 +69,7 @@ def compute(pool, cache, ids, owner="req"):
     full page gets the bytes of its block hash. -> (match, private pages, pages restored)."""
     match = cache.match_prefix(ids)
     hm = cache.lower.match_prefix(ids, match)
-    n_host = len(hm.entries)
+    n_host = hm.num_pages  # the host tier's pages, then the disk tier's below it
     need = pool.pages_for(len(ids)) - len(match.pages)
     if need > pool.allocator.num_free:
         cache.evict(need - pool.allocator.num_free)

@@ -148,16 +148,14 @@ def test_write_through_serves_the_same_prefix(tiny, logits_seen):
     assert_same_state(warm, cold)
 
 
-def test_random_sessions_with_cancels_leak_no_page_of_either_tier(tiny):
-    """Sessions sharing a system prefix take turns through a pool and a host tier both too small for all of them
-    (so returning turns hit the host tier), with requests cancelled queued, mid-prefill and by deadline."""
-    sched = make_sched(tiny, num_pages=16, host_pages=8)
-    rng = random.Random(45)
-    cfg = tiny[1]
+def random_sessions(sched, cfg, num_requests=16, num_sessions=4, seed=45):
+    """Sessions sharing a system prefix take turns, with requests cancelled queued, mid-prefill and by deadline;
+    -> every request's answer (each one answered, by a result or an abort)."""
+    rng = random.Random(seed)
     system = prompt(cfg, 32, seed=10)
-    sessions = [system + prompt(cfg, 64, seed=20 + s) for s in range(4)]  # 6 pages each, 16 in the pool
+    sessions = [system + prompt(cfg, 64, seed=20 + s) for s in range(num_sessions)]  # 6 pages each
     res, live = {}, []
-    for i in range(16):
+    for i in range(num_requests):
         ids = sessions[i % len(sessions)] + prompt(cfg, rng.randrange(1, 12), seed=100 + i)
         sched.submit(task(f"r{i}", ids, res, deadline=None if rng.random() < 0.9 else 0.0))
         live.append(f"r{i}")
@@ -168,17 +166,30 @@ def test_random_sessions_with_cancels_leak_no_page_of_either_tier(tiny):
     # a queued request waits for pages a finishing transfer (another thread) still holds: drive the steps until
     # every request has its answer, not for a fixed count of steps (idle steps spin fast on a loaded host)
     until = time.monotonic() + 120
-    while (sched._tasks or len(res) < 16) and time.monotonic() < until:
+    while (sched._tasks or len(res) < num_requests) and time.monotonic() < until:
         if not sched.step():
             time.sleep(0.002)
     sched._finisher.shutdown(wait=True)
-    done = [r for r in res.values() if isinstance(r, PrefillResult)]
     odd = {k: r for k, r in res.items() if not isinstance(r, (PrefillResult, RequestAborted))}
-    assert len(res) == 16 and not odd, odd
-    assert len(done) >= 8 and sched.host.hit_tokens > 0 and sched.host.evicted_pages > 0
+    assert len(res) == num_requests and not odd, odd
+    return res
+
+
+def assert_no_page_leaked(sched):
+    """Every pool page free or cached (and unlocked), every host slot free or an unpinned entry."""
     pool, host = sched.pool, sched.host
     assert pool.allocator.num_free + sched.cache.num_pages == pool.num_pages
     assert set(pool.allocator.owners()) <= {"radix"} and sched.cache.num_evictable() == sched.cache.num_pages
     assert host.store.allocator.num_free + host.num_pages == host.store.num_pages
     assert not any(e.pins for e in host._entries.values())
     assert set(host.store.allocator.owners()) <= {"host"}
+
+
+def test_random_sessions_with_cancels_leak_no_page_of_either_tier(tiny):
+    """Four sessions through a pool and a host tier both too small for all of them (so returning turns hit the host
+    tier)."""
+    sched = make_sched(tiny, num_pages=16, host_pages=8)
+    res = random_sessions(sched, tiny[1])
+    done = [r for r in res.values() if isinstance(r, PrefillResult)]
+    assert len(done) >= 8 and sched.host.hit_tokens > 0 and sched.host.evicted_pages > 0
+    assert_no_page_leaked(sched)

@@ -138,9 +138,10 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
                                            info={**info(), "pages_owned_by_requests": str(self.running),
                                                  **self.b.extra_info})
 
-    def publish(self, stored=(), evicted=(), reset=False, host_stored=()):
+    def publish(self, stored=(), evicted=(), reset=False, host_stored=(), disk_stored=()):
         for q in self.queues:
-            q.put_nowait(worker_pb2.CacheEvent(stored=stored, evicted=evicted, reset=reset, host_stored=host_stored))
+            q.put_nowait(worker_pb2.CacheEvent(stored=stored, evicted=evicted, reset=reset, host_stored=host_stored,
+                                               disk_stored=disk_stored))
 
     async def InjectFault(self, request, context):
         self.faults.append((request.kind, request.count))

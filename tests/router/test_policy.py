@@ -101,3 +101,20 @@ def test_cache_aware_scores_a_device_hit_over_a_host_hit_over_nothing():
     assert CacheAwarePolicy(RouterConfig(host_hit_weight=0.0)).choose(cands(0, 0, 0, 0), p, idx).worker_id == "w0"
     with pytest.raises(ValueError, match="host_hit_weight"):
         RouterConfig(host_hit_weight=1.5)
+
+
+def test_cache_aware_scores_a_host_hit_over_a_disk_hit_over_nothing():
+    ids = list(range(40))
+    h = prefix_block_hashes(ids, 4)
+    idx = PrefixIndex()
+    idx.apply("w0", host_stored=h[:4])  # 4 blocks in its host tier
+    idx.apply("w1", disk_stored=h[:4])  # 4 on its disk
+    pol = CacheAwarePolicy(RouterConfig())
+    p = PromptHashes(ids, 4)
+    assert pol.choose(cands(0, 0, 0), p, idx) == ("w0", 16, "host_prefix")
+    assert pol.choose(cands(0, 0, 0)[1:], p, idx) == ("w1", 16, "disk_prefix")  # a disk hit beats nothing
+    idx.apply("w1", disk_stored=h[4:10])
+    assert pol.choose(cands(0, 0, 0), p, idx) == ("w1", 40, "disk_prefix")  # 0.6 x 10 blocks > 0.9 x 4
+    assert CacheAwarePolicy(RouterConfig(disk_hit_weight=0.0)).choose(cands(0, 0, 0), p, idx).worker_id == "w0"
+    with pytest.raises(ValueError, match="disk_hit_weight"):
+        RouterConfig(disk_hit_weight=-0.1)

@@ -80,13 +80,31 @@ def test_host_tier_continues_where_the_device_match_ends():
     idx.apply("b", host_stored=h[1:])  # no first block anywhere: nothing usable
     idx.apply("c", stored=h[:2], host_stored=h[:4])  # inclusive host tier: counted after the device run only
     p = PromptHashes(ids, 16)
-    assert idx.match_tiers(p, ["a", "b", "c", "d"]) == {"a": (1, 2), "b": (0, 0), "c": (2, 2), "d": (0, 0)}
+    assert idx.match_tiers(p, ["a", "b", "c", "d"]) == {"a": (1, 2, 0), "b": (0, 0, 0), "c": (2, 2, 0),
+                                                        "d": (0, 0, 0)}
     assert idx.match(p, ["a", "c"]) == {"a": 1, "c": 2} and idx.num_host_blocks("c") == 4
     idx.apply("a", host_evicted=[h[2]])
     idx.apply("c", stored=h[:1], host_stored=h[:1], reset=True)
-    assert idx.match_tiers(p, ["a", "c"]) == {"a": (1, 1), "c": (1, 0)}
+    assert idx.match_tiers(p, ["a", "c"]) == {"a": (1, 1, 0), "c": (1, 0, 0)}
     idx.drop("a")
-    assert idx.match_tiers(p, ["a"]) == {"a": (0, 0)} and idx.num_host_blocks("a") == 0
+    assert idx.match_tiers(p, ["a"]) == {"a": (0, 0, 0)} and idx.num_host_blocks("a") == 0
+
+
+def test_disk_tier_continues_where_the_host_match_ends():
+    ids = list(range(96))
+    h = prefix_block_hashes(ids, 16)  # 6 blocks
+    idx = PrefixIndex()
+    idx.apply("a", stored=h[:1], host_stored=h[1:2], disk_stored=h[:5])  # inclusive disk: after the host run only
+    idx.apply("b", disk_stored=h[:3])  # only on disk: still usable, from the root
+    idx.apply("c", stored=h[:2], disk_stored=h[3:])  # a gap (block 2 nowhere): the disk run never starts
+    p = PromptHashes(ids, 16)
+    assert idx.match_tiers(p, ["a", "b", "c"]) == {"a": (1, 1, 3), "b": (0, 0, 3), "c": (2, 0, 0)}
+    idx.apply("a", disk_evicted=[h[3]])
+    assert idx.match_tiers(p, ["a"])["a"] == (1, 1, 1) and idx.num_disk_blocks("a") == 4
+    idx.apply("b", reset=True, stored=h[:1])
+    assert idx.match_tiers(p, ["b"])["b"] == (1, 0, 0) and idx.num_disk_blocks("b") == 0
+    idx.drop("a")
+    assert idx.num_disk_blocks("a") == 0
 
 
 def test_match_tiers_with_radix_and_host_cache_events():
@@ -110,5 +128,5 @@ def test_match_tiers_with_radix_and_host_cache_events():
             hm = host.match_prefix(q, m)
             host.release(hm)
             cache.release(m)
-            assert idx.match_tiers(PromptHashes(q, 4), ["w"])["w"] == (len(m.pages), len(hm.entries))
+            assert idx.match_tiers(PromptHashes(q, 4), ["w"])["w"] == (len(m.pages), len(hm.entries), 0)
         assert sorted(idx._host_by_worker["w"]) == sorted(host.all_hashes())

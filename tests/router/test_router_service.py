@@ -323,14 +323,16 @@ def test_cache_aware_routes_a_shared_prefix_to_the_worker_holding_it():
     run(go())
 
 
-def test_cache_aware_routes_to_the_worker_holding_the_prefix_in_its_host_tier():
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_cache_aware_routes_to_the_worker_holding_the_prefix_in_its_host_or_disk_tier(tier):
     async def go():
         async with FakeCluster(2, 1) as fc:
             shared = list(range(2, 34))  # 8 pages of 4
             p = fc.prefills[0]  # the one a cold prompt's tie-break would not pick first
             await fc.wait_for(lambda: bool(p.queues), what="event stream")
-            p.publish(host_stored=prefix_block_hashes(shared, 4))
-            await fc.wait_for(lambda: fc.registry.index.num_host_blocks(p.key) == 8, what="host cache events")
+            p.publish(**{f"{tier}_stored": prefix_block_hashes(shared, 4)})
+            num = fc.registry.index.num_host_blocks if tier == "host" else fc.registry.index.num_disk_blocks
+            await fc.wait_for(lambda: num(p.key) == 8, what=f"{tier} cache events")
             c = await fc.client.generate(token_ids=shared + [50, 51], max_tokens=2)
             assert c.metrics.prefill_worker == p.worker_id
     run(go())

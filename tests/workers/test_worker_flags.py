@@ -1,5 +1,7 @@
 """The workers' flags come from their config dataclasses (``common.flags``): every flag the local and Ray
 launchers pass parses with the role's parser, and every flag has help text (pure: nothing is started)."""
+import os
+
 import pytest
 
 from cli.main import build_parser as cli_parser
@@ -40,7 +42,8 @@ def test_every_flag_of_pdserve_serve_parses_with_the_workers(tmp_path):
     for flags in ([], ["--kv-dtype", "fp8_e4m3", "--num-pages", "64", "--no-spec-fallback", "--compile",
                        "--fault-injection", "--kv-transport", "mooncake", "--mooncake-protocol", "rdma",
                        "--log-format", "json", "--speculative", "3/1/4", "--host-cache-bytes", "64M",
-                       "--host-cache-policy", "write_through", *tls],
+                       "--host-cache-policy", "write_through", "--disk-cache-dir", str(tmp_path / "kv"),
+                       "--disk-cache-bytes", "2G", *tls],
                   ["--kv-cache-memory", "1GiB", "--mem-fraction", "0.5", "--no-speculative", "--no-shm"]):
         for role, cmd in local_cmds(tmp_path, *flags).items():
             assert cmd[1:3] == ["-m", f"{role}.server"]
@@ -56,8 +59,10 @@ def test_every_flag_of_pdserve_serve_parses_with_the_workers(tmp_path):
                 else:
                     assert wcfg.fault_injection
                     assert (wcfg.host_cache_bytes, wcfg.host_cache_policy) == ("64M", "write_through")
+                    assert (wcfg.disk_cache_dir, wcfg.disk_cache_bytes) == (str(tmp_path / "kv" / "prefill-0"), "2G")
             elif role == "prefill":
                 assert (wcfg.host_cache_bytes, wcfg.host_cache_policy) == ("auto", "write_back")
+                assert (wcfg.disk_cache_dir, wcfg.disk_cache_bytes) == (None, "auto")
             if "--no-speculative" in flags:
                 assert (wcfg.kv_cache_memory, wcfg.mem_fraction) == ("1GiB", 0.25)  # the fraction split by 2 workers
                 assert role == "prefill" or (wcfg.no_speculative and not wcfg.shm)
@@ -77,6 +82,7 @@ def ray_deployment(tmp_path, **kw) -> Deployment:
     {"kv_dtype": "bfloat16", "num_pages": 64, "compile_decode": True, "no_spec_fallback": True,
      "decode_weights": "/q", "speculative": "off", "log_format": "json"},
     {"kv_cache_memory": "512MB", "mem_fraction": 0.4, "no_shm": True, "host_cache_bytes": "0"},
+    {"disk_cache_dir": "kv", "disk_cache_bytes": "40G"},
 ])
 def test_every_flag_of_the_ray_launcher_parses_with_the_workers(kw, tmp_path):
     for role in PARSERS:
@@ -91,6 +97,8 @@ def test_every_flag_of_the_ray_launcher_parses_with_the_workers(kw, tmp_path):
             assert wcfg.quantized_model == kw.get("decode_weights")
         else:
             assert wcfg.host_cache_bytes == kw.get("host_cache_bytes", "auto")
+            assert wcfg.disk_cache_bytes == kw.get("disk_cache_bytes", "auto")
+            assert wcfg.disk_cache_dir == (os.path.abspath(f"kv/{role}-1") if "disk_cache_dir" in kw else None)
 
 
 @pytest.mark.parametrize("role", list(PARSERS))

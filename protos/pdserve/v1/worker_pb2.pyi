@@ -120,15 +120,19 @@ class CacheEventsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheEvent(_message.Message):
-    __slots__ = ("stored", "evicted", "reset", "host_stored", "host_evicted")
+    __slots__ = ("stored", "evicted", "reset", "host_stored", "host_evicted", "disk_stored", "disk_evicted")
     STORED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     HOST_STORED_FIELD_NUMBER: _ClassVar[int]
     HOST_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    DISK_STORED_FIELD_NUMBER: _ClassVar[int]
+    DISK_EVICTED_FIELD_NUMBER: _ClassVar[int]
     stored: _containers.RepeatedScalarFieldContainer[int]
     evicted: _containers.RepeatedScalarFieldContainer[int]
     reset: bool
     host_stored: _containers.RepeatedScalarFieldContainer[int]
     host_evicted: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, stored: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., host_stored: _Optional[_Iterable[int]] = ..., host_evicted: _Optional[_Iterable[int]] = ...) -> None: ...
+    disk_stored: _containers.RepeatedScalarFieldContainer[int]
+    disk_evicted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stored: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., host_stored: _Optional[_Iterable[int]] = ..., host_evicted: _Optional[_Iterable[int]] = ..., disk_stored: _Optional[_Iterable[int]] = ..., disk_evicted: _Optional[_Iterable[int]] = ...) -> None: ...
