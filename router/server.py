@@ -15,6 +15,7 @@ import logging
 import time
 
 import grpc
+from grpc._cython import cygrpc  # ExecuteBatchError: gRPC's aio API exports no public name for it
 from google.protobuf.message import DecodeError
 
 from common.reasons import Role
@@ -76,7 +77,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             try:
                 await relay(run, core.observe(run, "grpc"), context.write, core.cfg.stream_write_timeout_s)
             except RequestError as e:
-                await context.abort(e.code, e.message, retry_trailer(e))
+                try:
+                    await context.abort(e.code, e.message, retry_trailer(e))
+                except cygrpc.ExecuteBatchError:
+                    # a client that took no response for stream_write_timeout_s: its last write is still
+                    # queued in gRPC's core, so no status can follow it; the call ends with the connection
+                    logger.debug("request %s: %s (the client reads nothing: no status sent)", run.req_id, e.message)
+                    raise asyncio.CancelledError from None
 
 
 class AdminServicer(generation_pb2_grpc.AdminServicer):
