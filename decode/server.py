@@ -28,7 +28,7 @@ from decode.config import DecodeConfig, DecodeWorkerConfig
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
 from engine.defaults import default_model_dir
 from engine.kvcache import PoolExhausted
-from engine.loader import model_hash
+from engine.fingerprint import model_hash
 from engine.quant.prepare import expert_status, quantized_experts
 from engine.tokenizer import Tokenizer
 from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, TransferError
