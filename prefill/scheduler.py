@@ -288,7 +288,7 @@ class PrefillScheduler(SchedulerThread):
                     t.abort_reason = t.abort_reason or f"transfer start failed: {e}"
 
     def _forward(self, chunks: list[tuple[PrefillTask, int, int]]) -> None:
-        def ship(layer: int) -> None:
+        def on_layer_done(layer: int) -> None:  # engine.batch.OnLayerDone: each request's sink ships it
             for t, s, e in chunks:
                 if not t.abort_reason:
                     t.sink.send(layer, s, e)
@@ -307,7 +307,7 @@ class PrefillScheduler(SchedulerThread):
         # computes the draft state shipped with the pages
         plan = [PrefillChunk(t.pages, s, t.token_ids[s:e], t.token_ids[e] if e < len(t.token_ids) else None,
                              draft=e == len(t.token_ids)) for t, s, e in chunks]
-        for (t, _, e), res in zip(chunks, prefill_forward(self.model, self.pool, plan, sample_first, ship)):
+        for (t, _, e), res in zip(chunks, prefill_forward(self.model, self.pool, plan, sample_first, on_layer_done)):
             if e == len(t.token_ids):
                 t.first_token, t.draft_hidden = res.next_token, res.draft_hidden
         with self._cv:
