@@ -9,15 +9,14 @@ import argparse
 import os
 import time
 
+from bench.loadgen.sweep import run_demo_sweep
+from cluster.local import LocalCluster, LocalClusterConfig
 from engine.defaults import PDSERVE_HOME, default_model_dir
+from router.client import GenerationClient
+from router.config import RouterConfig
 
 
 def main(args: argparse.Namespace) -> int:
-    from bench.loadgen.sweep import run_demo_sweep  # lazy: aiohttp, google, grpc, grpc_health, grpc_reflection, numpy
-    from cluster.local import LocalCluster, LocalClusterConfig  # lazy: grpc, grpc_health, grpc_reflection
-    from router.config import RouterConfig  # lazy: grpc (as cluster.local)
-    from router.client import GenerationClient  # lazy: google, grpc, grpc_health, grpc_reflection
-
     model_dir = args.model or default_model_dir()
     out_dir = os.path.join(PDSERVE_HOME, "demo", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)

@@ -4,11 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bench.loadgen.config import add_config_args, config_from_args
+from bench.loadgen.report import load_json, run_label
+from bench.loadgen.sweep import report, run_bench
 from common.flags import add_api_key_file_arg
+from protos import rpc
 
 
 def register(sub) -> None:
-    from bench.loadgen.config import add_config_args  # lazy: aiohttp, google, grpc, grpc_health, grpc_reflection, numpy
     p = sub.add_parser("bench", help="benchmark a running router: sweep request rates, report TTFT/ITL/tok/s",
                        description="Sweep Poisson request rates (--rps LIST) or concurrencies against a running "
                                    "router, or search the knee (--rps auto: ramp until the SLO breaks, bisect to "
@@ -24,13 +27,9 @@ def register(sub) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from bench.loadgen.config import config_from_args  # lazy: aiohttp, google, grpc, grpc_health, grpc_reflection, numpy
-    from bench.loadgen.report import load_json, run_label  # lazy: aiohttp, google, grpc, grpc_health, grpc_reflection, numpy
-    from bench.loadgen.sweep import report, run_bench  # lazy: aiohttp, google, grpc, grpc_health, grpc_reflection, numpy
     if args.from_json:
         print(report(load_json(args.from_json), args.compare, run_label(args.from_json)))
         return 0
-    from protos import rpc  # lazy: grpc, grpc_health, grpc_reflection
     try:
         cfg = config_from_args(args, api_key=rpc.api_key_from_args(args))
     except (ValueError, OSError) as e:

@@ -60,15 +60,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from cluster.preflight import check_model, check_speculative  # lazy: numpy, safetensors, torch
-    from engine.defaults import default_model_dir  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
-    from engine.sizing import pool_sizing  # lazy: numpy, safetensors, torch
+    from cluster.preflight import check_launch  # lazy: numpy, safetensors, torch
     try:
         cfg = cluster_config_from_args(args, RayLaunchConfig, api_key=rpc.api_key_from_args(args))
-        # before Ray is contacted: the model (read here for its hash), the flags' syntax
-        check_model(cfg.model or default_model_dir())
-        check_speculative(cfg.speculative)
-        pool_sizing(cfg.num_pages, cfg.kv_cache_memory, cfg.mem_fraction)
+        check_launch(cfg)  # before Ray is contacted
     except (ValueError, OSError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

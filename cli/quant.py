@@ -4,92 +4,23 @@
     pdserve tune-moe [--shapes glm5 glm5-s4 tiny peer 6144,2048,256,8 ...] [--tokens 1,16,4096]
     pdserve eval-quant [--model DIR] [--formats mxfp4,mxfp6_e2m3,...] [--text FILE]
 
-torch is imported inside the commands only (the CLI must start fast for the router).
+The commands themselves are ``cli.quant_commands``, imported when one runs (the CLI must start fast for the
+router and `pdserve bench`, without torch).
 """
 from __future__ import annotations
 
 import argparse
-import json
 
 MX_FORMAT_NAMES = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8")
 
 
-def cmd_quantize(args: argparse.Namespace) -> int:
-    from engine.quant.quantize import quantize_checkpoint  # lazy: safetensors, torch, tqdm
-    res = quantize_checkpoint(args.model, args.out, args.format, args.scale_mode,
-                              quantize_mtp=not args.keep_mtp_experts,
-                              act_format=None if args.act_format == "none" else args.act_format,
-                              progress=not args.no_progress)
-    print(json.dumps({"out_dir": res.out_dir, "format": args.format, "scale_mode": args.scale_mode,
-                      "quantized_tensors": res.num_quantized, "kept_tensors": res.num_kept,
-                      "excluded_modules": len(res.exclude), "in_bytes": res.in_bytes, "out_bytes": res.out_bytes,
-                      "size_ratio": round(res.out_bytes / max(res.in_bytes, 1), 4)}))
-    return 0
-
-
-def _fits(shape, device) -> tuple[bool, str]:
-    from engine.moe.mx_experts import DequantCache  # lazy: torch, triton
-    need = shape.mx_weight_bytes()
-    avail = DequantCache.default_budget(device) * 2  # half of free memory
-    if need > avail:
-        return False, (f"MX weights need {need / 2**30:.1f} GiB, more than half the free memory "
-                       f"({avail / 2**30:.1f} GiB)")
-    return True, ""
-
-
-def cmd_tune_moe(args: argparse.Namespace) -> int:
-    import torch  # lazy: torch
-
-    from engine.load import DTYPES, resolve_device  # lazy: numpy, safetensors, torch
-    from engine.moe import tune, tuned_table  # lazy: torch, triton
-    device = resolve_device(args.device)
-    dtype = DTYPES[args.compute_dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(tune.DEFAULT_TOKEN_COUNTS)
-    impls = args.impls.split(",") if args.impls else None
-    out_dir = args.out or tuned_table.TUNED_DIR
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    summary = []
-    for text in args.shapes:
-        shape = tuned_table.parse_shape(text, args.dtype)
-        ok, why = _fits(shape, device)
-        if not ok:
-            print(f"skip {text} ({shape.describe()}): {why}; tune a scaled variant (e.g. glm5-s4) here")
-            summary.append({"shape": text, "skipped": why})
-            continue
-        log = (lambda msg: print("  " + msg, flush=True)) if args.verbose_timings else None
-        res = tune.tune_shape(shape, tokens, impls, device, dtype, args.max_run_s, log)
-        path = tune.write_table(res, out_dir)
-        print(f"{shape.key(res.device)} -> {path}")
-        for t, row in res.timings_s.items():
-            best = min(row, key=row.get)
-            cells = "  ".join(f"{n}={v * 1e3:.2f}ms" for n, v in sorted(row.items(), key=lambda kv: kv[1]))
-            print(f"  T={t:<5d} best {best:<14s} {cells}")
-        for s in res.skipped:
-            print(f"  note: {s}")
-        summary.append({"shape": text, "table": path, "best": {str(k): v for k, v in res.best.items()}})
-    if args.json:
-        print(json.dumps(summary))
-    return 0
-
-
-def cmd_eval_quant(args: argparse.Namespace) -> int:
-    from engine.defaults import default_model_dir  # lazy: engine (`pdserve bench` runs off-cluster and never imports it)
-    from engine.quant.evaluate import evaluate_quant  # lazy: torch
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    bad = [f for f in formats if f not in MX_FORMAT_NAMES]
-    if bad:
-        raise ValueError(f"unknown formats {bad}; choose from {list(MX_FORMAT_NAMES)}")
-    report = evaluate_quant(args.model or default_model_dir(), formats, args.text, args.num_tokens,
-                            args.scale_mode, args.device if args.device != "auto" else "cpu")
-    if args.json:
-        print(json.dumps({"model": report.model_dir, "token_source": report.token_source,
-                          "num_tokens": report.num_tokens,
-                          "results": [dict(r._asdict(), ppl_delta=r.ppl_delta) for r in report.results]}))
-    else:
-        print(report.markdown())
-    return 0
+def _command(name: str):
+    """``cli.quant_commands.<name>``, imported when the command runs."""
+    def run(args: argparse.Namespace) -> int:
+        # heavy: torch, triton, safetensors (the commands' engine); registering them must not load it
+        from cli import quant_commands
+        return getattr(quant_commands, name)(args)
+    return run
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -103,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also quantize expert inputs dynamically at run time (Quark's W+A schemes)")
     q.add_argument("--keep-mtp-experts", action="store_true", help="leave the MTP layer's routed experts bf16")
     q.add_argument("--no-progress", action="store_true", help="no progress bar")
-    q.set_defaults(fn=cmd_quantize)
+    q.set_defaults(fn=_command("cmd_quantize"))
 
     t = sub.add_parser("tune-moe", help="benchmark MX MoE strategies per token count; write tuned tables")
     t.add_argument("--shapes", nargs="+", default=["glm5", "glm5-s4", "tiny", "peer"],
@@ -119,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--out", default=None, help="table directory (default: engine/moe/tuned, shipped)")
     t.add_argument("--verbose-timings", action="store_true", help="print every candidate's timing, not only the winners")
     t.add_argument("--json", action="store_true", help="print one JSON object")
-    t.set_defaults(fn=cmd_tune_moe)
+    t.set_defaults(fn=_command("cmd_tune_moe"))
 
     e = sub.add_parser("eval-quant", help="KL / top-1 / perplexity of MX formats against the bf16 model")
     e.add_argument("--model", default=None, help="model directory (default: the default model)")
@@ -129,5 +60,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--scale-mode", default="even", choices=["even", "floor"], help="MX scale rounding (even: OCP MX round-to-nearest-even; floor: the spec's floor)")
     e.add_argument("--device", default="cpu", help="torch device to evaluate on")
     e.add_argument("--json", action="store_true", help="print one JSON object")
-    e.set_defaults(fn=cmd_eval_quant)
+    e.set_defaults(fn=_command("cmd_eval_quant"))
 

@@ -7,7 +7,9 @@ import signal
 import sys
 import time
 
-from cli.main import _parse_ids
+import grpc
+
+from cli.vocab import parse_ids
 from cluster.local import ClusterStartError, LocalCluster, LocalClusterConfig
 from cluster.spec import add_cluster_args, cluster_config_from_args
 from protos import rpc
@@ -115,15 +117,13 @@ def _watch(cluster) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import grpc  # lazy: grpc
-
-    from protos import rpc  # lazy: grpc, grpc_health, grpc_reflection
-    from router.client import Completion, GenerationClient  # lazy: google, grpc, grpc_health, grpc_reflection
-    ids = _parse_ids(args.token_ids)
+    # the router's client: the parser that `pdserve bench` builds loads router.config only (tests/bench/test_config.py)
+    from router.client import Completion, GenerationClient
+    ids = parse_ids(args.token_ids)
     if (ids is None) == (args.prompt is None):
         raise SystemExit("give exactly one of --prompt and --token-ids")
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-              min_p=args.min_p, seed=args.seed, stop=args.stop, stop_token_ids=_parse_ids(args.stop_token_ids) or [],
+              min_p=args.min_p, seed=args.seed, stop=args.stop, stop_token_ids=parse_ids(args.stop_token_ids) or [],
               ignore_eos=args.ignore_eos, priority=args.priority, timeout_s=args.timeout)
     out, t0 = Completion(), time.perf_counter()
     try:

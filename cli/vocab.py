@@ -152,3 +152,12 @@ def apply_rules(root: argparse.ArgumentParser, sub: argparse._SubParsersAction) 
         if "--verbose" not in sp._option_string_actions:
             sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                             help="debug logging (also accepted before the subcommand)")
+
+
+def parse_ids(s: str | None) -> list[int] | None:
+    if not s:
+        return None
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--token-ids must be comma-separated integers, got {s!r}") from None

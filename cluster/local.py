@@ -165,6 +165,8 @@ class LocalCluster:
     def __init__(self, cfg: LocalClusterConfig) -> None:
         self.cfg = cfg
         self.model = cfg.model or _default_model()
+        # heavy: torch (engine.quant quantizes the experts); `pdserve --help` and bench import this module
+        from cluster.weights import resolve_decode_weights
         self.decode_weights = resolve_decode_weights(self.model, cfg.decode_weights)
         self.run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="pdserve-run-")
         """Logs; a temporary one (no ``run_dir`` given) is removed by a clean ``stop``."""
@@ -301,70 +303,6 @@ def _wait_all(children: list[Child], timeout_s: float) -> None:
             pass
 
 
-MX_BLOCK_SIZE = 32
-"""Elements per MX scale block along a weight's last (input) dimension (OCP MX v1.0, section 5)."""
-
-
-def mx_unfit(cfg) -> str:
-    """Why the routed experts of ``cfg`` (an ``engine.config.ModelConfig``) cannot be MX-quantized, or "":
-    gate/up ([moe_intermediate, hidden]) block along hidden_size, down ([hidden, moe_intermediate]) along
-    moe_intermediate_size."""
-    bad = [f"{name} {getattr(cfg, name)}" for name in ("hidden_size", "moe_intermediate_size")
-           if getattr(cfg, name) % MX_BLOCK_SIZE]
-    return f"{' and '.join(bad)} not a multiple of the MX block size {MX_BLOCK_SIZE}" if bad else ""
-
-
-def resolve_decode_weights(model_dir: str, spec: str) -> str | None:
-    """``LocalClusterConfig.decode_weights`` -> the checkpoint directory decode workers load, or None for
-    ``model_dir`` itself. An MX format quantizes ``model_dir``'s routed experts once (``pdserve quantize``)
-    into a cache keyed by the model's hash, so later starts reuse it."""
-    from engine.quant.mx import MX_FORMATS  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
-    from engine.quant.quark import QuarkConfig  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
-    if spec == "model" or not os.path.exists(os.path.join(model_dir, "config.json")):
-        return None  # (no model there: the workers fail to start and say why)
-    if spec not in MX_FORMATS:
-        if not os.path.exists(os.path.join(spec, "config.json")):
-            raise ValueError(f"decode weights {spec!r}: not 'model', one of {list(MX_FORMATS)}, or a checkpoint "
-                             f"directory")
-        from engine.config import ModelConfig  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
-        a, b = ModelConfig.from_model_dir(model_dir), ModelConfig.from_model_dir(spec)
-        if (a.model_type, a.num_hidden_layers, a.hidden_size, a.vocab_size) != \
-                (b.model_type, b.num_hidden_layers, b.hidden_size, b.vocab_size):
-            raise ValueError(f"decode weights {spec} are not a copy of {model_dir} (model type, layers, hidden "
-                             f"size or vocabulary differ)")
-        return spec
-    if QuarkConfig.for_model_dir(model_dir) is not None:
-        return None  # already quantized: serve it as it is
-    from engine.config import ModelConfig  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
-    why = mx_unfit(ModelConfig.from_model_dir(model_dir))
-    if why:
-        logger.warning("decode weights: %s cannot be quantized to %s (%s): decode workers run the model's own "
-                       "weights (--decode-weights model)", model_dir, spec, why)
-        return None
-    from engine.defaults import PDSERVE_HOME  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
-    from engine.loader import model_hash  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
-    out = os.path.join(PDSERVE_HOME, "quantized", f"{model_hash(model_dir)}-{spec}")
-    if not os.path.exists(os.path.join(out, ".complete")):
-        from engine.quant.quantize import quantize_checkpoint  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
-        logger.warning("decode weights: quantizing %s to %s once (cached at %s)", model_dir, spec, out)
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(out))
-        try:
-            quantize_checkpoint(model_dir, tmp, spec, progress=False)
-            open(os.path.join(tmp, ".complete"), "w").close()
-            if not os.path.exists(os.path.join(out, ".complete")):  # another process may have finished first
-                shutil.rmtree(out, ignore_errors=True)  # an interrupted attempt's leftovers
-                try:
-                    os.replace(tmp, out)
-                except OSError:  # it did meanwhile: its copy is the same bytes
-                    if not os.path.exists(os.path.join(out, ".complete")):
-                        raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
 def _default_model() -> str:
     from engine.defaults import default_model_dir  # lazy: engine (the launcher's CLI and `pdserve bench` never import it)
     return default_model_dir()
-

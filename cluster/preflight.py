@@ -141,3 +141,11 @@ def check_serve(cfg) -> None:
     roles = [(Role.PREFILL, model)] * cfg.prefill + [(Role.DECODE, decode_weights)] * cfg.decode
     check_memory(roles, cfg.dtype, cfg.kv_dtype, cfg.page_size, cfg.num_pages, cfg.kv_cache_memory,
                  cfg.mem_fraction)
+
+
+def check_launch(cfg) -> None:
+    """What ``pdserve launch`` can check before Ray is contacted (``cfg``: a ``RayLaunchConfig``): the model (read
+    here for its hash) and the flags' syntax."""
+    check_model(cfg.model or default_model_dir())
+    check_speculative(cfg.speculative)
+    pool_sizing(cfg.num_pages, cfg.kv_cache_memory, cfg.mem_fraction)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -39,13 +38,13 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.local import Child, ClusterStartError
+from cluster.ray_placement import ROUTER_NAME, WORKER_NAME
 from common.env import API_KEY, CLUSTER_SECRET, child_environ
 from common.reasons import Role
+from router.client import GenerationClient
 from router.discovery import WorkerList, ensure_private_dir, write_worker_list
 
 logger = logging.getLogger(__name__)
-WORKER_NAME = re.compile(r"^(prefill|decode)-(\d+)$")
-ROUTER_NAME = "router"
 
 
 class ServerProcess:
@@ -200,7 +199,6 @@ class RouterActor(ServerProcess):
 
     def workers_seen(self, timeout_s: float = 5.0) -> list[dict]:
         """The router's own view (Admin.GetClusterStatus): address, role, healthy, in-flight calls."""
-        from router.client import GenerationClient  # lazy: google
         with GenerationClient(self._local_address(), api_key=self.spec_.cfg.api_key, tls_ca=self._tls_root()) as c:
             st = c.cluster_status(timeout_s)
         return [{"address": w.address, "role": w.role, "healthy": w.healthy,

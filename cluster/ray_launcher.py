@@ -33,8 +33,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from cluster.local import ClusterStartError, resolve_decode_weights
-from cluster.ray_placement import PLACEMENTS, PlacementError, actor_resources, create_groups, demands_for, list_groups, plan_when_free, remove_groups
+from cluster.local import ClusterStartError
+from cluster.ray_placement import PLACEMENTS, ROUTER_NAME, WORKER_NAME, PlacementError, actor_resources, create_groups, demands_for, list_groups, plan_when_free, remove_groups
 from cluster.spec import ClusterSpec, WorkerSlot
 from common.reasons import Role
 from protos import rpc
@@ -147,7 +147,6 @@ def actor_names(namespace: str) -> list[str]:
 
 
 def worker_index(name: str) -> tuple[str, int] | None:
-    from cluster.ray_actors import WORKER_NAME  # lazy: ray
     m = WORKER_NAME.match(name)
     return (m.group(1), int(m.group(2))) if m else None
 
@@ -167,7 +166,7 @@ def launch(cfg: RayLaunchConfig) -> DeploymentStatus:
         refs = start_workers(dep, names, existing_nodes={})
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # lazy: ray
 
-        from cluster.ray_actors import ROUTER_NAME, RouterActor  # lazy: ray
+        from cluster.ray_actors import RouterActor  # lazy: ray (the actor classes are ray.remote)
         router = RouterActor.options(
             name=ROUTER_NAME, namespace=cfg.namespace, lifetime="detached", max_restarts=cfg.max_restarts,
             num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
@@ -187,7 +186,7 @@ def _make_deployment(cfg: RayLaunchConfig) -> Deployment:
     from engine.defaults import default_model_dir  # lazy: engine (`pdserve bench` builds this CLI and never imports engine)
     model = cfg.model or default_model_dir()
     if cfg.model_hash is None:
-        from engine.loader import model_hash  # lazy: safetensors, torch
+        from engine.fingerprint import model_hash  # lazy: engine (as above)
         mhash = model_hash(model)
     else:
         mhash = cfg.model_hash
@@ -197,6 +196,8 @@ def _make_deployment(cfg: RayLaunchConfig) -> Deployment:
             raise ValueError(f"--decode-weights {cfg.decode_weights!r}: give 'model' or a directory holding a "
                              f"quantized copy of the model that every node can read (make one with `pdserve "
                              f"quantize`)")
+        # heavy: torch (engine.quant); `pdserve --help` imports this module through cli.launch
+        from cluster.weights import resolve_decode_weights
         decode_weights = resolve_decode_weights(model, os.path.abspath(cfg.decode_weights))
     return Deployment(cfg.resolved(model, decode_weights), mhash, rpc.cluster_secret() or secrets.token_hex(16))
 
@@ -219,7 +220,7 @@ def start_workers(dep: Deployment, names: list[str], existing_nodes: dict[str, i
     _quiet_ray_warning()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # lazy: ray
 
-    from cluster.ray_actors import RankSlotActor, WorkerActor  # lazy: ray
+    from cluster.ray_actors import RankSlotActor, WorkerActor  # lazy: ray (the actor classes are ray.remote)
     cfg = dep.cfg
     demands = [d for role in ROLES for d in demands_for([n for n in names if n.startswith(role + "-")],
                                                         cfg.bundle, cfg.tp(role))]
@@ -294,7 +295,6 @@ def wait_in_rotation(router, addresses: list[str], timeout_s: float) -> None:
 def status(address: str, namespace: str = "pdserve", timeout_s: float = 5.0) -> DeploymentStatus:
     import ray  # lazy: ray
 
-    from cluster.ray_actors import ROUTER_NAME  # lazy: ray
     connect(address, namespace)
     st = DeploymentStatus(namespace, groups=list_groups(namespace))
     refs = {}

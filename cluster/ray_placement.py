@@ -14,9 +14,15 @@ that still does not come up (resources taken meanwhile, a node lost) is removed 
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Mapping
+
+WORKER_NAME = re.compile(r"^(prefill|decode)-(\d+)$")
+"""A worker actor's name in the deployment's namespace (``prefill-3``); the launcher and the actors share it."""
+ROUTER_NAME = "router"
+"""The router actor's name."""
 
 PLACEMENTS = ("spread", "pack")
 SCALAR_KEYS = ("CPU", "GPU", "memory")

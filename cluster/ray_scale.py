@@ -23,7 +23,7 @@ from cluster.ray_launcher import (
     wait_started,
     worker_index,
 )
-from cluster.ray_placement import remove_groups
+from cluster.ray_placement import ROUTER_NAME, remove_groups
 from common.reasons import Role
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,6 @@ def scale(address: str, namespace: str = "pdserve", prefill: int | None = None, 
     started like launch's; removed ones (highest index first) are drained, then stopped."""
     import ray  # lazy: ray
 
-    from cluster.ray_actors import ROUTER_NAME  # lazy: ray
     connect(address, namespace)
     if (prefill is not None and prefill < 0) or (decode is not None and decode < 1):
         raise ValueError(f"need at least one decode worker and no negative count of prefill workers, got "

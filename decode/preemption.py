@@ -20,8 +20,9 @@ from typing import NamedTuple
 
 from common.reasons import FinishReason
 from decode.config import DecodeConfig
-from decode.task import DecodeTask, ensure_pages, release_pages
-from engine.kvcache.pool import KVPool, PoolExhausted
+from decode.admission import DecodeAdmission
+from decode.task import DecodeTask
+from engine.kvcache.pool import PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.speculative.prefill import PrefillChunk, prefill_forward
 
@@ -42,9 +43,10 @@ class Resume(NamedTuple):
 
 
 class PreemptionManager:
-    def __init__(self, model: GlmForCausalLM, pool: KVPool, config: DecodeConfig, finish: Finish,
+    def __init__(self, model: GlmForCausalLM, admission: DecodeAdmission, config: DecodeConfig, finish: Finish,
                  draft: bool = False) -> None:
-        self.model, self.pool, self.config, self._finish = model, pool, config, finish
+        self.model, self.admission, self.config, self._finish = model, admission, config, finish
+        self.pool = admission.pool
         self.draft = draft
         """Recompute the MTP draft state too (the scheduler speculates): the request speculates at once."""
         self.preempted: list[DecodeTask] = []
@@ -66,7 +68,7 @@ class PreemptionManager:
         for task in sorted(running, key=lambda t: t.arrival):
             while task in running:
                 try:
-                    ensure_pages(self.pool, task, task.cached_len + 1)
+                    self.admission.grow(task, task.cached_len + 1)
                     break
                 except PoolExhausted as e:
                     need = self.pool.pages_for(task.cached_len + 1)
@@ -85,7 +87,7 @@ class PreemptionManager:
 
     def _preempt(self, task: DecodeTask, running: list[DecodeTask]) -> None:
         running.remove(task)
-        release_pages(self.pool, task)
+        self.admission.release(task)
         task.cached_len = 0
         task.preemptions += 1
         self.num_preemptions += 1
@@ -106,9 +108,8 @@ class PreemptionManager:
             self._finish(task, FinishReason.ERROR,
                          f"decode KV pool exhausted: this request needs {need} pages, the pool has {self.pool.num_pages}")
             return Resume(None, 0, True)
-        if self.pool.allocator.num_free < need + num_running:
+        if not self.admission.alloc_resume(task, n, num_running):
             return Resume(None, 0, False)
-        task.pages = self.pool.allocator.alloc(need, task.req_id)
         self.preempted.pop(0)
         return Resume(task, n, True)
 

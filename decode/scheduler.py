@@ -33,10 +33,11 @@ from typing import Callable, Iterator
 import torch
 
 from common.reasons import AbortReason, FinishReason
+from decode.admission import DecodeAdmission
 from decode.config import DecodeConfig
 from decode.preemption import PreemptionManager
 from decode.speculation import SpeculationAdapter, Speculator
-from decode.task import DecodeTask, State, TokenEvent, ensure_pages, release_pages
+from decode.task import DecodeTask, State, TokenEvent
 from engine.batch import BatchRequest, ForwardBatch
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
@@ -67,14 +68,18 @@ def intra_op_threads(num_threads: int) -> Iterator[None]:
 class DecodeScheduler(SchedulerThread):
     def __init__(self, model: GlmForCausalLM, pool: KVPool, eos_ids: tuple[int, ...] = (),
                  config: DecodeConfig | None = None, stop_checker: Callable[[DecodeTask], str | None] | None = None,
-                 spec: Speculator | None = None) -> None:
+                 spec: Speculator | None = None, admission: DecodeAdmission | None = None) -> None:
         super().__init__()  # the scheduler thread, its condition variable and heartbeat
         config = config or DecodeConfig()
         self.model, self.pool, self.eos_ids, self.config = model, pool, set(eos_ids), config
+        self.admission = admission or DecodeAdmission(pool)
+        """The owner of every page a request holds: the scheduler asks it to allocate, grow and release."""
+        if self.admission.pool is not pool:
+            raise ValueError("the admission's pool must be the scheduler's")
         self.stop_checker = stop_checker
         """Returns a truncated-text reason (``stop``) when a stop string appeared (needs a tokenizer)."""
         self.speculation = None if spec is None else SpeculationAdapter(spec, config)
-        self.preemption = PreemptionManager(model, pool, config, self._finish, draft=spec is not None)
+        self.preemption = PreemptionManager(model, self.admission, config, self._finish, draft=spec is not None)
         self._running: list[DecodeTask] = []
         self._arrivals = 0
         self._pending_prefill: list[DecodeTask] = []
@@ -89,7 +94,7 @@ class DecodeScheduler(SchedulerThread):
             if task.req_id in self._tasks:
                 raise ValueError(f"duplicate request id {task.req_id!r}")
             if len(self._running) >= self.config.max_running:
-                raise PoolExhausted(0, self.pool.allocator.num_free)
+                raise PoolExhausted(0, self.admission.num_free)
             self._tasks[task.req_id] = task
             self._arrivals += 1
             task.arrival = self._arrivals
@@ -109,10 +114,10 @@ class DecodeScheduler(SchedulerThread):
         """
         if task.output_ids or task.cached_len:
             raise ValueError("a local prefill starts from the prompt alone")
-        task.pages = self.pool.allocator.alloc(self.pool.pages_for(len(task.prompt_ids) + 1), task.req_id)
+        self.admission.alloc_prompt(task)
         with self._cv:
             if task.req_id in self._tasks:
-                self.pool.allocator.decref(task.pages)
+                self.admission.release(task)
                 raise ValueError(f"duplicate request id {task.req_id!r}")
             self._tasks[task.req_id] = task
             self._arrivals += 1
@@ -277,7 +282,7 @@ class DecodeScheduler(SchedulerThread):
         return True
 
     def _ensure_pages(self, task: DecodeTask, num_tokens: int) -> None:
-        ensure_pages(self.pool, task, num_tokens)
+        self.admission.grow(task, num_tokens)
 
     def _plain_step(self, tasks: list[DecodeTask]) -> list[list[int]]:
         live = []
@@ -348,7 +353,7 @@ class DecodeScheduler(SchedulerThread):
         if task in self._pending_prefill:
             self._pending_prefill.remove(task)
         self._tasks.pop(task.req_id, None)
-        release_pages(self.pool, task)
+        self.admission.release(task)
         task.emit(TokenEvent(new_tokens or [], reason, message, logprobs or [], accept_len))
 
     def _reap(self) -> None:

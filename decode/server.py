@@ -23,11 +23,12 @@ from common.flags import config_from_args
 from common.net import check_bind
 from common.reasons import AbortReason, FinishReason, Role
 from decode import startup
+from decode.admission import DecodeAdmission
 from decode.config import DecodeConfig, DecodeWorkerConfig
 from decode.scheduler import DecodeScheduler, DecodeTask, TokenEvent
 from engine.defaults import default_model_dir
 from engine.kvcache import PoolExhausted
-from engine.loader import model_hash
+from engine.fingerprint import model_hash
 from engine.quant.prepare import expert_status, quantized_experts
 from engine.tokenizer import Tokenizer
 from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, TransferError
@@ -49,6 +50,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                  address: str, mhash: str, speculator=None, model: generation_pb2.ModelInfo | None = None,
                  ranks=None) -> None:
         self.sched, self.receiver, self.cfg = sched, receiver, cfg
+        self.admission: DecodeAdmission = sched.admission
+        """The owner of every page (``decode.admission``): the servicer reserves, claims and cancels through it."""
         self.ranks = ranks
         """``worker.ranks.RankGroup`` of a tensor-parallel worker (None at tp 1): its failure is ours."""
         self.model = model
@@ -61,12 +64,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Reserve(self, request, context):
         if request.num_tokens < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_tokens must be >= 1")
-        refusal = self.sched.refusal(self.receiver.stats().num_active)
+        refusal = self.sched.refusal(self.admission.num_reserved)
         if refusal:  # before anything is allocated, so before the prefill: the router tries the next worker
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.worker_id} cannot take the "
                                                                         f"request: {refusal}")
         try:  # a refused reservation holds no page (the manager allocates last and frees on any error)
-            ticket = self.receiver.reserve(request.request_id, request.num_tokens)
+            ticket = self.admission.reserve(request.request_id, request.num_tokens)
         except TransferError as e:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.reason is FailReason.NO_CAPACITY \
                 else grpc.StatusCode.FAILED_PRECONDITION
@@ -83,48 +86,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as e:
-            self.receiver.cancel(req_id, "invalid sampling parameters")
+            self.admission.cancel(req_id, "invalid sampling parameters")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        prompt = list(request.prompt_ids)
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         emit = lambda ev: self.loop.call_soon_threadsafe(queue.put_nowait, ev)  # noqa: E731
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         if request.local_prefill:
-            bad = [t for t in prompt if t >= self.cfg.vocab_size]
-            if not prompt or bad:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "local prefill needs a valid, non-empty prompt")
-            if refusal := self.sched.refusal(self.receiver.stats().num_active):  # as Reserve: router tries the next
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.worker_id}: {refusal}")
-            task = DecodeTask(req_id, prompt, [], params, [], 0, emit=emit, deadline=deadline)
-            try:
-                self.sched.add_local(task)
-            except PoolExhausted as e:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {e}")
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            await context.send_initial_metadata(())  # taken: the router's admission queue moves on now, not
-            # after the prompt's prefill (router.request: a refusal above ends the call instead)
+            await self._join_local(request, context, params, emit, deadline)
         else:
-            if not request.output_prefix:
-                self.receiver.cancel(req_id, "no first token")
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "output_prefix must hold the first token")
-            try:
-                res = await self.receiver.wait_complete(req_id, request.transfer_timeout_s or 60.0)
-            except TransferError as e:
-                code = (grpc.StatusCode.DEADLINE_EXCEEDED if e.reason is FailReason.TIMEOUT
-                        else grpc.StatusCode.UNAVAILABLE)
-                await context.abort(code, f"KV transfer for {req_id} failed: {e}")
-            page_ids = await self._to_every_rank(req_id, list(res.page_ids), context)
-            output = list(request.output_prefix)
-            task = DecodeTask(req_id, prompt, output, params, page_ids,
-                              cached_len=len(prompt) + len(output) - 1, emit=emit, deadline=deadline,
-                              draft_hidden=draft_state(res.draft, self.receiver.config.draft, self.sched.pool.device))
-            try:
-                self.sched.add(task)
-            except PoolExhausted as e:
-                self.sched.pool.allocator.decref(page_ids)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {e}")
+            await self._join_transfer(request, context, params, emit, deadline)
         try:
             while True:
                 ev = coalesce(await queue.get(), queue)
@@ -142,52 +113,58 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             self.sched.abort(req_id, AbortReason.STREAM_CLOSED)  # no-op when already finished
 
-    def _landing_info(self) -> dict[str, str]:
-        """Pages of the landing pool in use (a TP worker with split KV heads receives KV there first)."""
-        landing = self.receiver.pool
-        return {} if landing is self.sched.pool else {"kv_landing_pages_used": str(landing.allocator.num_used)}
+    async def _join_local(self, request, context, params, emit, deadline: float | None) -> None:
+        """Admit a request that prefills here (conditional disaggregation, aggregated mode)."""
+        req_id, prompt = request.request_id, list(request.prompt_ids)
+        bad = [t for t in prompt if t >= self.cfg.vocab_size]
+        if not prompt or bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "local prefill needs a valid, non-empty prompt")
+        if refusal := self.sched.refusal(self.admission.num_reserved):  # as Reserve: router tries the next
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.worker_id}: {refusal}")
+        task = DecodeTask(req_id, prompt, [], params, [], 0, emit=emit, deadline=deadline)
+        try:
+            self.sched.add_local(task)
+        except PoolExhausted as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {e}")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await context.send_initial_metadata(())  # taken: the router's admission queue moves on now, not
+        # after the prompt's prefill (router.request: a refusal above ends the call instead)
+
+    async def _join_transfer(self, request, context, params, emit, deadline: float | None) -> None:
+        """Wait for the request's complete, verified KV transfer, claim its pages, and admit it."""
+        req_id, prompt = request.request_id, list(request.prompt_ids)
+        if not request.output_prefix:
+            self.admission.cancel(req_id, "no first token")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "output_prefix must hold the first token")
+        try:
+            res = await self.admission.wait_transfer(req_id, request.transfer_timeout_s or 60.0)
+        except TransferError as e:
+            code = (grpc.StatusCode.DEADLINE_EXCEEDED if e.reason is FailReason.TIMEOUT
+                    else grpc.StatusCode.UNAVAILABLE)
+            await context.abort(code, f"KV transfer for {req_id} failed: {e}")
+        try:
+            page_ids = await self.admission.claim(res)
+        except PoolExhausted as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {e}")
+        except RankFailure as e:  # the router fails over
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id}: {e}")
+        output = list(request.output_prefix)
+        task = DecodeTask(req_id, prompt, output, params, page_ids,
+                          cached_len=len(prompt) + len(output) - 1, emit=emit, deadline=deadline,
+                          draft_hidden=draft_state(res.draft, self.receiver.config.draft, self.sched.pool.device))
+        try:
+            self.sched.add(task)
+        except PoolExhausted as e:
+            self.admission.release(task)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {e}")
 
     def rank_problem(self) -> str:
         return self.ranks.problem() if self.ranks is not None else ""
 
-    async def _to_every_rank(self, req_id: str, page_ids: list[int], context) -> list[int]:
-        """Received KV landed on rank 0 only: give every rank its KV before anything reads it, and return the
-        request's pages in the scheduler's pool. Replicated KV (MLA): rank 0's pages are copied to the
-        followers. Split KV (GQA heads under TP): the pages landed whole in the landing pool; each rank takes
-        its heads into new pages of its pool and the landing pages are freed. A failed rank group frees the
-        pages and ends the call UNAVAILABLE (the router fails over)."""
-        if self.ranks is None:
-            return page_ids
-        landing, pool = self.receiver.pool, self.sched.pool
-        try:
-            if landing is pool:
-                try:
-                    await asyncio.to_thread(self.ranks.mirror_pages, pool, page_ids)
-                except RankFailure:
-                    pool.allocator.decref(page_ids)
-                    raise
-                return page_ids
-            try:
-                try:
-                    dst = pool.allocator.alloc(len(page_ids), req_id)
-                except PoolExhausted as e:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {e}")
-                try:
-                    await asyncio.to_thread(self.ranks.scatter_pages, landing, page_ids, pool, dst)
-                except RankFailure:
-                    pool.allocator.decref(dst)
-                    raise
-                return dst
-            finally:
-                landing.allocator.decref(page_ids)
-        except RankFailure as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id}: {e}")
-
     async def Abort(self, request, context):
         found = self.sched.abort(request.request_id, AbortReason.ROUTER)
-        if self.receiver.poll(request.request_id) is not None:
-            self.receiver.cancel(request.request_id, AbortReason.ROUTER)
-            found = True
+        found = self.admission.cancel(request.request_id, AbortReason.ROUTER) or found
         return worker_pb2.AbortResponse(found=found)
 
     async def GetStatus(self, request, context):
@@ -202,11 +179,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return generation_pb2.WorkerStatus(
             worker_id=self.worker_id, role=Role.DECODE, address=self.address, kv_address=f"{host}:{port}",
             healthy=not problem, running=self.sched.num_running,
-            queued=self.sched.num_pending + self.receiver.stats().num_active,  # admitted, KV on its way
+            queued=self.sched.num_pending + self.admission.num_reserved,  # admitted, KV on its way
             pages_total=st.num_pages, pages_free=st.num_free,
             tokens_per_s=tps, model_hash=self.mhash, model=self.model,
             spec=spec_stats_to_proto(spec.stats(), str(spec.spec)) if spec is not None else None,
-            info={**self.info, **self._landing_info(), "preempted": str(self.sched.num_preempted), "preemptions": str(self.sched.preemptions),
+            info={**self.info, **self.admission.landing_info(), "preempted": str(self.sched.num_preempted), "preemptions": str(self.sched.preemptions),
                   "spec_fallbacks": str(self.sched.spec_fallbacks), **expert_status(self.sched.model),
                   **({"unhealthy": problem} if problem else {})})
 
@@ -276,7 +253,8 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
                             DecodeConfig(max_running=wcfg.max_running, spec_fallback=not wcfg.no_spec_fallback,
                                          prefill_chunk=wcfg.prefill_chunk, prefill_threads=wcfg.prefill_threads,
                                          prefill_budget=max(wcfg.prefill_chunk, wcfg.prefill_budget)),
-                            stop_checker=stop_checker(Tokenizer.from_model_dir(model_dir)), spec=spec)
+                            stop_checker=stop_checker(Tokenizer.from_model_dir(model_dir)), spec=spec,
+                            admission=DecodeAdmission(pool, receiver, ranks))
     sched.heartbeat = heartbeat.Heartbeat(wcfg.stall_after)
     server = rpc.make_server(secret)
     port = boot.bind(server, wcfg, Role.DECODE)

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kvcache.pool import KVPool
 from engine.sampling import SamplerState, SamplingParams
 
 
@@ -36,7 +35,7 @@ class DecodeTask:
     """Tokens already produced (at least the first token, sampled by prefill)."""
     params: SamplingParams
     pages: list[int]
-    """Pages holding the KV of ``cached_len`` tokens (reserved at transfer time, owned by this task)."""
+    """Pages holding the KV of ``cached_len`` tokens (``decode.admission.DecodeAdmission`` allocates and frees them)."""
     cached_len: int
     emit: Callable[[TokenEvent], None]
     deadline: float | None = None
@@ -60,16 +59,3 @@ class DecodeTask:
         if self.sampler is None:
             self.sampler = SamplerState(self.params, self.prompt_ids, list(self.output_ids))
 
-
-def ensure_pages(pool: KVPool, task: DecodeTask, num_tokens: int) -> None:
-    """Grow ``task.pages`` to hold ``num_tokens`` tokens (``PoolExhausted`` when the pool cannot)."""
-    need = pool.pages_for(num_tokens) - len(task.pages)
-    if need > 0:
-        task.pages += pool.allocator.alloc(need, task.req_id)
-
-
-def release_pages(pool: KVPool, task: DecodeTask) -> None:
-    """Give ``task``'s pages back to the pool."""
-    if task.pages:
-        pool.allocator.decref(task.pages)
-        task.pages = []

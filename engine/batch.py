@@ -36,6 +36,13 @@ class BatchRequest:
     """How many trailing new tokens need logits (1 for prefill/decode, all for verification)."""
 
 
+OnLayerDone = Callable[[int], None]
+"""The KV layer handoff, one name everywhere: ``on_layer_done(layer)`` is called on the forward's thread right
+after ``layer``'s KV of every request in the batch is written to the pool (the MTP layer is index
+``num_hidden_layers``, called after its pass), so the data plane can ship it while the next layer computes
+(``kvtransfer.sender.LayerSends``, ``prefill.scheduler``)."""
+
+
 @dataclass(slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor          # [T] long
@@ -50,8 +57,8 @@ class ForwardBatch:
     max_kv_len: int
     cached_lens: list[int] = field(default_factory=list)
     tree_masks: list[torch.Tensor | None] = field(default_factory=list)
-    on_layer_done: Callable[[int], None] | None = field(default=None)
-    """Called after each layer's KV is written (layer index): kvtransfer streams from here."""
+    on_layer_done: OnLayerDone | None = field(default=None)
+    """Called after each layer's KV is written (``OnLayerDone``): kvtransfer streams from here."""
     _mask: torch.Tensor | None = field(default=None)
 
     @property

@@ -12,7 +12,7 @@ import os
 import struct
 from typing import NamedTuple
 
-from engine.loader import CheckpointError, checkpoint_files
+from engine.fingerprint import CheckpointError, checkpoint_files
 
 MAX_HEADER_BYTES = 100 << 20
 """The safetensors library's own limit on a header (100 MB)."""

@@ -26,10 +26,7 @@ anything else                                         the same name
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
-import os
 import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -38,12 +35,10 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.fingerprint import CheckpointError, checkpoint_files
 
 logger = logging.getLogger(__name__)
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model: names the tensor, shapes/dtypes and the rule."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,21 +96,6 @@ def _expert_or_same(name: str, cfg: ModelConfig, rule: str) -> Target:
 
 def rule_default(name: str, cfg: ModelConfig) -> Target:
     return _expert_or_same(name, cfg, "same-name")
-
-
-def checkpoint_files(model_dir: str) -> list[str]:
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(model_dir, f) for f in files]
-    single = os.path.join(model_dir, "model.safetensors")
-    if os.path.exists(single):
-        return [single]
-    found = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-    if not found:
-        raise CheckpointError(f"no .safetensors files in {model_dir}")
-    return [os.path.join(model_dir, f) for f in found]
 
 
 def iter_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -198,17 +178,3 @@ def _fmt(index: tuple) -> str:
         return ""
     parts = [f"{i.start}:{i.stop}" if isinstance(i, slice) else str(i) for i in index]
     return "[" + ", ".join(parts) + "]"
-
-
-def model_hash(model_dir: str) -> str:
-    """Fingerprint of a checkpoint: config.json plus every safetensors header and size (fast: no weights
-    are read). Workers compare it at start so a cluster never mixes two different models."""
-    h = hashlib.sha256()
-    with open(os.path.join(model_dir, "config.json"), "rb") as f:
-        h.update(f.read())
-    for path in checkpoint_files(model_dir):
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            h.update(f.read(n))
-        h.update(str(os.path.getsize(path)).encode())
-    return h.hexdigest()[:16]

@@ -38,7 +38,7 @@ _EXPORTS = {
     "loop": ("LoopThread",),
     "protocol": ("PDSERVE_KV_PROTOCOL_VERSION",),
     "receiver": ("KVReceiver", "ReceiverStats"),
-    "sender": ("KVSender", "LayerHook", "LayerSend"),
+    "sender": ("KVSender", "LayerSend", "LayerSends"),
     "shm": ("ShmKVPool",),
     "ticket": ("TransferResult", "TransferState", "TransferTicket"),
     "tx_state": ("SendResult", "SendState"),

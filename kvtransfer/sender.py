@@ -11,9 +11,9 @@ the payload); shm copies run on the loop thread. Hooking it into a forward pass:
     sender = KVSender(pool, KVSenderConfig())
     ticket = TransferTicket.from_dict(ticket_dict)       # issued by the decode worker
     sender.open(ticket)                                  # optional, before the forward: the shm lease early
-    hook = sender.hook([LayerSend(ticket, src_pages=req.page_ids, token_start=c0, token_end=c1)])
-    model.forward(..., after_layer=hook)                 # hook(layer) right after layer's KV is written
-    hook(num_hidden_layers)                              # the MTP layer is just another layer index
+    on_layer_done = sender.on_layer_done([LayerSend(ticket, src_pages=req.page_ids, token_start=c0, token_end=c1)])
+    prefill_forward(model, pool, chunks, on_layer_done=on_layer_done)  # engine.batch.OnLayerDone: each layer
+                                                         # ships right after its KV is written, MTP layer included
     fut = sender.finish(ticket)                          # after the last chunk; Future[SendResult]
     fut.result(timeout)                                  # or poll sender.state(ticket)
 
@@ -65,9 +65,10 @@ class LayerSend:
     """The tokens this forward pass computed (a prefill chunk)."""
 
 
-class LayerHook:
-    """``hook(layer)`` ships ``layer`` for every request of the batch; one request's failure
-    does not stop the others (it is recorded in ``errors`` and its later layers are skipped)."""
+class LayerSends:
+    """A batch's ``LayerSend``s as its ``engine.batch.OnLayerDone``: calling it with a layer index ships that
+    layer for every request of the batch; one request's failure does not stop the others (it is recorded in
+    ``errors`` and its later layers are skipped)."""
 
     def __init__(self, sender: "KVSender", sends: Sequence[LayerSend]) -> None:
         self.sender = sender
@@ -225,8 +226,9 @@ class KVSender:
             self.drops_fired += 1
             return True
 
-    def hook(self, sends: Sequence[LayerSend]) -> LayerHook:
-        return LayerHook(self, sends)
+    def on_layer_done(self, sends: Sequence[LayerSend]) -> LayerSends:
+        """The batch's ``OnLayerDone`` (pass it as ``prefill_forward``'s ``on_layer_done``)."""
+        return LayerSends(self, sends)
 
     def close(self, grace_s: float = 5.0) -> None:
         """Let finishing transfers complete for ``grace_s``, fail the rest (SHUTDOWN), stop the loop."""

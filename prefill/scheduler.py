@@ -9,8 +9,8 @@ A request walks through::
 Each ``step()`` is schedule -> forward -> sample -> postprocess:
 
 * schedule: running requests continue first, then queued ones are admitted (highest priority,
-  then FCFS) while the token budget and pages last; admission matches the prefix cache and its host tier
-  (``prefill.host_cache``, and the disk tier below it), evicting LRU pages when short, and allocates private pages for the rest;
+  then FCFS) while the token budget and pages last; admission (``prefill.admission``, the page owner) matches
+  the prefix cache and its host and disk tiers, evicting LRU pages when short, and allocates private pages for the rest;
 * forward: one batched forward over every scheduled chunk; each layer's KV is handed to the
   request's ``KVSink`` as soon as it is written (transfer overlaps compute); then one batched MTP
   forward over the same chunks (the draft KV the decode side needs), whose next tokens are the
@@ -38,6 +38,7 @@ from engine.sampling import SamplerState, SamplingParams, sample
 from engine.shapes import bucket_chunks, buckets_steps
 from engine.speculative.prefill import PrefillChunk, prefill_forward
 from worker.scheduler_thread import SchedulerThread
+from prefill.admission import PrefillAdmission
 from prefill.host_cache import HostCache
 from prefill.radix import Match, RadixCache
 from prefill.sink import KVSink, LocalSink, TransferFailed
@@ -135,6 +136,8 @@ class PrefillScheduler(SchedulerThread):
         """Steps take ``bucket_floor`` tokens (``engine.shapes``: bf16 / fp16 on CPU)."""
         self.cache = RadixCache(pool.allocator, pool.page_size, on_cache_event)
         self.host = self.cache.lower = host_cache  # the prefix cache's host tier (None: off): pool evictions go there
+        self.admission = PrefillAdmission(pool, self.cache, host_cache)
+        """The owner of every page a request holds (``prefill.admission``): the scheduler asks it to admit and release."""
         self._queue: list[tuple[int, int, PrefillTask]] = []
         self._seq = itertools.count()
         self._running: list[PrefillTask] = []
@@ -244,33 +247,14 @@ class PrefillScheduler(SchedulerThread):
 
     def _admit(self, task: PrefillTask) -> bool | None:
         """True: running now. False: not enough pages yet. None: can never fit (failed)."""
-        ids, P = task.token_ids, self.pool.page_size
-        match = self.cache.match_prefix(ids)
-        host = self.host.match_prefix(ids, match) if self.host is not None else None
-        n_hit = match.num_tokens + (host.num_pages * P if host is not None else 0)
-        if n_hit >= len(ids):  # at least one token must run to produce logits: recompute the last page
-            n_hit -= P
-        n_host = max(0, n_hit // P - len(match.pages))  # restored into pool pages allocated with the private ones
-        need = self.pool.pages_for(len(ids)) - n_hit // P + n_host
-        if need > self.pool.allocator.num_free:
-            self.cache.evict(need - self.pool.allocator.num_free)
         try:
-            private = self.pool.allocator.alloc(need, task.req_id)
+            self.admission.admit(task)
         except PoolExhausted as e:
-            self.cache.release(match)
-            if host is not None:
-                self.host.release(host)
             if not self._running and not any(t.state is State.TRANSFERRING for t in self._tasks.values()):
                 # nothing running or transferring will free pages: this request can never fit
                 self._fail(task, e)
                 return None
             return False
-        if host is not None:  # a bad checksum ends the restore: the pages meant for it and after are recomputed
-            restored = self.host.restore(host, private[:n_host])
-            match, private = self.cache.extend(match, ids, private[:restored]), private[restored:]
-            n_hit = min(n_hit, match.num_tokens)
-        task.match, task.num_cached, task.computed = match, n_hit, n_hit
-        task.pages = match.pages[:n_hit // P] + private
         task.state, task.t_start = State.RUNNING, time.monotonic()
         self._running.append(task)
         return True
@@ -288,7 +272,7 @@ class PrefillScheduler(SchedulerThread):
                     t.abort_reason = t.abort_reason or f"transfer start failed: {e}"
 
     def _forward(self, chunks: list[tuple[PrefillTask, int, int]]) -> None:
-        def ship(layer: int) -> None:
+        def on_layer_done(layer: int) -> None:  # engine.batch.OnLayerDone: each request's sink ships it
             for t, s, e in chunks:
                 if not t.abort_reason:
                     t.sink.send(layer, s, e)
@@ -307,7 +291,7 @@ class PrefillScheduler(SchedulerThread):
         # computes the draft state shipped with the pages
         plan = [PrefillChunk(t.pages, s, t.token_ids[s:e], t.token_ids[e] if e < len(t.token_ids) else None,
                              draft=e == len(t.token_ids)) for t, s, e in chunks]
-        for (t, _, e), res in zip(chunks, prefill_forward(self.model, self.pool, plan, sample_first, ship)):
+        for (t, _, e), res in zip(chunks, prefill_forward(self.model, self.pool, plan, sample_first, on_layer_done)):
             if e == len(t.token_ids):
                 t.first_token, t.draft_hidden = res.next_token, res.draft_hidden
         with self._cv:
@@ -350,23 +334,9 @@ class PrefillScheduler(SchedulerThread):
 
     # -- cleanup -------------------------------------------------------------------------------
     def _release(self, task: PrefillTask, insert: bool = False) -> None:
-        """Give a task's pages back: cached ones unlocked, private ones to the cache or freed."""
-        P = self.pool.page_size
-        n_shared = task.num_cached // P
-        private = task.pages[n_shared:]
-        if insert and private:
-            # the cache takes the new full pages (freeing any it already holds); the tail is ours to free
-            self.cache.insert(task.token_ids, task.pages)
-            rest = private[max(0, len(task.token_ids) // P - n_shared):]
-            if rest:
-                self.pool.allocator.decref(rest)
-        elif private:
-            self.pool.allocator.decref(private)
-        task.pages = []
-        if task.match is not None:
-            self.cache.release(task.match)
-            task.match = None
-        self._cv.notify()  # pages came back: a queued request waiting for them may start
+        """Give a task's pages back (``prefill.admission``) and wake a queued request waiting for them."""
+        self.admission.release(task, insert)
+        self._cv.notify()
 
     def _fail(self, task: PrefillTask, exc: BaseException) -> None:
         task.state = State.FAILED

@@ -23,7 +23,7 @@ from common.net import check_bind
 from common.reasons import AbortReason, Role
 from engine.defaults import default_model_dir
 from engine.kvcache import KVPool, PoolExhausted
-from engine.loader import model_hash
+from engine.fingerprint import model_hash
 from engine.memory import host_memory, parse_bytes
 from kvtransfer import KVSender, KVSenderConfig, TransferTicket, TransportKind
 from kvtransfer.config import TransportConfig, add_transport_args

@@ -224,6 +224,18 @@ def test_function_imports_say_why(graph):
     assert not bad
 
 
+MAX_FUNCTION_IMPORTS_OWN = 20
+"""In-function imports of our own modules, the whole tree (issue 46: 129, then 59, brought to 16). Each one keeps a
+light entry point light (torch out of ``pdserve --help`` and ``pdserve bench``, ray out of the launcher's parser)
+and says so; a new one means a module to split or a dependency to inject, not a higher bound."""
+
+
+def test_function_imports_of_our_modules_are_few(graph):
+    own = function_imports(graph[1], graph[0])
+    assert len(own) <= MAX_FUNCTION_IMPORTS_OWN, sorted(f"{i.src}:{i.line} imports {i.dst}" for i in own)
+    assert all(i.commented for i in own)
+
+
 def test_long_files_say_why(graph):
     bad = [f"{path} ({n} lines)" for n, path, why in long_files(graph[0]) if not why]
     assert not bad, f"files over {MAX_LINES} lines need '# over {MAX_LINES} lines: WHY' in their first 5 lines"

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from common import logs
 from engine.kvcache import KVLayout, KVPool
 from engine.load import load_model, resolve_device
-from engine.loader import model_hash
+from engine.fingerprint import model_hash
 from engine.parallel import ParallelConfig, destroy_tp_group, init_tp_group
 from engine.speculative.decoder import move_kv
 from worker.rank_wire import Command, CommandChannel

@@ -130,7 +130,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def batch_tensors(batch: ForwardBatch) -> tuple[dict, dict[str, torch.Tensor]]:
     """``batch`` as (msgpack meta, tensors) for a follower to rebuild it (``batch_from``)."""
     meta = {"q_lens": batch.q_lens, "kv_lens": batch.kv_lens, "max_kv_len": batch.max_kv_len,
-            "cached_lens": batch.cached_lens, "hook": batch.on_layer_done is not None,
+            "cached_lens": batch.cached_lens, "on_layer_done": batch.on_layer_done is not None,
             "trees": [t is not None for t in batch.tree_masks]}
     tensors = {k: getattr(batch, k) for k in BATCH_TENSORS}
     tensors.update({f"tree{i}": t for i, t in enumerate(batch.tree_masks) if t is not None})
@@ -147,7 +147,7 @@ def batch_from(meta: dict, tensors: dict[str, torch.Tensor]) -> ForwardBatch:
     return ForwardBatch(**{k: tensors[k] for k in BATCH_TENSORS}, q_lens=meta["q_lens"], kv_lens=meta["kv_lens"],
                         max_kv_len=meta["max_kv_len"], cached_lens=meta["cached_lens"],
                         tree_masks=[tensors[f"tree{i}"] if has else None for i, has in enumerate(meta["trees"])],
-                        on_layer_done=(lambda layer: None) if meta["hook"] else None, _mask=tensors.get("mask"))
+                        on_layer_done=(lambda layer: None) if meta["on_layer_done"] else None, _mask=tensors.get("mask"))
 
 
 class RankGroup:

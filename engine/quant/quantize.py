@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.config import ModelConfig
-from engine.loader import checkpoint_files
+from engine.fingerprint import checkpoint_files
 from engine.quant.mx import MXSpec, ScaleMode, get_mx_format, quantize_mx
 from engine.quant.quark import LayerQuant, QuarkConfig
 

@@ -39,7 +39,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from engine.batch import BatchRequest, ForwardBatch
+from engine.batch import BatchRequest, ForwardBatch, OnLayerDone
 from engine.kvcache.pool import KVPool
 from engine.models.glm import GlmForCausalLM
 from engine.speculative.proposer import MTP_LAYER
@@ -168,10 +168,10 @@ known (it records what else it wants from the sampling, log-probabilities say)."
 
 def prefill_forward(model: GlmForCausalLM, pool: KVPool, chunks: Sequence[PrefillChunk],
                     sample_next: SampleNext | None = None,
-                    on_layer_done: Callable[[int], None] | None = None) -> list[PrefillChunkResult]:
+                    on_layer_done: OnLayerDone | None = None) -> list[PrefillChunkResult]:
     """Prefill plus MTP KV, the one recipe: a target forward over every chunk, ``sample_next`` over the
     chunks without a ``next_token``, then (a model with an MTP layer) the MTP pass over every chunk given its
-    next token (``mtp_prefill_batch``). ``on_layer_done(layer)`` is called after each target layer's KV is
+    next token (``mtp_prefill_batch``). ``on_layer_done(layer)`` (``engine.batch.OnLayerDone``) is called after each target layer's KV is
     written and, with MTP, once more with the MTP layer's index (``num_hidden_layers``) after its pass."""
     batch = ForwardBatch.build([BatchRequest(c.pages, c.cached_len, c.token_ids) for c in chunks],
                                pool.page_size, pool.device)

@@ -8,7 +8,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "router"))  # router_fakes
 
 from cluster.ray_launcher import stop  # noqa: E402 - (grouped with the next)
-from ray_helpers import LOOPBACK, NS, pid_alive, ray_pids, start_cluster, wait_until  # noqa: E402 - after the path set-up
+from ray_helpers import LOOPBACK, NS, pid_alive, ray_pids, start_cluster  # noqa: E402 - after the path set-up
+from shared_helpers import wait_until  # noqa: E402 - after the path set-up
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
 """Helpers of the Ray launcher tests (``conftest.ray_cluster`` and the tests that use it)."""
 import glob
 import os
-import time
 
 import psutil
 
@@ -22,17 +21,6 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def wait_until(cond, timeout_s: float, what: str, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(interval_s)
 
 
 RAY_LOGS = ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err")

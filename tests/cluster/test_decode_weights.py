@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from cluster.local import resolve_decode_weights
+from cluster.weights import resolve_decode_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHIPPED, SHIPPED_MX = os.path.join(ROOT, "models", "glm5-tiny"), os.path.join(ROOT, "models", "glm5-tiny-mxfp4")

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from cluster import preflight
-from cluster.local import mx_unfit, resolve_decode_weights
+from cluster.weights import mx_unfit, resolve_decode_weights
 from cluster.preflight import PreflightError
 from engine.checkpoint import TINY_GLM5, init_random_model
 from engine.config import ModelConfig

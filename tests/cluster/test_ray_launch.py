@@ -20,7 +20,8 @@ from cluster.ray_launcher import LaunchError, RayLaunchConfig, actor_names, laun
 from cluster.ray_placement import PlacementError, group_nodes, list_groups  # noqa: E402
 from cluster.ray_scale import scale  # noqa: E402
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
-from ray_helpers import LOOPBACK, NS, pid_alive, wait_until  # noqa: E402
+from ray_helpers import LOOPBACK, NS, pid_alive  # noqa: E402
+from shared_helpers import wait_until  # noqa: E402
 from router.client import GenerationClient  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 

@@ -91,17 +91,6 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def wait_until(cond, timeout_s: float = 20.0, what: str = "condition", interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(interval_s)
-
-
 def rpc_code(fn) -> tuple[grpc.StatusCode, str]:
     try:
         fn()

@@ -18,7 +18,8 @@ import torch
 
 from engine.defaults import SHIPPED_DEFAULT
 from router.client import AsyncGenerationClient, Completion, GenerationClient
-from serve_helpers import ServeProcess, pages_all_free, pid_alive, wait_until
+from serve_helpers import ServeProcess, pages_all_free, pid_alive
+from shared_helpers import wait_until
 
 NUM_TOKENS = 64
 STALL_S = 2.0

@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from router.client import GenerationClient
-from serve_helpers import ServeProcess, model_with_tokenizer, pages_all_free, wait_until
+from serve_helpers import ServeProcess, model_with_tokenizer, pages_all_free
+from shared_helpers import wait_until
 
 API_KEY = "openai-key-0123"
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n{% else %}"

@@ -11,8 +11,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.client import GenerationClient
-from serve_helpers import (ServeProcess, hf_greedy, model_with_tokenizer, pages_all_free, tiny_dsa_reference,
-                           wait_until)
+from serve_helpers import ServeProcess, hf_greedy, model_with_tokenizer, pages_all_free, tiny_dsa_reference
+from shared_helpers import wait_until
 
 CHUNK = 32
 

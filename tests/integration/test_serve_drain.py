@@ -8,7 +8,8 @@ import urllib.request
 
 import grpc
 import pytest
-from serve_helpers import ServeProcess, wait_until
+from serve_helpers import ServeProcess
+from shared_helpers import wait_until
 
 from engine.checkpoint import TINY_GLM5, init_random_model
 from router.client import GenerationClient

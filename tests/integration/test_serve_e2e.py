@@ -24,7 +24,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from protos.pdserve.v1 import generation_pb2
 from router.client import GenerationClient, make_request
 from serve_helpers import (REPO, ServeProcess, hf_greedy, model_with_tokenizer, pages_all_free, pid_alive, rpc_code,
-                           tiny_dsa_reference, wait_until)
+                           tiny_dsa_reference)
+from shared_helpers import wait_until
 
 API_KEY = "e2e-key-0123"
 MAX_CONTEXT = 4096

@@ -7,7 +7,8 @@ import signal
 from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
 
 from engine.checkpoint import TINY_GLM5, init_random_model
-from serve_helpers import ServeProcess, children_of, pid_alive, wait_until
+from serve_helpers import ServeProcess, children_of, pid_alive
+from shared_helpers import wait_until
 
 
 def group_is_empty(pgid: int) -> bool:

@@ -5,7 +5,8 @@ no dequantized copy of any layer."""
 import os
 
 import pytest
-from serve_helpers import ServeProcess, pages_all_free, wait_until
+from serve_helpers import ServeProcess, pages_all_free
+from shared_helpers import wait_until
 
 from engine.defaults import SHIPPED_DEFAULT
 from engine.moe import mx_cpu_kernel

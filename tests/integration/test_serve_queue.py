@@ -14,7 +14,8 @@ import grpc
 import pytest
 
 from router.client import GenerationClient
-from serve_helpers import ServeProcess, pages_all_free, wait_until
+from serve_helpers import ServeProcess, pages_all_free
+from shared_helpers import wait_until
 
 NUM_PAGES, PAGE = 24, 16
 NUM_REQUESTS = 60

@@ -4,7 +4,8 @@ import signal
 
 from cluster.local import SHM_DIR, shm_segment_prefix
 from kvtransfer.shm import NAME_RE
-from serve_helpers import ServeProcess, wait_until
+from serve_helpers import ServeProcess
+from shared_helpers import wait_until
 
 
 def segments(prefix: str = "pdserve-kv-") -> set[str]:

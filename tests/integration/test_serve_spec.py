@@ -17,7 +17,8 @@ from engine.sampling import SamplingParams
 from engine.speculative import run_speculative
 from engine.tokenizer import Tokenizer
 from router.client import GenerationClient
-from serve_helpers import ServeProcess, pages_all_free, wait_until
+from serve_helpers import ServeProcess, pages_all_free
+from shared_helpers import wait_until
 
 NUM_STEPS = 5
 PROMPTS = ["import os\n\n\ndef read_lines(path):\n", "class Config:\n    def __init__(self, name):\n"]

@@ -14,7 +14,8 @@ from engine.load import load_model
 from engine.offline import Engine
 from engine.sampling import SamplingParams
 from router.client import GenerationClient
-from serve_helpers import ServeProcess, pages_all_free, wait_until
+from serve_helpers import ServeProcess, pages_all_free
+from shared_helpers import wait_until
 
 SPEC = "4/2/8"
 MAX_TOKENS = 96

@@ -4,7 +4,8 @@ import os
 import signal
 import time
 
-from serve_helpers import ServeProcess, pages_all_free, wait_until
+from serve_helpers import ServeProcess, pages_all_free
+from shared_helpers import wait_until
 
 from cluster.local import shm_segment_prefix
 from router.client import GenerationClient

@@ -21,7 +21,8 @@ from engine.load import load_model
 from engine.offline import Engine
 from engine.sampling import SamplingParams
 from router.client import GenerationClient
-from serve_helpers import ServeProcess, pages_all_free, pid_alive, wait_until
+from serve_helpers import ServeProcess, pages_all_free, pid_alive
+from shared_helpers import wait_until
 
 PROMPTS = [[3, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71], [100, 200, 300, 400]]
 MAX_TOKENS = 24

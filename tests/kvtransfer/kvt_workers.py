@@ -2,7 +2,7 @@
 
 ``prefill_worker`` is a simulated prefill worker: for each command it builds a pool,
 "computes" each layer of each chunk (writes random KV, optionally sleeping), ships it with
-``KVSender`` through the per-layer hook exactly as a forward pass would, and reports what
+``KVSender`` through its per-layer ``on_layer_done`` exactly as a forward pass would, and reports what
 happened: status and reason, timestamps, the source rows, and its pool accounting.
 ``receiver_worker`` is a decode worker holding one reservation, to be killed or stopped.
 """
@@ -62,14 +62,14 @@ def run_prefill(conn, ticket: dict, secret: bytes | None = SECRET, transport: st
     sent = 0
     try:
         for ts, te in chunks or [(0, tk.num_tokens)]:
-            hook = sender.hook([LayerSend(tk, pages, ts, te)])
+            on_layer_done = sender.on_layer_done([LayerSend(tk, pages, ts, te)])
             for layer in range(lay.num_layers):
                 time.sleep(layer_delay_s)  # the layer's compute
                 write_layer(pool, layer, pages, ts, te, seed)
                 out["compute_done"].append(time.monotonic())
-                hook(layer)
-                if hook.errors:
-                    raise hook.errors[tk.req_id]
+                on_layer_done(layer)
+                if on_layer_done.errors:
+                    raise on_layer_done.errors[tk.req_id]
                 sent += 1
                 if sent == hang_after:
                     conn.send({"status": "hanging"})

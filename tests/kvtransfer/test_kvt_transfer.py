@@ -118,7 +118,7 @@ def test_forced_shm_falls_back_to_tcp_with_a_warning(caplog):
 
 
 def test_a_batch_multiplexes_one_connection():
-    """One forward pass over three requests (two chunks each): one hook call per layer ships every
+    """One forward pass over three requests (two chunks each): one on_layer_done call per layer ships every
     request; a request cancelled by its decode side does not disturb the other two."""
     lay = make_layout(num_layers=4)
     src, dst = make_pool(lay, 64), make_pool(lay, 64)
@@ -134,14 +134,14 @@ def test_a_batch_multiplexes_one_connection():
             for req_id, n in lengths.items():
                 ts, te = (0, n // 2) if chunk == 0 else (n // 2, n)
                 sends.append(LayerSend(tickets[req_id], pages[req_id], ts, te))
-            hook = sender.hook(sends)
+            on_layer_done = sender.on_layer_done(sends)
             for layer in range(lay.num_layers):
                 for s in sends:
                     write_layer(src, layer, pages[s.ticket.req_id], s.token_start, s.token_end, seed=7)
-                hook(layer)
+                on_layer_done(layer)
                 if chunk == 0 and layer == 1:
                     h.rx.cancel("b")
-        futures = {req_id: sender.finish(t) for req_id, t in tickets.items() if req_id not in hook.errors}
+        futures = {req_id: sender.finish(t) for req_id, t in tickets.items() if req_id not in on_layer_done.errors}
         for req_id in ("a", "c"):
             assert futures[req_id].result(10).transport is TransportKind.TCP
             res = h.wait(req_id)

@@ -38,14 +38,6 @@ TINY_DSA_MTP = dict(TINY_GLM5, vocab_size=128, hidden_size=64, intermediate_size
                     num_hidden_layers=2, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
                     qk_nope_head_dim=16, index_topk=16, index_head_dim=16, index_n_heads=16)
 """GLM-5 architecture with an MTP layer, DSA active past 16 tokens (as tests/engine/test_spec.py's)."""
-TINY_GQA_MTP = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=128, hidden_size=64,
-                    intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, n_shared_experts=1, n_routed_experts=8,
-                    num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=1.0,
-                    first_k_dense_replace=1, max_position_embeddings=4096, rope_theta=10000.0,
-                    partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, eos_token_id=1,
-                    bos_token_id=0, tie_word_embeddings=False, num_nextn_predict_layers=1)
-"""GLM-4.5 architecture (GQA, 2 KV heads: one per rank at TP2) with an MTP layer."""
 
 
 def free_port() -> int:

@@ -9,7 +9,8 @@ import os
 
 import pytest
 import torch
-from ranks import TINY_DSA_MTP, TINY_GQA_MTP, RankPool, job_generate, job_logits, job_prefill_kv
+from ranks import TINY_DSA_MTP, RankPool, job_generate, job_logits, job_prefill_kv
+from shared_helpers import TINY_GQA_MTP
 from tiny import make_hf_model
 
 from engine.checkpoint import TINY_GLM5, init_random_model, save_checkpoint

@@ -20,16 +20,10 @@ from prefill.host_cache import HostCache, HostCachePolicy
 from prefill.radix import prefix_block_hashes
 from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, RequestAborted
 from prefill.server import PrefillServicer
+from shared_helpers import TINY_GQA_MTP
 from test_prefill_scheduler import CaptureSink, run_all, task
 
 PAGE = 16
-TINY_GQA_MTP = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=128, hidden_size=64,
-                    intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, n_shared_experts=1, n_routed_experts=8,
-                    num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=1.0,
-                    first_k_dense_replace=1, max_position_embeddings=4096, rope_theta=10000.0,
-                    partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, eos_token_id=1,
-                    bos_token_id=0, tie_word_embeddings=False, num_nextn_predict_layers=1)
 
 
 @pytest.fixture(scope="module", params=["glm_moe_dsa", "glm4_moe"])

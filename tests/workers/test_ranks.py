@@ -14,7 +14,7 @@ import torch
 
 from engine.checkpoint import TINY_GLM5, init_random_model
 from engine.load import load_model
-from engine.loader import model_hash
+from engine.fingerprint import model_hash
 from engine.offline import Engine
 from engine.sampling import SamplingParams
 from worker.model_proxy import ModelProxy
