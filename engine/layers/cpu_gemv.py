@@ -1,6 +1,6 @@
 """Small-M bf16 linear for decode steps (``csrc/gemv.cpp``, issue 44): ``y = x @ w.T + b`` for x [M <= 8, K],
-reading each weight row once, the N rows split across the threads, the bf16 weights widened in registers (AVX-512
-or AVX2 + FMA by the build's ISA level, ``engine.cpu_ext``; scalar on a generic CPU). A decode step of a
+reading each weight row once, the N rows split across the threads, the bf16 weights widened in registers or
+multiplied as bf16 pairs (AVX512-BF16, AVX-512 or AVX2 + FMA by the build's ISA level, ``engine.cpu_ext``; scalar on a generic CPU). A decode step of a
 bandwidth-bound model is mostly these reads (attention projections, the dense MLP, shared experts, lm_head), and
 the bf16 GEMM of a few rows reads them well below the machine's bandwidth (bench/bench_roofline.py).
 
@@ -39,7 +39,7 @@ def _kernel(level: str) -> cpu_ext.Kernel | None:
 
 
 def path(level: str | None = None) -> str:
-    """``avx512`` / ``avx2`` / ``scalar`` (the build's SIMD) when enabled, ``off`` when not, ``torch`` unbuilt."""
+    """``avx512_bf16`` / ``avx512`` / ``avx2`` / ``scalar`` (the build's SIMD) when enabled, ``off`` when not, ``torch`` unbuilt."""
     if not _enabled[0]:
         return "off"
     k = kernel(level)

@@ -47,7 +47,7 @@ def test_equals_the_fp32_reference(M, N, K, bias, level):
     b = torch.randn(N, generator=g).bfloat16() if bias else None
     y = cpu_gemv.kernel(level).linear(x, w, b)
     assert y.dtype == torch.bfloat16 and y.shape == (M, N)
-    assert cpu_gemv.kernel(level).simd() in ("avx2", "avx512", "scalar")
+    assert cpu_gemv.kernel(level).simd() in ("avx2", "avx512", "avx512_bf16", "scalar")
     assert within_rounding(y, reference(x, w, b), K)
 
 
