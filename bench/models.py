@@ -24,3 +24,11 @@ PEER_GLM5 = dict(
     hidden_act="silu", norm_topk_prob=True,
 )
 """The same scale in the GLM-5 architecture (MLA + DSA with index_topk 2048)."""
+
+MEDIUM_GLM4MOE = dict(
+    PEER_GLM4MOE, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=512, num_hidden_layers=8,
+    num_attention_heads=16, num_key_value_heads=4, head_dim=128, n_routed_experts=64, num_experts_per_tok=8,
+)
+"""Issue 44's bandwidth-bound model: the peers' glm4_moe at hidden 2048, 8 layers (layer 0 dense, width 5632),
+16 heads / 4 KV heads of 128, 64 experts top-8 of width 512 + 1 shared, vocab 32000: 1.68 G parameters (3.4 GB
+bf16); a batch-1 token reads ~509 MB with MXFP4 routed experts (``bench.bench_roofline`` counts them)."""

@@ -12,6 +12,7 @@ Each is read when its function is called (a test or a launcher may set it after 
     PDSERVE_PEERS_DIR       where the peer servers (vLLM, llama.cpp) of the side-by-side benchmarks live
     PDSERVE_CPU_ISA         the ISA level our C++ CPU kernels build for and dispatch on (amx, avx512_bf16, avx512,
                             avx2), at most the CPU's own (``engine.cpu_ext.isa``); empty = unset: the CPU's
+    PDSERVE_GEMV            1: eager decode's small-M bf16 linears run our GEMV kernel (``engine.layers.cpu_gemv``)
 
 Launchers hand the secrets to their children through the environment (never argv: ``ps`` shows argv to
 every user), under the names ``CLUSTER_SECRET`` and ``API_KEY`` below; ``child_environ`` is the one copy of
@@ -30,6 +31,7 @@ TUNE_MALLOC = "PDSERVE_TUNE_MALLOC"
 RANK_CHECK = "PDSERVE_RANK_CHECK"
 PEERS_DIR = "PDSERVE_PEERS_DIR"
 CPU_ISA = "PDSERVE_CPU_ISA"
+GEMV = "PDSERVE_GEMV"
 
 
 def cxx() -> str:
@@ -71,6 +73,11 @@ def peers_dir(environ: Mapping[str, str] | None = None) -> str | None:
 def cpu_isa() -> str | None:
     """``$PDSERVE_CPU_ISA`` (stripped, lower case), or None when unset or empty."""
     return os.environ.get(CPU_ISA, "").strip().lower() or None
+
+
+def gemv_enabled() -> bool:
+    """``$PDSERVE_GEMV`` is 1: eager small-M bf16 linears run our GEMV kernel (``engine.layers.cpu_gemv``)."""
+    return os.environ.get(GEMV, "").strip() == "1"
 
 
 def child_environ(drop: Iterable[str] = (), **extra: str) -> dict[str, str]:

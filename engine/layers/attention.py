@@ -13,6 +13,7 @@ from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kvcache.pool import KVPool
 from engine.layers import cpu_attention
+from engine.layers.cpu_gemv import linear
 from engine.layers.fused import FusedProjection
 from engine.layers.gqa_graph import GQAArgs
 from engine.layers.norm import RMSNorm, rms_norm
@@ -112,7 +113,7 @@ class GQAAttention(nn.Module):
             vv = pool.read(self.layer_idx, "v", batch.kv_slots, x.dtype).transpose(1, 2)
             qq = batch.pad_q(q).transpose(1, 2)  # [B, H, Tq, D]
             o = batch.unpad_q(sdpa(qq, kk, vv, batch.attn_mask, cfg.softmax_scale).transpose(1, 2))
-        return self.o_proj(o.reshape(T, -1)), None
+        return linear(o.reshape(T, -1), self.o_proj.weight, self.o_proj.bias), None
 
     @staticmethod
     def paged_kernel(pool: KVPool) -> bool:
@@ -363,9 +364,9 @@ def mla_tokenwise(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: MLAW
     T = x.shape[0]
     h = x if w.in_ln is None else rms_norm(x, w.in_ln, w.in_eps)
     # q_a, kv_a, the indexer's wk and (same dtype) weights_proj read h: one GEMM (1 call instead of 4)
-    proj = F.linear(h, w.w_x, w.b_x).split(w.sizes, dim=-1)
+    proj = linear(h, w.w_x, w.b_x).split(w.sizes, dim=-1)
     q_resid = rms_norm(proj[0], w.qa_ln, w.qa_eps)
-    q = F.linear(q_resid, w.w_qb).view(T, d.H, d.nope + d.r)
+    q = linear(q_resid, w.w_qb).view(T, d.H, d.nope + d.r)
     ckv = proj[1]
     # every RoPE of the layer as ONE rotation (the same values as rotating each part alone)
     parts = [ckv[:, None, d.L:]]

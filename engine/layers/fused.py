@@ -1,14 +1,16 @@
 """Several projections of the same input as one GEMM.
 
 Small models are bound by per-op overhead (a decode step of the default model is ~650 torch ops), so
-projections that read the same activation run as one ``F.linear`` over their concatenated weights.
+projections that read the same activation run as one ``F.linear`` over their concatenated weights (a few rows:
+our GEMV kernel where enabled, ``engine.layers.cpu_gemv``).
 The checkpoint layout is untouched: the concatenation is derived from the modules' own parameters and
 rebuilt whenever one is replaced or written in place (loading, quantization, tests poking weights).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from engine.layers.cpu_gemv import linear
 
 
 class FusedProjection:
@@ -25,9 +27,9 @@ class FusedProjection:
 
     def __call__(self, x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
         if len(parts) == 1:
-            return [F.linear(x, parts[0][0], parts[0][1])]
+            return [linear(x, parts[0][0], parts[0][1])]
         w, b, sizes = self.weight(parts)
-        return list(F.linear(x, w, b).split(sizes, dim=-1))
+        return list(linear(x, w, b).split(sizes, dim=-1))
 
     def weight(self, parts: list[tuple[torch.Tensor, torch.Tensor | None]]
                ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers.cpu_gemv import linear
 from engine.layers.cpu_tokenwise import silu_mul
 from engine.layers.fused import FusedProjection
 from engine.moe.experts import GRAPH_MOE_IMPLS, RoutedExperts
@@ -37,9 +38,9 @@ def ffn_tokenwise(h: torch.Tensor, f: FFNArgs) -> tuple[torch.Tensor, Routing | 
     """-> (the block's output, None) when it is complete; (the shared experts' output or None, the routing)
     when the routed experts are left to the caller (``f.w13`` None)."""
     if f.w_x is not None:
-        parts = F.linear(h, f.w_x).split(f.sizes, dim=-1)
+        parts = linear(h, f.w_x).split(f.sizes, dim=-1)
         logits, (g, u) = (parts[0], parts[1:]) if f.routes and f.w_router is None else (None, parts)
-        shared = F.linear(silu_mul(g, u), f.w_down)
+        shared = linear(silu_mul(g, u), f.w_down)
     else:
         logits, shared = None, None
     if not f.routes:

@@ -16,6 +16,7 @@ from torch import nn
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kvcache.pool import KVPool
+from engine.layers.cpu_gemv import linear
 from engine.layers.attention import MLA_ABSORB_MAX_Q, GQAAttention, MLAAttention
 from engine.layers.decode_graph import (
     EAGER,
@@ -220,6 +221,8 @@ class GlmForCausalLM(nn.Module):
         return self._rope
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, nn.Linear):  # a few rows: our GEMV where enabled (engine.layers.cpu_gemv)
+            return linear(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers import cpu_gemv
 from engine.moe import moe_cpu_kernel, mx_fused
 from engine.moe.router import Routing
 from engine.shapes import row_bucket
@@ -129,6 +130,8 @@ def gather_gemv(w: torch.Tensor, flat: torch.Tensor, x: torch.Tensor) -> torch.T
     """``w [E, R, C]`` stacked weights, ``flat [P]`` the expert of each pair, ``x [P, C]`` -> ``[P, R]``: each
     pair's expert matrix times its input, the same computation whatever P is. Small experts: a per-pair
     weight copy and ``pair_gemv``; above ``PAIR_COPY_MAX_BYTES``: one GEMV per pair, no copy."""
+    if cpu_gemv.usable(x[:1], w[0]):  # our GEMV (where enabled): each pair's expert read once in place, no copy
+        return torch.cat([cpu_gemv.linear(x[p:p + 1], w[e]) for p, e in enumerate(flat.tolist())])
     if w[0].numel() * w.element_size() > PAIR_COPY_MAX_BYTES:
         return torch.stack([F.linear(x[p], w[e]) for p, e in enumerate(flat.tolist())])
     return pair_gemv(w.index_select(0, flat), x)

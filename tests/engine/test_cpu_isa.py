@@ -17,7 +17,7 @@ from engine.layers import cpu_attention
 AVX2 = frozenset({"avx2", "fma", "f16c", "bmi2", "sse4_2"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LINE = re.compile(r"kernels: prefill_attention=(\w+), moe=(\w+), mx=(\w+), decode_attention=(\w+) "
+LINE = re.compile(r"kernels: prefill_attention=(\w+), moe=(\w+), mx=(\w+), decode_attention=(\w+), gemv=(\w+) "
                   r"\(isa (\w+), cpu (\w+)\)")
 
 
@@ -64,10 +64,11 @@ def test_report_line_names_each_path(caplog):
     line = kernels.kernel_report()
     m = LINE.fullmatch(line)
     assert m, line
-    attention, moe, mx, decode, level, host = m.groups()
+    attention, moe, mx, decode, gemv, level, host = m.groups()
     assert (level, host) == (cpu_ext.isa(), cpu_ext.host_isa())
     assert attention == cpu_attention.path() and decode == cpu_attention.decode_path()
     assert mx in ("avx512", "avx2", "scalar", "torch") and moe in (*cpu_ext.ISA_LEVELS, "torch")
+    assert gemv in ("off", "avx512_bf16", "avx512", "avx2", "scalar", "torch")
     kernels.log_kernel_report.cache_clear()
     with caplog.at_level(logging.INFO, logger="engine.kernels"):
         kernels.log_kernel_report()
@@ -105,7 +106,7 @@ def test_a_process_forced_to_avx2_builds_and_reports_avx2():
     assert done.returncode == 0, done.stderr[-3000:]
     m = LINE.search(done.stdout)
     assert m, done.stdout
-    attention, moe, mx, decode, level, host = m.groups()
+    attention, moe, mx, decode, gemv, level, host = m.groups()
     assert (level, host) == ("avx2", cpu_ext.host_isa())
     assert attention in ("avx2", "torch") and moe in ("avx2", "torch") and mx == "avx2" and decode == "scalar"
     assert "decode ok" in done.stdout
