@@ -15,7 +15,6 @@ A turn's request id is ``bench-<session x turns + turn>``: the same session and 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from typing import Any
@@ -47,18 +46,17 @@ class AgenticRunner(StepRunner):
         ticker = asyncio.create_task(self._tick())
         senders = [asyncio.create_task(self._sessions(queue)) for _ in range(min(int(step.value), cfg.sessions))]
         try:
-            _, pending = await asyncio.wait(senders, timeout=cfg.max_duration_s)
-            for t in pending:
+            await asyncio.wait(senders, timeout=cfg.max_duration_s)
+        finally:  # past the bound (or on our own cancellation) every sender and its stream is cancelled
+            for t in (ticker, *senders):
                 t.cancel()
-            await asyncio.gather(*senders, return_exceptions=True)
-        finally:
-            for t in senders:
-                t.cancel()
-            ticker.cancel()
-            await asyncio.gather(ticker, *senders, return_exceptions=True)
+            ended = await asyncio.gather(ticker, *senders, return_exceptions=True)
+        bugs = [e for e in ended if isinstance(e, Exception)]  # a cancelled sender is no Exception
+        if bugs:
+            raise bugs[0]
         for rec in self.records:
             if not rec.status:
-                rec.status, rec.detail = DRAIN_TIMEOUT, f"still running at --max-duration {cfg.max_duration_s:g}s"
+                rec.status, rec.detail = DRAIN_TIMEOUT, f"still running at --max-duration {cfg.max_duration_s}s"
                 self.num_failed += 1
         if self.on_progress is not None:
             self.on_progress(self.now(), len(self.records), self.num_done, self.num_failed)
@@ -120,5 +118,5 @@ def agentic_stats(sr: StepRecords, cfg: BenchConfig) -> dict[str, Any]:
         "session_state_tokens": state,
         "kv_bytes_per_turn": float(np.mean([r.kv_transfer_bytes for r in ok])) if ok else None,
         "per_turn": per_turn,
-        "elapsed_s": elapsed if math.isfinite(elapsed) else None,
+        "elapsed_s": elapsed,
     }

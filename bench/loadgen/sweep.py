@@ -94,8 +94,10 @@ def _check_server(cfg: BenchConfig, server: dict[str, Any]) -> None:
     longest = (cfg.input_range[1] + cfg.output_range[1]) if cfg.workload == "random" else \
         cfg.input_len + cfg.output_len
     if longest > limit:
+        lower = "--system-len/--user-len/--output-len/--turns" if cfg.workload == "agentic" else \
+            "--input-len/--output-len"
         raise ValueError(f"requests of up to {longest} tokens (input + output) exceed the server's max_context "
-                         f"{limit}: lower --input-len/--output-len")
+                         f"{limit}: lower {lower}")
 
 
 class _Progress:

@@ -5,6 +5,9 @@ It streams ``max_tokens`` tokens with controlled delays, keeps a page-granular p
 ``fail_every``-th one (by the bench's request index) with RESOURCE_EXHAUSTED before any token, every
 ``error_every``-th one with a stream that ends in finish_reason "error". With ``slots`` it serves that many
 requests at a time and queues the rest (a server with a capacity: past it, TTFT grows with the queue).
+The tokens it returns vary with the request and the position (``fake_token``), so a client that sends them back
+(the agentic workload) can be checked; with ``metrics`` its prefill worker serves the prefix cache's counters
+on a ``/metrics`` port, as a real one does.
 """
 from __future__ import annotations
 

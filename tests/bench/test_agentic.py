@@ -2,14 +2,16 @@
 (tests/bench/fake_server.py): each turn's prompt is the previous one + the tokens the server returned + a new
 user chunk, sessions are deterministic by seed, the report carries the session and per-tier figures, and a
 failed or stuck turn ends its session without holding up the run."""
+import asyncio
 import json
+import socket
 
 import numpy as np
 import pytest
 
 from bench.loadgen.config import BenchConfig
 from bench.loadgen.sweep import run_bench
-from bench.loadgen.tiers import parse_counts
+from bench.loadgen.tiers import metrics_urls, parse_counts, scrape, tier_delta
 from bench.loadgen.workload import make_workload
 from cli.main import main as cli_main
 from fake_server import FakeBehaviour, FakeServer, fake_token
@@ -126,3 +128,17 @@ def test_parse_counts_without_a_host_tier():
     text = ('pdserve:prefix_cache_queries_total{worker="p"} 100\n'
             'pdserve:prefix_cache_hits_total{worker="p"} 40\n')
     assert parse_counts(text) == (100.0, {"device": 40.0})
+
+
+def test_a_worker_that_does_not_answer_is_named_not_counted():
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = {"workers": [{"role": "prefill", "address": "127.0.0.1:1", "info": {"metrics_port": str(port)}},
+                          {"role": "decode", "address": "127.0.0.1:2", "info": {"metrics_port": "9"}}]}
+    urls = metrics_urls(server)
+    assert urls == [f"http://127.0.0.1:{port}/metrics"]
+    counts = asyncio.run(scrape(urls))
+    assert counts.num_workers == 0 and counts.query_tokens == 0 and len(counts.errors) == 1
+    delta = tier_delta(counts, counts)
+    assert delta["hit_rate"] == {} and delta["errors"] == counts.errors * 2
