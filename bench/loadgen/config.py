@@ -1,3 +1,4 @@
+# over 400 lines: one frozen dataclass whose field docstrings are every `pdserve bench` flag's help, with the checks and per-workload defaults that belong to it; the flag generation is below it.
 """Load-generator configuration: one frozen dataclass; the ``pdserve bench`` flags are generated from its fields.
 
 A field ``foo_bar`` becomes ``--foo-bar``; a trailing ``_s`` (seconds) is dropped from the flag, so
@@ -14,7 +15,7 @@ from typing import Any
 
 from common.flags import field_docs
 
-WORKLOADS = ("prefill-bound", "reference", "single-stream", "random", "trace")
+WORKLOADS = ("prefill-bound", "reference", "single-stream", "random", "trace", "agentic")
 BACKENDS = ("pdserve", "openai")
 FAULT_KINDS = ("kill-decode", "kill-prefill", "drop-kv", "kv-slowloris", "slow-readers")
 AUTO_KINDS = ("rps", "concurrency")
@@ -35,7 +36,11 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     "random": dict(input_len=1_024, output_len=128, cache_hit=0.0),
     # Lengths come from the trace; the shared prefix covers cache_hit of each prompt in a prefix group.
     "trace": dict(input_len=0, output_len=0, cache_hit=0.6),
+    # Multi-turn sessions over one shared system + tools prefix (input_len: the last turn's prompt, derived).
+    "agentic": dict(input_len=None, output_len=64, cache_hit=0.0),
 }
+AGENTIC_DEFAULTS = dict(system_len=4096, user_len=256)
+"""agentic: the shared system + tools prefix and the user chunk of every turn, in tokens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +100,11 @@ class BenchConfig:
     """Add every measured request (input/output lengths, TTFT, ITLs, E2E, status) to each step in bench.json,
     as vLLM's bench serve --save-detailed does."""
     workload: str = "prefill-bound"
-    """prefill-bound, reference (prefill-bound's shape scaled by --scale, --rps auto), single-stream, random
-    or trace."""
+    """prefill-bound, reference (prefill-bound's shape scaled by --scale, --rps auto), single-stream, random,
+    trace or agentic (multi-turn sessions over a shared prefix, closed loop: see --sessions)."""
     input_len: int | None = None
-    """Prompt tokens per request (default per workload: 20000 prefill-bound, 10000 single-stream, 1024 random)."""
+    """Prompt tokens per request (default per workload: 20000 prefill-bound, 10000 single-stream, 1024 random;
+    agentic: derived, the last turn's prompt)."""
     output_len: int | None = None
     """Output tokens per request, exact: sent as max_tokens with ignore_eos (default 1000 / 1500 / 128)."""
     cache_hit: float | None = None
@@ -109,6 +115,18 @@ class BenchConfig:
     """random: LO,HI prompt lengths, inclusive (default input_len/2 .. input_len*3/2)."""
     output_range: tuple[int, ...] = ()
     """random: LO,HI output lengths, inclusive (default output_len/2 .. output_len*3/2)."""
+    sessions: int = 16
+    """agentic: sessions per step; each opens with the shared --system-len prefix and a user chunk, and sends
+    its next turn when the last one ends: that prompt + the tokens the server returned + a new user chunk.
+    --concurrency sets the sessions in flight."""
+    turns: int = 4
+    """agentic: turns per session."""
+    system_len: int | None = None
+    """agentic: the system + tools prefix every session shares, tokens (default 4096)."""
+    user_len: int | None = None
+    """agentic: the user chunk each turn appends, tokens (default 256); --output-len is the assistant's."""
+    think_time_s: float = 0.0
+    """agentic: seconds a session waits between a turn's end and its next turn."""
     trace: str | None = None
     """trace: JSONL file, one {"timestamp", "input_len", "output_len", "prefix_group"} object per line."""
     trace_speed: float = 1.0
@@ -216,11 +234,28 @@ class BenchConfig:
             raise ValueError(f"vocab_size must be >= 3 (ids are drawn in [2, vocab)), got {self.vocab_size}")
         if self.workload == "trace" and not self.trace:
             raise ValueError("the trace workload needs --trace FILE")
+        self._check_agentic()
         self.fault_spec()
         for name in ("cost_per_hour", "power_watts"):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v}")
+
+    def _check_agentic(self) -> None:
+        for name in ("sessions", "turns", "system_len", "user_len"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if self.think_time_s < 0:
+            raise ValueError(f"think_time must be >= 0, got {self.think_time_s}")
+        if self.workload != "agentic":
+            return
+        if self.backend != "pdserve" or self.text_prompts:
+            raise ValueError("agentic sends back the token ids the server returned: it needs the pdserve backend "
+                             "and token prompts")
+        if self.rps or self.auto:
+            raise ValueError("agentic sessions run closed loop: give --concurrency LIST (sessions in flight), "
+                             "not --rps or auto")
 
     def _check_auto(self) -> None:
         if self.auto is not None:
@@ -280,6 +315,13 @@ class BenchConfig:
         elif self.workload == "trace":
             if self.rps or self.concurrency:
                 raise ValueError("trace replays the file's timestamps: drop --rps/--concurrency")
+        elif self.workload == "agentic":
+            kw.update({k: v for k, v in AGENTIC_DEFAULTS.items() if getattr(self, k) is None})
+            system, user = kw.get("system_len", self.system_len), kw.get("user_len", self.user_len)
+            out = kw.get("output_len", self.output_len)
+            kw["input_len"] = system + self.turns * user + (self.turns - 1) * out  # the last turn's prompt
+            kw.setdefault("concurrency", self.concurrency or (self.sessions,))
+            kw["warmup_s"] = 0.0  # every turn is measured: the window is the whole step
         elif not (self.rps or self.concurrency or self.auto or kw.get("auto")):
             raise ValueError(f"{self.workload} needs --rps LIST|auto or --concurrency LIST|auto")
         if self.workload in ("single-stream", "trace") and self.auto:

@@ -64,7 +64,7 @@ _COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
     ("TPOT p50 / p95 ms", lambda s: _pair(s["tpot"])),
     ("E2E p50 / p95 ms", lambda s: _pair(s["e2e"])),
     ("Stream tok/s", lambda s: _f(s["stream_tok_s"].get("p50"), ".1f")),
-    ("Cache hit", lambda s: f"{_pct(s['cache_hit'])} ({s['target_cache_hit'] * 100:.0f}%)"),
+    ("Cache hit", lambda s: _pct(s["cache_hit"]) + ("" if "agentic" in s else f" ({s['target_cache_hit'] * 100:.0f}%)")),
     ("KV MB/req", lambda s: _f(s["kv_bytes_per_req"], ".2f", 1e-6)),
     ("KV transfer ms", lambda s: _ms(s["kv_s_per_req"])),
     ("Accept len", lambda s: _f(s["accept_len"], ".2f")),
@@ -72,6 +72,23 @@ _COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
 ]
 _COST_COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
     ("$/Mtok (out)", lambda s: f"{_f(s['cost_per_mtok'], '.2f')} ({_f(s['cost_per_mtok_output'], '.2f')})"),
+]
+def _tiers(s: dict) -> str:
+    rates = (s.get("cache_tiers") or {}).get("hit_rate") or {}
+    return " / ".join(f"{t} {_pct(v)}" for t, v in rates.items()) or "-"
+
+
+def _sessions(s: dict) -> str:
+    a = s["agentic"]
+    return f"{a['sessions_completed']}/{a['sessions_started']} ({a['sessions_failed']} failed)"
+
+
+_AGENTIC_COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
+    ("Sessions done", _sessions),
+    ("Turns/s", lambda s: _f(s["agentic"]["requests_per_s"], ".3f")),
+    ("Turn tok/s", lambda s: _f(s["agentic"]["tokens_per_s"], ".1f")),
+    ("Hit by tier", _tiers),
+    ("KV MB/turn", lambda s: _f(s["agentic"]["kv_bytes_per_turn"], ".2f", 1e-6)),
 ]
 _POWER_COLUMNS: list[tuple[str, Callable[[dict], str]]] = [("tok/J", lambda s: _f(s["tok_per_joule"], ".3f"))]
 
@@ -155,6 +172,8 @@ def format_table(result: Result) -> str:
         cols += _COST_COLUMNS
     if cfg.get("power_watts"):
         cols += _POWER_COLUMNS
+    if steps and all("agentic" in s for s in steps):
+        cols += _AGENTIC_COLUMNS
     rows = []
     for i in sorted(range(len(steps)), key=lambda i: steps[i]["rate"]):
         s = steps[i]
@@ -165,6 +184,10 @@ def format_table(result: Result) -> str:
     title = (f"pdserve bench: {cfg['workload']} -> {cfg['target']}  input {cfg['input_len']} / output "
              f"{cfg['output_len']} tokens, cache hit {cfg['cache_hit']:g}{prefixes}, {cfg['nodes']} node(s), "
              f"window {_window(cfg, steps)}, warm-up {cfg['warmup_s']:g}s, SLO {_slo(cfg['slo'])}")
+    if cfg["workload"] == "agentic":
+        title = (f"pdserve bench: agentic -> {cfg['target']}  {cfg['sessions']} sessions x {cfg['turns']} turns, "
+                 f"system {cfg['system_len']} + user {cfg['user_len']} / output {cfg['output_len']} tokens a turn, "
+                 f"think {cfg['think_time_s']:g}s, {cfg['nodes']} node(s), SLO {_slo(cfg['slo'])}")
     header = ["Step"] + (["Phase"] if phases else []) + [h for h, _ in cols]
     lines = [title, *_grid(header, rows), fields["verdict"]["text"]]
     if saturation is not None:

@@ -89,6 +89,12 @@ class RequestRecord:
     accept_len: float = 0.0
     retries: int = 0
     failovers: int = 0
+    session: int | None = None
+    """agentic: the session this turn belongs to (None: not a session's turn)."""
+    turn: int = 0
+    """agentic: the turn's number within its session, from 0."""
+    output_ids: list[int] = field(default_factory=list)
+    """The token ids received, kept only by runners that send them back (``StepRunner.keep_output_ids``)."""
 
     @property
     def ok(self) -> bool:
@@ -152,6 +158,9 @@ def to_proto(spec: RequestSpec) -> generation_pb2.GenerateRequest:
 
 class StepRunner:
     """Sends one step's load through ``stub`` (a ``GenerationStub`` on a grpc.aio channel)."""
+
+    keep_output_ids = False
+    """Keep every token id received in ``RequestRecord.output_ids`` (a runner whose next prompt needs them)."""
 
     def __init__(self, stub, workload: Workload, cfg: BenchConfig, metadata=(), first_index: int = 0,
                  on_progress: ProgressFn | None = None) -> None:
@@ -242,6 +251,8 @@ class StepRunner:
                         rec.t_first = t
                     rec.chunk_times.append(t)
                     rec.chunk_tokens.append(len(chunk.token_ids))
+                    if self.keep_output_ids:
+                        rec.output_ids.extend(chunk.token_ids)
                 if chunk.finish_reason:
                     _finish(rec, chunk)
             rec.status = OK if rec.finish_reason in _GOOD_FINISH else (

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import grpc
 
+from bench.loadgen.agentic import AgenticRunner, agentic_stats
 from bench.loadgen.config import BenchConfig, Slo
 from bench.loadgen.fault import fault_stats, format_fault, inject
 from bench.loadgen.openai_backend import OpenAIGeneration, connector, server_info
@@ -29,6 +30,7 @@ from bench.loadgen.report import Result, format_compare, format_table, knee_fiel
 from bench.loadgen.runner import LoadStep, StepRunner
 from bench.loadgen.search import KneeSearch, SearchConfig, StopReason
 from bench.loadgen.stats import StepStats, step_stats
+from bench.loadgen.tiers import metrics_urls, scrape, tier_delta
 from bench.loadgen.vllm_keys import vllm_keys
 from bench.loadgen.workload import TraceWorkload, make_workload
 from protos import rpc
@@ -92,8 +94,10 @@ def _check_server(cfg: BenchConfig, server: dict[str, Any]) -> None:
     longest = (cfg.input_range[1] + cfg.output_range[1]) if cfg.workload == "random" else \
         cfg.input_len + cfg.output_len
     if longest > limit:
+        lower = "--system-len/--user-len/--output-len/--turns" if cfg.workload == "agentic" else \
+            "--input-len/--output-len"
         raise ValueError(f"requests of up to {longest} tokens (input + output) exceed the server's max_context "
-                         f"{limit}: lower --input-len/--output-len")
+                         f"{limit}: lower {lower}")
 
 
 class _Progress:
@@ -120,8 +124,10 @@ class _Steps:
     fault (if any) goes into the first step, and no step starts that cannot end its window by ``deadline``."""
 
     def __init__(self, channel, stub, cfg: BenchConfig, metadata, workload, duration_s: float, progress: bool,
-                 deadline: float | None) -> None:
+                 deadline: float | None, server: dict[str, Any] | None = None) -> None:
         self.channel, self.stub, self.cfg, self.metadata, self.workload = channel, stub, cfg, metadata, workload
+        self.metrics_urls = metrics_urls(server or {}) if cfg.workload == "agentic" else []
+        """agentic: the prefill workers' /metrics, scraped around each step for the hit rate by tier."""
         self.duration_s, self.progress, self.deadline = duration_s, progress, deadline
         self.fault_spec, self.fault = cfg.fault_spec(), None
         self.stats: list[StepStats] = []
@@ -133,6 +139,8 @@ class _Steps:
         """How long the next step may drain, or None when it does not fit before the deadline at all."""
         if self.deadline is None:
             return self.cfg.drain_timeout_s
+        if self.cfg.workload == "agentic":  # no window: a step runs its sessions until the deadline at most
+            return self.cfg.drain_timeout_s if self.deadline - time.perf_counter() >= MIN_DRAIN_S else None
         left = self.deadline - time.perf_counter() - self.cfg.warmup_s - self.duration_s
         return None if left < MIN_DRAIN_S else min(self.cfg.drain_timeout_s, left)
 
@@ -141,11 +149,14 @@ class _Steps:
         cfg, k = self.cfg, len(self.stats)
         if drain_s < cfg.drain_timeout_s:
             cfg = dataclasses.replace(cfg, drain_timeout_s=drain_s)
+        if cfg.workload == "agentic" and self.deadline is not None:  # the step's bound: what is left of the run's
+            cfg = dataclasses.replace(cfg, max_duration_s=max(MIN_DRAIN_S, self.deadline - time.perf_counter()))
         bar = _Progress(step.label, cfg.warmup_s + self.duration_s, self.progress and not cfg.quiet)
         injector, holders, held = None, [], []
+        before = await scrape(self.metrics_urls) if self.metrics_urls else None
         try:
-            runner = StepRunner(self.stub, self.workload, cfg, self.metadata, first_index=self.index,
-                                on_progress=bar)
+            runner = (AgenticRunner if cfg.workload == "agentic" else StepRunner)(
+                self.stub, self.workload, cfg, self.metadata, first_index=self.index, on_progress=bar)
             if self.fault_spec is not None and k == 0:
                 injector = asyncio.create_task(inject(self.channel, self.metadata, *self.fault_spec, runner.now,
                                                       holders, target=cfg.target, api_key=cfg.api_key))
@@ -165,7 +176,12 @@ class _Steps:
                 self.fault.update(h)
         self.index = runner.next_index
         stats = step_stats(records, cfg)
-        self.extra.append(vllm_keys(records, cfg.save_detailed))
+        extra = vllm_keys(records, cfg.save_detailed)
+        if cfg.workload == "agentic":
+            extra["agentic"] = agentic_stats(records, cfg)
+            extra["cache_tiers"] = (tier_delta(before, await scrape(self.metrics_urls)) if before is not None else
+                                    {"source": None, "note": "no prefill worker lists a metrics_port"})
+        self.extra.append(extra)
         if drain_s < self.cfg.drain_timeout_s:
             stats.warnings.append(f"{step.label}: drain cut to {drain_s:.1f}s by --max-duration")
         self.stats.append(stats)
@@ -223,7 +239,7 @@ async def run_sweep_async(cfg: BenchConfig, progress: bool = True) -> Result:
             if duration <= 0:
                 raise ValueError(f"the trace spans {workload.span_s:.1f}s, not more than the {cfg.warmup_s:g}s "
                                  "warm-up: lower --warmup")
-        steps = _Steps(channel, stub, cfg, metadata, workload, duration, progress, deadline)
+        steps = _Steps(channel, stub, cfg, metadata, workload, duration, progress, deadline, server)
         warnings = [f"cluster status unavailable ({server['error']})"] if "error" in server else []
         search = None
         if cfg.auto:

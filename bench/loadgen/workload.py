@@ -32,6 +32,8 @@ FIRST_ID = 2
 _PREFIX_STREAM = 0x5EED_0001
 _GROUP_STREAM = 0x5EED_0002
 _LENGTH_STREAM = 0x5EED_0003
+_USER_STREAM = 0x5EED_0004
+_ORDER_STREAM = 0x5EED_0005
 
 WORDS = tuple("""the of and to in is that for it as was with be by on not he this are or his from at which but have
 an had they you were their one all we can her has there been if more when will would who so no time up out about
@@ -169,6 +171,42 @@ class TraceWorkload(Workload):
         return e.input_len, e.output_len, (e.prefix_group if self.cfg.cache_hit > 0 else None), e.timestamp_s
 
 
+class AgenticWorkload(Workload):
+    """Multi-turn sessions over one shared system + tools prefix (``system_len`` tokens, group 0's prefix).
+
+    Session ``s`` opens with ``system prefix + user_chunk(s, 0)``; turn ``t + 1`` sends turn ``t``'s prompt +
+    the tokens the server returned for it + ``user_chunk(s, t + 1)`` (``next_prompt``), so its prompt depends on
+    the server's answer. The user chunks and the order in which sessions start (``session_order``) depend on the
+    seed only. The first token of session ``s``'s first chunk is ``2 + s mod (vocab - 2)``: sessions diverge right
+    after the shared prefix. ``request(i)`` is not used: the prompts come from ``first_prompt`` / ``next_prompt``.
+    """
+
+    def shape(self, i: int) -> tuple[int, int, int | None, float | None]:
+        raise TypeError("agentic prompts depend on the server's answers: use first_prompt / next_prompt")
+
+    def user_chunk(self, session: int, turn: int) -> np.ndarray:
+        first, size = self._space()
+        rng = np.random.default_rng([self.cfg.seed, _USER_STREAM, session, turn])
+        chunk = first + rng.integers(0, size, self.cfg.user_len, dtype=np.int64)
+        if turn == 0:
+            chunk[0] = first + session % size
+        return chunk
+
+    def first_prompt(self, session: int) -> tuple[int, ...]:
+        return tuple(np.concatenate([self._group_prefix(0, self.cfg.system_len),
+                                     self.user_chunk(session, 0)]).tolist())
+
+    def next_prompt(self, prompt: Sequence[int], returned_ids: Sequence[int], session: int,
+                    turn: int) -> tuple[int, ...]:
+        """Turn ``turn``'s prompt: the previous one, what the server returned for it, a new user chunk."""
+        return (*prompt, *returned_ids, *self.user_chunk(session, turn).tolist())
+
+    def session_order(self, first_session: int, num_sessions: int) -> list[int]:
+        """Sessions ``first_session ..`` in the order they start (a seeded permutation)."""
+        rng = np.random.default_rng([self.cfg.seed, _ORDER_STREAM, first_session])
+        return (first_session + rng.permutation(num_sessions)).tolist()
+
+
 def load_trace(path: str) -> list[TraceEntry]:
     """Parse a JSONL trace, sorted by timestamp; raises ValueError naming the bad line."""
     out = []
@@ -196,4 +234,6 @@ def make_workload(cfg: BenchConfig, vocab_size: int | None) -> Workload:
         return TraceWorkload(cfg, vocab_size, load_trace(cfg.trace))
     if cfg.workload == "random":
         return RandomWorkload(cfg, vocab_size)
+    if cfg.workload == "agentic":
+        return AgenticWorkload(cfg, vocab_size)
     return FixedWorkload(cfg, vocab_size)

@@ -5,14 +5,19 @@ It streams ``max_tokens`` tokens with controlled delays, keeps a page-granular p
 ``fail_every``-th one (by the bench's request index) with RESOURCE_EXHAUSTED before any token, every
 ``error_every``-th one with a stream that ends in finish_reason "error". With ``slots`` it serves that many
 requests at a time and queues the rest (a server with a capacity: past it, TTFT grows with the queue).
+The tokens it returns vary with the request and the position (``fake_token``), so a client that sends them back
+(the agentic workload) can be checked; with ``metrics`` its prefill worker serves the prefix cache's counters
+on a ``/metrics`` port, as a real one does.
 """
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from dataclasses import dataclass, field
 
 import grpc
+from aiohttp import web
 
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -39,6 +44,9 @@ class FakeBehaviour:
     page_size: int = 16
     kv_bytes_per_token: int = 1000
     api_key: str | None = None
+    metrics: bool = False
+    """Serve a prefill worker's /metrics (prefix cache queries and hit tokens by tier, as ``prefill/server.py``
+    names them) on a loopback port the fake prefill worker lists as its ``metrics_port``."""
 
 
 @dataclass
@@ -54,6 +62,7 @@ class PageCache:
 
     def __init__(self, page: int) -> None:
         self.page, self.keys = page, set()
+        self.query_tokens = self.hit_tokens = 0
 
     def match_and_insert(self, ids: list[int]) -> int:
         pages = len(ids) // self.page
@@ -62,7 +71,23 @@ class PageCache:
             hit += 1
         for k in range(hit + 1, pages + 1):
             self.keys.add(tuple(ids[:k * self.page]))
+        self.query_tokens += len(ids)
+        self.hit_tokens += hit * self.page
         return hit * self.page
+
+    def exposition(self) -> str:
+        """What a prefill worker with a host tier exports (``prefill/tier_metrics.py``); this cache has none."""
+        w = 'worker="fake-prefill"'
+        return (f"# TYPE pdserve:prefix_cache_queries_total counter\n"
+                f"pdserve:prefix_cache_queries_total{{{w}}} {self.query_tokens}\n"
+                f"# TYPE pdserve:prefix_cache_hit_tokens_total counter\n"
+                f'pdserve:prefix_cache_hit_tokens_total{{{w},tier="device"}} {self.hit_tokens}\n'
+                f'pdserve:prefix_cache_hit_tokens_total{{{w},tier="host"}} 0\n')
+
+
+def fake_token(index: int, position: int, vocab_size: int = 512) -> int:
+    """The token the fake returns at ``position`` of request ``index``'s output (it varies, as an answer does)."""
+    return 2 + (index * 31 + position * 7) % (vocab_size - 2)
 
 
 def _index(req_id: str) -> int:
@@ -103,7 +128,8 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         while sent < n_out:
             k = min(b.tokens_per_chunk, n_out - sent)
             sent += k
-            resp = generation_pb2.GenerateResponse(request_id=req_id, token_ids=[7] * k)
+            resp = generation_pb2.GenerateResponse(request_id=req_id, token_ids=[fake_token(i, j) for j in
+                                                                                 range(sent - k, sent)])
             if errors and sent >= 2:
                 self.log.errored.append(req_id)
                 resp.finish_reason = "error"
@@ -125,11 +151,14 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
 class FakeAdmin(generation_pb2_grpc.AdminServicer):
     def __init__(self, b: FakeBehaviour) -> None:
         self.b = b
+        self.metrics_port = 0
 
     async def GetClusterStatus(self, request, context):
         info = {"vocab_size": str(self.b.vocab_size), "max_context": str(self.b.max_context), "page_size": str(self.b.page_size)}
+        prefill_info = {**info, "metrics_port": str(self.metrics_port)} if self.metrics_port else info
         return generation_pb2.ClusterStatus(model="fake", workers=[
-            generation_pb2.WorkerStatus(worker_id="fake-prefill", role="prefill", healthy=True, info=info),
+            generation_pb2.WorkerStatus(worker_id="fake-prefill", role="prefill", healthy=True, info=prefill_info,
+                                        address="127.0.0.1:1"),
             generation_pb2.WorkerStatus(worker_id="fake-decode", role="decode", healthy=True, info=info)])
 
 
@@ -143,14 +172,30 @@ class FakeServer:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: grpc.aio.Server | None = None
+        self._metrics: web.AppRunner | None = None
 
     async def _start(self) -> str:
         self._server = grpc.aio.server()
-        generation_pb2_grpc.add_GenerationServicer_to_server(FakeGeneration(self.behaviour, self.log), self._server)
-        generation_pb2_grpc.add_AdminServicer_to_server(FakeAdmin(self.behaviour), self._server)
+        gen, admin = FakeGeneration(self.behaviour, self.log), FakeAdmin(self.behaviour)
+        generation_pb2_grpc.add_GenerationServicer_to_server(gen, self._server)
+        generation_pb2_grpc.add_AdminServicer_to_server(admin, self._server)
         port = self._server.add_insecure_port("127.0.0.1:0")
         await self._server.start()
+        if self.behaviour.metrics:
+            app = web.Application()
+            app.router.add_get("/metrics", lambda _: web.Response(text=gen.cache.exposition()))
+            self._metrics = web.AppRunner(app)
+            await self._metrics.setup()
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            await web.SockSite(self._metrics, sock).start()  # the site owns the socket from here
+            admin.metrics_port = sock.getsockname()[1]
         return f"127.0.0.1:{port}"
+
+    async def _stop(self) -> None:
+        await self._server.stop(grace=0.5)
+        if self._metrics is not None:
+            await self._metrics.cleanup()
 
     def __enter__(self) -> "FakeServer":
         self._thread.start()
@@ -158,7 +203,7 @@ class FakeServer:
         return self
 
     def __exit__(self, *exc) -> None:
-        asyncio.run_coroutine_threadsafe(self._server.stop(grace=0.5), self._loop).result(30)
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()

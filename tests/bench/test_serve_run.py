@@ -118,3 +118,25 @@ def test_decode_workers_serve_mxfp4_by_default(served):
     assert dec and all(w.info["routed_experts"] == "mxfp4" for w in dec), [dict(w.info) for w in dec]
     assert all({"preempted", "preemptions", "spec_fallbacks"} <= set(w.info) for w in dec)
     assert "decode weights: " in (d / "serve.out").read_text() and "quantized" in (d / "serve.out").read_text()
+
+
+def test_agentic_sessions_against_pdserve_serve(served):
+    """Two sessions of three turns on the real cluster: each turn's prompt is the last one + the tokens the
+    decode worker returned + a user chunk (the server's own prompt_tokens say so), the second turn onwards
+    hits the prefill worker's cache, and the hit rate by tier comes from its /metrics."""
+    from bench.loadgen.config import BenchConfig
+    from bench.loadgen.sweep import run_bench
+    address, d = served
+    cfg = BenchConfig(target=address, workload="agentic", sessions=2, turns=3, system_len=96, user_len=24,
+                      output_len=4, concurrency=(2,), out=str(d / "agentic"), quiet=True, request_timeout_s=120.0)
+    result, text = run_bench(cfg, progress=False)
+    s = result["steps"][0]
+    a = s["agentic"]
+    assert a["sessions_completed"] == 2 and a["turns_ok"] == 6 and s["success_rate"] == 1.0, s["failures"]
+    assert [t["prompt_tokens_mean"] for t in a["per_turn"]] == [120, 148, 176]
+    assert all(t["cache_hit"] > 0.5 for t in a["per_turn"][1:]) and a["kv_bytes_per_turn"] > 0
+    tiers = s["cache_tiers"]
+    assert tiers["source"] == "metrics" and tiers["num_workers"] == 1, tiers
+    assert tiers["query_tokens"] == sum(120 + 28 * t for t in range(3)) * 2
+    assert tiers["hit_rate"]["device"] == pytest.approx(s["cache_hit"])
+    assert "Hit by tier" in text
