@@ -59,7 +59,7 @@ ISA_CFLAGS = {
 """``-march`` per level (gcc 12 / clang 15 accept each). ``avx2``: x86-64-v3 is AVX2 + FMA + F16C + BMI2, what every
 AVX2 EPYC and Xeon has (Haswell, Zen 1 on)."""
 SHARED_INCLUDE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-"""Headers every kernel may include (``bf16_gemm.h``)."""
+"""Headers every kernel may include (``bf16_gemm.h``, ``bf16_scalar.h``, ``ops.h``)."""
 BASE_CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 """-fopenmp: ATen's ``parallel_for`` is inline in its header (an OpenMP pragma): built without it, every
 ``at::parallel_for`` of a kernel ran on one thread."""

@@ -11,16 +11,12 @@ from engine.load import load_model
 from engine.offline import Engine
 from engine.sampling import SamplingParams
 from isa_levels import usable_level
+from shared_helpers import TINY_MOE
 
 ENABLED_AT_START = cpu_gemv.enabled()
 pytestmark = pytest.mark.skipif(cpu_gemv.kernel() is None, reason="no C++ compiler: F.linear runs")
 
-TINY_GQA = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=300, hidden_size=64,
-                intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=4,
-                n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=1,
-                max_position_embeddings=4096, rope_theta=10000.0, partial_rotary_factor=0.5, use_qk_norm=True,
-                attention_bias=True, eos_token_id=1, bos_token_id=0, tie_word_embeddings=False)
+TINY_GQA = dict(TINY_MOE, vocab_size=300)
 
 
 @pytest.fixture(params=cpu_ext.ISA_LEVELS, scope="module")

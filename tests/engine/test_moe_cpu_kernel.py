@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from engine import cpu_ext
 from isa_levels import usable_level
+from shared_helpers import TINY_MOE
 from engine.checkpoint import init_random_model
 from engine.config import ModelConfig
 from engine.load import load_model
@@ -30,12 +31,6 @@ picked = pytest.mark.skipif(not moe_cpu_kernel.available(),
 def level(request):
     return usable_level(request.param, moe_cpu_kernel.kernel, "no fused MoE kernel at ISA level {}")
 
-TINY_MOE = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=128, hidden_size=64,
-                intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=4,
-                n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=1,
-                max_position_embeddings=4096, rope_theta=10000.0, partial_rotary_factor=0.5, use_qk_norm=True,
-                attention_bias=True, eos_token_id=1, bos_token_id=0, tie_word_embeddings=False)
 
 
 def reference(x, w13, w2, routing):

@@ -44,18 +44,20 @@ def test_restore_from_disk_equals_cold_prefill_also_after_a_restart(tiny, tmp_pa
     prefill_once(sched, ids, "a", logits_seen)
     to_disk(sched)
     assert sched.host.lower.num_pages == 6
-    computed = sched.tokens_done
-    warm = prefill_once(sched, ids, "b", logits_seen)
-    assert warm[0].cached_tokens == 96 and sched.host.lower.hit_tokens == 96 and sched.tokens_done - computed == 4
-    assert_same_state(warm, cold)
+    warm_from_disk(sched, ids, "b", cold, logits_seen)
     sched.host.close()
     again = make_disk_sched(tiny, tmp_path)  # a restarted worker: fresh pool and host tier, the same directory
     assert again.host.lower.indexed_pages == 6
-    computed = again.tokens_done
-    warm = prefill_once(again, ids, "c", logits_seen)
-    assert warm[0].cached_tokens == 96 and again.host.lower.hit_tokens == 96 and again.tokens_done - computed == 4
-    assert_same_state(warm, cold)
+    warm_from_disk(again, ids, "c", cold, logits_seen)
     again.host.close()
+
+
+def warm_from_disk(sched, ids, name, cold, logits_seen):
+    """Prefill ``ids`` (100 tokens) again: 96 come from the disk tier, 4 are computed, the state is ``cold``'s."""
+    computed = sched.tokens_done
+    warm = prefill_once(sched, ids, name, logits_seen)
+    assert warm[0].cached_tokens == 96 and sched.host.lower.hit_tokens == 96 and sched.tokens_done - computed == 4
+    assert_same_state(warm, cold)
 
 
 def test_corrupt_disk_page_is_recomputed_with_identical_output(tiny, tmp_path, logits_seen):

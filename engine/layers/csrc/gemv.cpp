@@ -15,6 +15,7 @@
 // Paths by the build's ISA (engine/cpu_ext.py): __AVX512BF16__ vdpbf16ps (bf16 pairs, fp32 sums, as the instruction
 // rounds: denormal inputs and outputs flushed), __AVX512F__ 16 fp32 lanes, __AVX2__+__FMA__ 8 lanes, else scalar;
 // the AVX-512 paths two weight rows per pass.
+#include "bf16_scalar.h"
 #include "ops.h"
 
 #include <immintrin.h>
@@ -26,20 +27,6 @@
 namespace {
 
 constexpr int64_t MAX_M = 8;
-
-inline float bf16_to_f32(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 #if defined(__AVX512F__)
 // Two weight rows per pass (two independent chains per x row, and each x load feeds both rows: at M 8 the x

@@ -16,6 +16,7 @@
 //
 // Plain loops over uint16 bit patterns that the compiler vectorises for the host (-march=native): the
 // same source serves AVX-512 and AVX2 machines.
+#include "bf16_scalar.h"
 #include "ops.h"
 
 #include <cmath>
@@ -28,20 +29,6 @@ namespace {
 
 constexpr int64_t MAX_DIM = 16384;  // per-row fp32 scratch on the stack
 constexpr int64_t LANES = 16;       // partial sums per row (the fixed summation order)
-
-inline float bf16_to_f32(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 // one row: xs fp32 [n] -> out bf16, weight w (bf16 or fp32, as fp32 values)
 inline void norm_row(const float* xs, int64_t n, const float* w, float eps, uint16_t* out) {
