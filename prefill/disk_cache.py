@@ -51,12 +51,11 @@ from engine.kvcache.page_file import TMP_SUFFIX, PageFile, PageHeader, unlink
 from engine.kvcache.pool import KVPool
 from engine.memory import gib, parse_bytes
 from prefill.radix import block_hash
+from prefill.tier_index import MAX_CREDIT, lru_victims, match_chain, unpin
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
-MAX_CREDIT = 3
-"""Most second chances an entry banks from its restores (as the host tier)."""
 QUEUE_BYTES = 256 << 20
 """Bytes of pages the writer's queue holds at most (at least 4 pages): past that, pages are dropped, not waited for."""
 AUTO = "auto"
@@ -227,15 +226,7 @@ class DiskCache:
 
     def _make_room(self, num_bytes: int) -> bool:
         """Remove LRU entries (pinned ones and second chances skipped) until ``num_bytes`` more fit. Under the lock."""
-        budget = len(self._entries) * (MAX_CREDIT + 2)
-        while self.used_bytes + num_bytes > self.capacity_bytes and self._entries and budget > 0:
-            budget -= 1
-            h, e = next(iter(self._entries.items()))
-            if e.pins or e.credit:
-                if not e.pins:
-                    e.credit -= 1
-                self._entries.move_to_end(h)
-                continue
+        for h, _ in lru_victims(self._entries, lambda: self.used_bytes + num_bytes > self.capacity_bytes):
             self._remove(h)
             self.evicted_pages += 1
         return self.used_bytes + num_bytes <= self.capacity_bytes
@@ -257,19 +248,8 @@ class DiskCache:
     def match_prefix(self, token_ids: Sequence[int], start: int, parent: int) -> DiskMatch:
         """The pages stored here for the full pages of ``token_ids`` from ``start`` on (``parent``: the block hash
         of the page before ``start``), pinned."""
-        P = self.page_size
-        hashes, entries = [], []
         with self._lock:
-            for i in range(start, len(token_ids) - P + 1, P):
-                chunk = tuple(token_ids[i:i + P])
-                h = block_hash(parent, chunk)
-                e = self._entries.get(h)
-                if e is None or e.chunk != chunk or e.parent_hash != parent:
-                    break
-                e.pins += 1
-                hashes.append(h)
-                entries.append(e)
-                parent = h
+            hashes, entries, _ = match_chain(self._entries, token_ids, start, parent, self.page_size)
         return DiskMatch(hashes, entries)
 
     def restore(self, dm: DiskMatch, pool_pages: Sequence[int]) -> int:
@@ -308,10 +288,7 @@ class DiskCache:
 
     @staticmethod
     def _unpin(dm: DiskMatch) -> None:
-        for i, e in enumerate(dm.entries):
-            if e is not None:
-                e.pins -= 1
-                dm.entries[i] = None
+        unpin(dm.entries)
 
     # -- accounting ---------------------------------------------------------------------------------
     def _path(self, h: int) -> str:

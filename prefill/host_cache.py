@@ -49,12 +49,11 @@ from engine.kvcache.host_pool import HostPagePool
 from engine.kvcache.pool import KVPool
 from engine.memory import gib, parse_bytes
 from prefill.disk_cache import DiskCache, DiskMatch
-from prefill.radix import CachedPage, Match, block_hash
+from prefill.radix import CachedPage, Match
+from prefill.tier_index import MAX_CREDIT, lru_victims, match_chain, unpin
 
 logger = logging.getLogger(__name__)
 
-MAX_CREDIT = 3
-"""Most second chances an entry banks from its restores."""
 AUTO = "auto"
 AUTO_POOL_MULTIPLE = 2
 """``--host-cache-bytes auto``: twice the KV pool (SGLang HiCache's default host/device ratio) ..."""
@@ -201,15 +200,7 @@ class HostCache:
     def _make_room(self, n: int) -> int:
         """Evict LRU entries (pinned ones and second chances skipped) until ``n`` slots are free; -> how many are."""
         free = self.store.allocator.num_free
-        budget = len(self._entries) * (MAX_CREDIT + 2)  # every entry moves at most MAX_CREDIT + 1 times
-        while free < n and self._entries and budget > 0:
-            budget -= 1
-            h, e = next(iter(self._entries.items()))
-            if e.pins or e.credit:
-                if not e.pins:
-                    e.credit -= 1
-                self._entries.move_to_end(h)
-                continue
+        for h, e in lru_victims(self._entries, lambda: free < n):  # noqa: B023 - free is read at each check, as meant
             if self.lower is not None:  # write-back (write-through queued it at store: then this only touches it)
                 self.lower.put(h, e.parent_hash, e.chunk, self.store.data[e.slot])
             self._drop(h)
@@ -246,24 +237,13 @@ class HostCache:
     # -- lookups ------------------------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int], after: Match) -> HostMatch:
         """The pages stored here for the full pages of ``token_ids`` right after ``after`` (an L1 match), pinned."""
-        P = self.page_size
-        hashes, entries = [], []
         disk = None
         with self._lock:
             self.flush()
-            parent = after.node.hash
-            for i in range(after.num_tokens, len(token_ids) - P + 1, P):
-                chunk = tuple(token_ids[i:i + P])
-                h = block_hash(parent, chunk)
-                e = self._entries.get(h)
-                if e is None or e.chunk != chunk or e.parent_hash != parent:
-                    break
-                e.pins += 1
-                hashes.append(h)
-                entries.append(e)
-                parent = h
+            hashes, entries, parent = match_chain(self._entries, token_ids, after.num_tokens, after.node.hash,
+                                                  self.page_size)
             if self.lower is not None:
-                disk = self.lower.match_prefix(token_ids, after.num_tokens + len(entries) * P, parent)
+                disk = self.lower.match_prefix(token_ids, after.num_tokens + len(entries) * self.page_size, parent)
         return HostMatch(hashes, entries, disk)
 
     def restore(self, hm: HostMatch, pool_pages: Sequence[int]) -> int:
@@ -319,10 +299,7 @@ class HostCache:
 
     @staticmethod
     def _unpin(hm: HostMatch) -> None:
-        for i, e in enumerate(hm.entries):
-            if e is not None:
-                e.pins -= 1
-                hm.entries[i] = None
+        unpin(hm.entries)
 
     # -- accounting ---------------------------------------------------------------------------------
     @property
