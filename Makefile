@@ -41,8 +41,9 @@ protos: install
 	$(PY) -m protos.build
 
 # TEST_WORKERS: pytest-xdist workers (--dist loadgroup: a module's tests on one worker, tests/conftest.py names the
-# groups). 0, the default, runs the suite in this process: on the 2-core AVX2 EPYC two workers took 29.8 min from
-# cold caches, with three timing-sensitive tests failing, so CI stays serial. --durations=30: where the time went.
+# groups). 0, the default, runs the suite in this process: on the 2-core AVX2 EPYC two workers took 45.0 min from
+# cold caches (2026-12-07), one test saw the other worker's processes, and there is no serial run there to compare
+# yet, so CI stays serial. --durations=30: where the time went.
 TEST_WORKERS ?= 0
 
 test: install

@@ -19,7 +19,8 @@ from engine.kvcache import KVLayout, KVPool
 from engine.layers.attention import DSAIndexer
 from engine.load import load_model
 from engine.sampling import SamplingParams
-from prefill.scheduler import PrefillConfig, PrefillScheduler, PrefillTask
+from prefill.scheduler import PrefillScheduler
+from prefill.task import PrefillConfig, PrefillTask
 
 
 class IndexerClock:

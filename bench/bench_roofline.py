@@ -17,8 +17,10 @@ The model: ``bench.models.MEDIUM_GLM4MOE`` (1.68 G parameters), written by
   makes): ``dense`` (every bf16 linear), ``experts`` (the routed experts' module on a router's real routing),
   ``router`` (its logits and top-k), and ``rest`` = the step minus those (attention over the KV cache, norms, RoPE,
   residuals, sampling, Python and dispatch).
-Each model runs in its own process, every weight paged in first, the GEMV kernel off (``F.linear``, oneDNN) and
-on (``engine.layers.cpu_gemv``) interleaved, the best of 2 rounds each: same run, same host. ``experts`` at batch
+Each model runs in its own process, every weight paged in first, its variants interleaved, the best of 2 rounds
+each: same run, same host. Variants: the GEMV kernel off (``F.linear``, oneDNN) and on (``engine.layers.cpu_gemv``,
+the default); an MXFP4 model also on with its in-register expert kernel off (``fused_gather``, the tile kernel) and
+on (``fused_gemv``, the default): ``experts`` names the strategy its MoE layers ran. ``experts`` at batch
 B > 1 reads a different routing than the step's (so ``rest`` may be off by the difference).
 """
 from __future__ import annotations
@@ -36,9 +38,10 @@ from bench.bench_mx_model import timed_decode
 from engine.layers import cpu_gemv
 from engine.layers.mlp import MoE
 from engine.load import load_model
+from engine.moe import mx_fused
 from engine.moe.router import route
 from engine.offline import Engine
-from engine.quant.prepare import expert_memory
+from engine.quant.prepare import expert_memory, expert_status
 from engine.sampling import SamplingParams
 
 PROMPT_LEN = 16
@@ -130,23 +133,29 @@ def run_model(model_dir: str, batches: list[int], steps: int, bw: float, rounds:
     eng = Engine(model, cfg, kv_dtype="bfloat16", num_pages=max(batches) * 4 + 16)
     eng.generate([list(range(2, 2 + PROMPT_LEN))], SamplingParams(max_tokens=2))
     bw = max(bw, bandwidth_gbs())  # the host is shared: the best of the parent's probe and this one
-    best: dict[tuple[bool, int], float] = {}
-    for _ in range(rounds):  # off and on interleaved, the best of ``rounds`` per cell
+    variants = [(False, True), (True, False), (True, True)] if expert_memory(model).mx_bytes else [(False, True),
+                                                                                                   (True, True)]
+    best: dict[tuple[bool, bool, int], float] = {}
+    ran: dict[tuple[bool, bool], str] = {}
+    for _ in range(rounds):  # the variants interleaved, the best of ``rounds`` per cell
         for b in batches:
-            for gemv in (False, True):
+            for gemv, mx_gemv in variants:
                 cpu_gemv.enable(gemv)
+                mx_fused.enable_gemv(mx_gemv)
                 dt = timed_decode(eng, cfg.vocab_size, b, steps, seed=b) / steps
-                best[gemv, b] = min(best.get((gemv, b), dt), dt)
+                best[gemv, mx_gemv, b] = min(best.get((gemv, mx_gemv, b), dt), dt)
+                ran[gemv, mx_gemv] = expert_status(model)["moe_impls"] or "bf16"
     rows = []
-    for gemv in (False, True):
+    for gemv, mx_gemv in variants:
         cpu_gemv.enable(gemv)
+        mx_fused.enable_gemv(mx_gemv)
         for b in batches:
-            dt = best[gemv, b]
+            dt = best[gemv, mx_gemv, b]
             need = step_bytes(model, cfg, b)
             parts = split_times(model, cfg, b, reps=max(2, steps // 2))
             roof_s = need["total"] / (bw * 1e9)
-            row = {"model": model_dir, "gemv": cpu_gemv.path() if gemv else "off", "batch": b,
-                   "bw_gbs": round(bw, 1), "tok_s": round(b / dt, 2), "roofline_tok_s": round(b / roof_s, 2),
+            row = {"model": model_dir, "gemv": cpu_gemv.path() if gemv else "off", "experts": ran[gemv, mx_gemv],
+                   "batch": b, "bw_gbs": round(bw, 1), "tok_s": round(b / dt, 2), "roofline_tok_s": round(b / roof_s, 2),
                    "roofline_pct": round(100 * roof_s / dt, 1), "step_ms": round(dt * 1e3, 2),
                    "bytes_mb": {k: round(v / 1e6, 1) for k, v in need.items()}}
             for k, t in parts.items():  # each group: its ms, and its bytes' time at bandwidth as % of its time
@@ -160,11 +169,11 @@ def run_model(model_dir: str, batches: list[int], steps: int, bw: float, rounds:
 def print_table(rows: list[dict], bw: float) -> None:
     print(f"bandwidth {max([bw] + [r['bw_gbs'] for r in rows]):.1f} GB/s at best ({torch.get_num_threads()} threads, "
           "2 GiB bf16 sum; each row's roofline uses its own process's best)")
-    print("| model | gemv | batch | tok/s | roofline tok/s | % roofline | step ms | dense ms (% bw) | "
+    print("| model | gemv | experts | batch | tok/s | roofline tok/s | % roofline | step ms | dense ms (% bw) | "
           "experts ms (% bw) | router ms | rest ms | MB/step |")
-    print("|---" * 12 + "|")
+    print("|---" * 13 + "|")
     for r in rows:
-        print(f"| {r['model']} | {r['gemv']} | {r['batch']} | {r['tok_s']} | {r['roofline_tok_s']} | "
+        print(f"| {r['model']} | {r['gemv']} | {r['experts']} | {r['batch']} | {r['tok_s']} | {r['roofline_tok_s']} | "
               f"{r['roofline_pct']}% | {r['step_ms']} | {r['dense_ms']} ({r['dense_roof_pct']}%) | "
               f"{r['experts_ms']} ({r['experts_roof_pct']}%) | {r['router_ms']} | {r['rest_ms']} | "
               f"{r['bytes_mb']['total']} |")

@@ -28,7 +28,7 @@ from kvtransfer.config import TransportConfig, add_transport_args
 from protos import tls
 from router import config as router_config
 from router.config import RouterConfig
-from worker.config import DTYPES, HOST_CACHE_POLICIES, KV_DTYPES, MOE_PARALLEL
+from worker.config import DTYPES, HOST_CACHE_POLICIES, KV_DTYPES, MOE_PARALLEL, PREFIX_CACHE_CHOICES
 
 ROUTER_OWNED = ("prefill", "decode", "aggregated", "model", "api_key", "cluster_secret", "tls_cert", "tls_key",
                 "tls_ca", "startup_timeout_s", "grace_s")
@@ -37,7 +37,7 @@ secrets, TLS, the timeouts every process shares); every other field is a cluster
 ROUTER_OPTIONS = tuple(f.name for f in dataclasses.fields(RouterConfig) if f.name not in ROUTER_OWNED)
 """The router's fields that are flags of ``pdserve serve`` and ``pdserve launch``, passed to the router as given."""
 CHOICES = {"dtype": DTYPES, "kv_dtype": KV_DTYPES, "moe_parallel": MOE_PARALLEL, "log_format": logs.LOG_FORMATS,
-           "host_cache_policy": HOST_CACHE_POLICIES}
+           "host_cache_policy": HOST_CACHE_POLICIES, "decode_prefix_cache": PREFIX_CACHE_CHOICES}
 SPECULATION_OFF = ("", "off")
 
 
@@ -115,6 +115,13 @@ class ClusterSpec:
     disk_cache_bytes: str = "auto"
     """Each prefill worker's disk tier budget (64M, 40G; 0: off; auto: half its directory's free space at start,
     plus what it holds; off without --disk-cache-dir)."""
+    load_timeout_s: float = 2.0
+    """Seconds a prefill request waits for its prefix to load from the host and disk tiers once it could run; past
+    them it goes on with what has loaded and recomputes the rest (the same output)."""
+    decode_prefix_cache: str = "on"
+    """Decode workers keep finished requests' KV pages as an evictable prefix cache, so a session's next turn is
+    shipped only the tail of its prompt and routed to the decode worker holding the rest (decode-side reuse), or
+    off (always off at --decode-tp > 1)."""
     no_shm: bool = False
     """Decode pools in private memory: prefill workers on the same host ship KV over TCP too (default: shared
     memory, pages copied)."""
@@ -165,6 +172,11 @@ class ClusterSpec:
         if self.startup_timeout_s <= 0 or self.stall_after_s <= 0 or self.grace_s < 0:
             raise ValueError(f"startup_timeout_s ({self.startup_timeout_s}) and stall_after_s "
                              f"({self.stall_after_s}) must be > 0, grace_s ({self.grace_s}) >= 0")
+        if self.decode_prefix_cache not in PREFIX_CACHE_CHOICES:
+            raise ValueError(f"decode_prefix_cache must be one of {PREFIX_CACHE_CHOICES}, got "
+                             f"{self.decode_prefix_cache!r}")
+        if not self.load_timeout_s >= 0:
+            raise ValueError(f"load_timeout_s must be >= 0, got {self.load_timeout_s}")
         if self.host_cache_policy not in HOST_CACHE_POLICIES:
             raise ValueError(f"host_cache_policy must be one of {HOST_CACHE_POLICIES}, got {self.host_cache_policy!r}")
         if self.disk_cache_bytes not in ("auto", "0") and not self.disk_cache_dir:
@@ -213,6 +225,7 @@ class ClusterSpec:
         args += [] if policy == "write_back" else ["--host-cache-policy", policy]
         if self.disk_cache_dir:  # one directory per worker (it locks it), the same one after a restart
             args += ["--disk-cache-dir", os.path.join(self.disk_cache_dir, slot.worker_id)]
+        args += [] if self.load_timeout_s == 2.0 else ["--load-timeout-s", repr(self.load_timeout_s)]
         return args + ([] if self.disk_cache_bytes == "auto" else ["--disk-cache-bytes", self.disk_cache_bytes])
 
     def decode_argv(self, slot: WorkerSlot) -> list[str]:
@@ -223,6 +236,7 @@ class ClusterSpec:
         args += ["--speculative", self.speculation] if self.speculation else ["--no-speculative"]
         args += ["--no-spec-fallback"] if self.no_spec_fallback else []
         args += ["--compile"] if self.compile_decode else []
+        args += [] if self.decode_prefix_cache == "on" else ["--prefix-cache", self.decode_prefix_cache]
         return args + ["--prefill-chunk", str(self.prefill_chunk),
                        "--prefill-threads", str(slot.prefill_threads or slot.threads)]
 

@@ -12,7 +12,10 @@ Each is read when its function is called (a test or a launcher may set it after 
     PDSERVE_PEERS_DIR       where the peer servers (vLLM, llama.cpp) of the side-by-side benchmarks live
     PDSERVE_CPU_ISA         the ISA level our C++ CPU kernels build for and dispatch on (amx, avx512_bf16, avx512,
                             avx2), at most the CPU's own (``engine.cpu_ext.isa``); empty = unset: the CPU's
-    PDSERVE_GEMV            1: eager decode's small-M bf16 linears run our GEMV kernel (``engine.layers.cpu_gemv``)
+    PDSERVE_GEMV            0: eager decode's small-M bf16 linears run ``F.linear``, not our GEMV kernel
+                            (``engine.layers.cpu_gemv``, the default)
+    PDSERVE_MX_GEMV         0: ``auto`` never picks the MXFP4 experts' in-register kernel ``fused_gemv`` (it runs
+                            ``fused_gather``, the same bits, instead)
 
 Launchers hand the secrets to their children through the environment (never argv: ``ps`` shows argv to
 every user), under the names ``CLUSTER_SECRET`` and ``API_KEY`` below; ``child_environ`` is the one copy of
@@ -32,6 +35,7 @@ RANK_CHECK = "PDSERVE_RANK_CHECK"
 PEERS_DIR = "PDSERVE_PEERS_DIR"
 CPU_ISA = "PDSERVE_CPU_ISA"
 GEMV = "PDSERVE_GEMV"
+MX_GEMV = "PDSERVE_MX_GEMV"
 
 
 def cxx() -> str:
@@ -76,8 +80,13 @@ def cpu_isa() -> str | None:
 
 
 def gemv_enabled() -> bool:
-    """``$PDSERVE_GEMV`` is 1: eager small-M bf16 linears run our GEMV kernel (``engine.layers.cpu_gemv``)."""
-    return os.environ.get(GEMV, "").strip() == "1"
+    """Eager small-M bf16 linears run our GEMV kernel (``engine.layers.cpu_gemv``) unless ``$PDSERVE_GEMV`` is 0."""
+    return os.environ.get(GEMV, "").strip() != "0"
+
+
+def mx_gemv_enabled() -> bool:
+    """``auto`` may run the MXFP4 experts' in-register kernel (``fused_gemv``) unless ``$PDSERVE_MX_GEMV`` is 0."""
+    return os.environ.get(MX_GEMV, "").strip() != "0"
 
 
 def child_environ(drop: Iterable[str] = (), **extra: str) -> dict[str, str]:

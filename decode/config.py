@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.config import WorkerConfig
+from worker.config import PREFIX_CACHE_CHOICES, WorkerConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +56,9 @@ class DecodeWorkerConfig(WorkerConfig):
     """STEPS/TOPK/DRAFT_TOKENS, or 'off'"""
     no_speculative: bool = False
     """decode without speculation (as --speculative off)"""
+    spec_cost_model: bool = False
+    """choose each speculative step's draft length (0: a plain step) from measured step times and the running
+    acceptance (engine/speculative/cost.py; greedy chains, TOPK 1)"""
     no_spec_fallback: bool = False
     """keep speculating for every request even when its drafts are rarely accepted (default: a request whose
     tokens per round stay below a round's cost in plain steps decodes plainly)"""
@@ -73,3 +76,10 @@ class DecodeWorkerConfig(WorkerConfig):
     """serve these (e.g. MXFP4) weights instead"""
     shm: bool = False
     """put the KV pool in shared memory (same-host transfers)"""
+    prefix_cache: str = "on"
+    """keep finished requests' KV pages as an evictable prefix cache (decode-side reuse: the next turn of a session
+    ships only the tail of its prompt) or off; off at --tp > 1"""
+
+    def __post_init__(self) -> None:
+        if self.prefix_cache not in PREFIX_CACHE_CHOICES:
+            raise ValueError(f"prefix_cache must be one of {PREFIX_CACHE_CHOICES}, got {self.prefix_cache!r}")

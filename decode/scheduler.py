@@ -109,8 +109,9 @@ class DecodeScheduler(SchedulerThread):
         """Prefill ``task.prompt_ids`` here (no transfer: conditional disaggregation, aggregated mode), then decode.
 
         Pages for the whole prompt are allocated now (``PoolExhausted`` propagates: nothing is kept); the prompt
-        is prefilled in chunks over the next steps (``DecodeConfig.prefill_chunk``) and its first token, sampled
-        after the last chunk, is emitted like any other. ``task.output_ids`` must be empty and ``cached_len`` 0.
+        is prefilled in chunks over the next steps (``DecodeConfig.prefill_chunk``), from the end of its prefix
+        still resident in the prefix cache (``decode.admission``), and its first token, sampled after the last
+        chunk, is emitted like any other. ``task.output_ids`` must be empty and ``cached_len`` 0.
         """
         if task.output_ids or task.cached_len:
             raise ValueError("a local prefill starts from the prompt alone")

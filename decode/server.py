@@ -4,7 +4,9 @@
 
 ``Reserve`` sets pages aside and returns a transfer ticket (RESOURCE_EXHAUSTED when they do not
 fit, when ``--max-running`` requests are running or reserved, or while admitted requests wait for
-pages: nothing is allocated). ``Decode`` waits for the complete, verified transfer, then joins the
+pages: nothing is allocated); with the prefix cache (``--prefix-cache on``, decode-side reuse) it pins the
+longest prefix of the prompt this worker still holds from a finished request and answers how many tokens that
+is (``resident_tokens``): the ticket covers the rest, which is all the prefill worker ships. ``Decode`` waits for the complete, verified transfer, then joins the
 continuous batch and streams tokens; cancelling it frees the request's pages.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import time
+from typing import NamedTuple
 
 import grpc
 import msgpack
@@ -30,15 +33,17 @@ from engine.defaults import default_model_dir
 from engine.kvcache import PoolExhausted
 from engine.fingerprint import model_hash
 from engine.quant.prepare import expert_status, quantized_experts
+from engine.speculative.cost import DraftCostModel
 from engine.tokenizer import Tokenizer
 from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, TransferError
 from kvtransfer.config import TransportConfig, add_transport_args, receiver_mooncake_protocol
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from worker import boot, convert, heartbeat, omp, process
-from worker.config import add_worker_args
+from worker.config import PREFIX_CACHE_CHOICES, add_worker_args
 from worker.convert import logprob_to_proto, sampling_from_proto, spec_stats_to_proto
-from worker.metrics import serve_metrics
+from worker.cache_events import CacheEventHub
+from worker.metrics import Labelled, Values, serve_metrics
 from worker.ranks import RankFailure
 
 logger = logging.getLogger("decode.server")
@@ -60,26 +65,29 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.speculator = speculator
         """``engine.speculative.worker.MTPSpeculator`` when this worker speculates: its stats go in ``WorkerStatus.spec``."""
         self.loop = asyncio.get_running_loop()
+        self.events = CacheEventHub(self.loop, self.snapshot)
+        """The router's ``StreamCacheEvents`` subscribers: the prefix cache's stored / evicted pages."""
 
     async def Reserve(self, request, context):
         if request.num_tokens < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_tokens must be >= 1")
+        self.admission.sweep_pins()  # prefixes of reservations that expired unclaimed go back to the cache
         refusal = self.sched.refusal(self.admission.num_reserved)
         if refusal:  # before anything is allocated, so before the prefill: the router tries the next worker
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.worker_id} cannot take the "
                                                                         f"request: {refusal}")
         try:  # a refused reservation holds no page (the manager allocates last and frees on any error)
-            ticket = self.admission.reserve(request.request_id, request.num_tokens)
+            res = self.admission.reserve(request.request_id, request.num_tokens, request.prompt_ids)
         except TransferError as e:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.reason is FailReason.NO_CAPACITY \
                 else grpc.StatusCode.FAILED_PRECONDITION
             await context.abort(code, f"cannot reserve {request.num_tokens} tokens of KV: {e}")
         except ValueError as e:  # a bad id, or one that already holds a reservation
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot reserve KV for this request: {e}")
-        host, port = ticket.address
+        host, port = res.ticket.address
         return worker_pb2.ReserveResponse(ticket=worker_pb2.TransferTicket(
             request_id=request.request_id, target=f"{host}:{port}",
-            ticket=msgpack.packb(ticket.to_dict(), use_bin_type=True)))
+            ticket=msgpack.packb(res.ticket.to_dict(), use_bin_type=True), resident_tokens=res.resident_tokens))
 
     async def Decode(self, request, context):
         req_id = request.request_id
@@ -168,7 +176,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AbortResponse(found=found)
 
     async def GetStatus(self, request, context):
+        self.admission.sweep_pins()
         return self.status()
+
+    async def StreamCacheEvents(self, request, context):
+        async for ev in self.events.stream():
+            yield ev
+
+    def publish(self, stored: list[int], evicted: list[int]) -> None:
+        """The prefix cache's changes (``RadixCache.on_event``, from the scheduler thread or the loop)."""
+        self.events.publish(worker_pb2.CacheEvent(stored=stored, evicted=evicted))
+
+    def snapshot(self) -> worker_pb2.CacheEvent:
+        cache = self.admission.cache
+        return worker_pb2.CacheEvent(reset=True, stored=cache.all_hashes() if cache is not None else [])
 
     def status(self) -> generation_pb2.WorkerStatus:
         st = self.sched.pool.stats()
@@ -180,7 +201,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             worker_id=self.worker_id, role=Role.DECODE, address=self.address, kv_address=f"{host}:{port}",
             healthy=not problem, running=self.sched.num_running,
             queued=self.sched.num_pending + self.admission.num_reserved,  # admitted, KV on its way
-            pages_total=st.num_pages, pages_free=st.num_free,
+            pages_total=st.num_pages, pages_free=self.admission.num_free, pages_cached=self.admission.num_cached,
             tokens_per_s=tps, model_hash=self.mhash, model=self.model,
             spec=spec_stats_to_proto(spec.stats(), str(spec.spec)) if spec is not None else None,
             info={**self.info, **self.admission.landing_info(), "preempted": str(self.sched.num_preempted), "preemptions": str(self.sched.preemptions),
@@ -191,10 +212,43 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def counters(self) -> dict[str, tuple[float, str]]:
         """Monotonic totals for /metrics (``worker.metrics``)."""
         s = self.sched
+        a = self.admission
         return {"generation_tokens": (s.tokens_out, "Tokens decoded (the first token of a request comes from "
                                       "its prefill)"),
+                "prefix_cache_hit_tokens": (Labelled("tier", {"decode": a.reuse_hit_tokens}),
+                                            "Prompt tokens found in the prefix cache, by tier (decode: resident on "
+                                            "this decode worker at reservation, not shipped)"),
+                "prefix_cache_queries": (a.reserved_tokens, "Prompt tokens of the reservations (looked up in the "
+                                                            "decode prefix cache)"),
+                "kv_received_bytes": (a.received_bytes, "KV bytes received from prefill workers"),
                 "num_preemptions": (s.preemptions, "Requests preempted to free KV pages"),
-                "spec_decode_fallbacks": (s.spec_fallbacks, "Requests switched from speculation to plain decoding")}
+                "spec_decode_fallbacks": (s.spec_fallbacks, "Requests switched from speculation to plain decoding"),
+                **cost_model_values(self._cost_model()).counters}
+
+    def _cost_model(self) -> DraftCostModel | None:
+        return self.speculator.decoder.cost_model if self.speculator is not None else None
+
+    def gauges(self) -> Values:
+        """Current values for /metrics: the draft-length cost model's (none without one)."""
+        return cost_model_values(self._cost_model()).gauges
+
+
+class CostModelValues(NamedTuple):
+    counters: Values
+    gauges: Values
+
+
+def cost_model_values(cm: DraftCostModel | None) -> CostModelValues:
+    """/metrics of a speculating worker's draft-length cost model (``--spec-cost-model``; empty without one)."""
+    if cm is None:
+        return CostModelValues({}, {})
+    return CostModelValues(
+        {"spec_decode_steps_by_draft_tokens": (
+            Labelled("num_drafts", {str(k): n for k, n in enumerate(cm.steps_by_drafts)}),
+            "Speculative steps by the draft length the cost model chose (0: a plain step)"),
+         "spec_decode_draft_length_changes": (cm.num_changes, "Changes of the cost model's best draft length")},
+        {"spec_decode_draft_tokens": (cm.num_drafts, "Draft tokens of the last speculative step (cost model)"),
+         "spec_decode_draft_accept_rate": (cm.accept_rate, "Per-draft acceptance the cost model uses")})
 
 
 def draft_state(raw: bytes | None, layout: DraftLayout | None, device: torch.device) -> torch.Tensor | None:
@@ -249,12 +303,16 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
                                                      mooncake_protocol=receiver_mooncake_protocol(transport),
                                                      tp_size=wcfg.tp))
     await receiver.start()
+    prefix_cache = wcfg.prefix_cache == "on" and ranks is None
+    if wcfg.prefix_cache == "on" and ranks is not None:
+        logger.warning("decode prefix cache off: --tp %d (each rank would have to keep its pages)", wcfg.tp)
     sched = DecodeScheduler(model, pool, cfg.eos_token_ids,
                             DecodeConfig(max_running=wcfg.max_running, spec_fallback=not wcfg.no_spec_fallback,
                                          prefill_chunk=wcfg.prefill_chunk, prefill_threads=wcfg.prefill_threads,
                                          prefill_budget=max(wcfg.prefill_chunk, wcfg.prefill_budget)),
                             stop_checker=stop_checker(Tokenizer.from_model_dir(model_dir)), spec=spec,
-                            admission=DecodeAdmission(pool, receiver, ranks))
+                            admission=DecodeAdmission(pool, receiver, ranks, prefix_cache=prefix_cache,
+                                                      mtp=spec is not None))
     sched.heartbeat = heartbeat.Heartbeat(wcfg.stall_after)
     server = rpc.make_server(secret)
     port = boot.bind(server, wcfg, Role.DECODE)
@@ -270,8 +328,11 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     mx = sorted({m.spec.fmt.name for m in quantized_experts(local_model).values()})
     info["routed_experts"] = ",".join(mx) if mx else plan.dtype.dtype
     info["spec_fallback"] = "on" if spec is not None and sched.config.spec_fallback else "off"
+    info["prefix_cache"] = "on" if prefix_cache else "off"
     servicer = DecodeServicer(sched, receiver, cfg, info, wcfg.worker_id or f"decode-{port}", address, mhash, spec,
                               model_info, ranks)
+    if sched.admission.cache is not None:
+        sched.admission.cache.on_event = servicer.publish
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     hs = rpc.add_health_and_reflection(server, [SERVICE])
     if ranks is not None:
@@ -283,7 +344,7 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
     logger.info("decode worker %s serving on %s, KV data plane %s:%d", servicer.worker_id, address, host, kv_port)
     if wcfg.metrics_port:
         info["metrics_port"] = str(serve_metrics(wcfg.host, max(wcfg.metrics_port, 0), servicer.status,
-                                                 servicer.counters))
+                                                 servicer.counters, servicer.gauges))
     print(f"PDSERVE_READY decode {address} kv={host}:{kv_port}", flush=True)
 
     async def on_stop():
@@ -297,7 +358,7 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of a decode worker: ``DecodeWorkerConfig``'s fields, ``TransportConfig``'s and logging's."""
     p = argparse.ArgumentParser("pdserve decode worker")
-    add_worker_args(p, DecodeWorkerConfig)
+    add_worker_args(p, DecodeWorkerConfig, choices={"prefix_cache": PREFIX_CACHE_CHOICES})
     add_transport_args(p)
     return p
 

@@ -76,6 +76,7 @@ class SpeculationAdapter:
         per_round = task.spec_tokens / task.spec_rounds
         if per_round < self.round_cost:
             task.spec_off = True
+            task.mtp_len = task.cached_len  # plain steps from here on write no MTP KV
             self.num_fallbacks += 1
             logger.info("%s: speculation off (%.2f tokens per round, a round costs %.2f plain steps)",
                         task.req_id, per_round, self.round_cost)

@@ -67,4 +67,4 @@ def build_speculator(wcfg: DecodeWorkerConfig, model, cfg, pool):
     if not model.has_mtp:
         logger.warning("model has no MTP layer: running without speculative decoding")
         return None
-    return make_speculator(model, cfg, pool, wcfg.speculative)
+    return make_speculator(model, cfg, pool, wcfg.speculative, cost_model=wcfg.spec_cost_model)

@@ -51,6 +51,9 @@ class DecodeTask:
     spec_tokens: int = 0
     spec_off: bool = False
     """Speculation stopped paying for this request (``DecodeConfig.spec_fallback``): plain steps."""
+    mtp_len: int | None = None
+    """Set when speculation stops (``spec_off``): the MTP layer's KV covers pairs ``0 .. mtp_len - 1`` only (plain
+    steps do not write it), so the decode prefix cache keeps no page past it. None: it covers ``cached_len``."""
     draft_hidden: torch.Tensor | None = None
     """``[H]`` the MTP draft state shipped with the KV (``engine.speculative.seq.SpecSeq.draft_hidden``): the first
     round speculates. None: it verifies the last token alone and its draft extend creates the state."""

@@ -80,7 +80,11 @@ class ForwardBatch:
         """``[B, 1, Tq_max, S_max]`` bool, True = attend; built on first use (at 20k context a 2k chunk's
         mask is 40 MB, and the sparse long-context path never needs it)."""
         if self._mask is None:
-            self._mask = self._build_mask()
+            # A normal tensor whoever asks first: the model's forward (inference mode) or a caller that edits it
+            # before the forward (the tree proposer). A compiled graph guards on its inputs' dispatch keys: an
+            # inference tensor one step and a normal one the next compiled the same step's graph twice.
+            with torch.inference_mode(False):
+                self._mask = self._build_mask()
         return self._mask
 
     def _build_mask(self) -> torch.Tensor:
@@ -181,7 +185,12 @@ class ForwardBatch:
         else:
             ids = torch.cat([torch.as_tensor(r.token_ids, dtype=torch.long).reshape(-1) for r in reqs])
         # slot of sequence index j = page_table[j // page_size] * page_size + j % page_size; 0 past the end
-        kv_slots = (pages * page_size + torch.arange(page_size, dtype=torch.long)).view(B, -1)[:, :smax].contiguous()
+        # a tensor of its own, row-major (strides (smax, 1)) for every B: a compiled step guards on its inputs'
+        # strides (.contiguous() keeps a one-row slice's page-padded row stride: a context off the page boundary
+        # compiled a second one-request graph) and, for a view, on its base's sizes (a flat reshape's view
+        # compiled 4 graphs after warm-up in test_no_compile_after_warm_up)
+        kv_slots = (pages * page_size + torch.arange(page_size, dtype=torch.long)).view(B, -1)[:, :smax] \
+            .clone(memory_format=torch.contiguous_format)
         if kv_lens.count(smax) != B:
             kv_len_t = (cached_t + torch.tensor(q_lens, dtype=torch.long))[:, None]
             kv_slots = kv_slots.masked_fill(torch.arange(smax)[None, :] >= kv_len_t, 0)

@@ -25,12 +25,14 @@ working C++ compiler (or when the build fails) ``build`` logs ONE WARNING naming
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import shutil
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -135,14 +137,41 @@ def build(prefix: str, source: str, instead: str, level: str | None = None) -> K
     build_dir = os.path.join(pdserve_home(), "torch_extensions", name)
     os.makedirs(build_dir, exist_ok=True)
     try:
-        cpp_extension.load(name=name, sources=[source], build_directory=build_dir, extra_cflags=cflags(level),
-                           extra_include_paths=[SHARED_INCLUDE], extra_ldflags=["-fopenmp"], verbose=False,
-                           is_python_module=False)  # loads the library: its TORCH_LIBRARY registers the operators
+        with build_lock(build_dir):
+            cpp_extension.load(name=name, sources=[source], build_directory=build_dir, extra_cflags=cflags(level),
+                               extra_include_paths=[SHARED_INCLUDE], extra_ldflags=["-fopenmp"], verbose=False,
+                               is_python_module=False)  # loads the library: its TORCH_LIBRARY registers the ops
         return getattr(torch.ops, name)
     except Exception as e:  # noqa: BLE001 - any build/load failure: one loud fallback, never a crash
         logger.warning("CPU kernel %s (%s) unavailable: building %s failed (%s); %s", prefix, level, source, e,
                        instead)
         return None
+
+
+TORCH_BATON = "lock"
+"""The file ``torch.utils.cpp_extension`` creates in a build directory while it builds and removes after. A build
+killed meanwhile (a timeout, SIGKILL) leaves it behind, and every later ``load`` of that directory waits for it
+forever, even when the library is built and up to date."""
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: str) -> Iterator[None]:
+    """Hold ``build_dir``'s exclusive ``fcntl`` lock (``pdserve.flock``: released by the kernel when its process
+    dies, however it dies) around a ``cpp_extension.load``: builders of one directory take turns, so torch's own
+    baton file there is never another live builder's, and one that is present was left by a killed build. It is
+    removed, with one WARNING, instead of waited for forever."""
+    fd = os.open(os.path.join(build_dir, "pdserve.flock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        baton = os.path.join(build_dir, TORCH_BATON)
+        if os.path.exists(baton):
+            logger.warning("CPU kernel build %s: removing the build lock a killed build left behind (%s)",
+                           os.path.basename(build_dir), baton)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(baton)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def build_routed(what: str, prefix: str, source: str, instead: str, level: str,

@@ -1,13 +1,13 @@
 """Which path each hot CPU op of ours takes in this process, as one line (``kernel_report``) that a worker and
 ``pdserve run`` log once at start-up (``log_kernel_report``, called by ``engine.load.load_model``):
 
-    kernels: prefill_attention=avx512_bf16, moe=avx512_bf16, mx=avx512, decode_attention=avx512, gemv=off (isa avx512_bf16, cpu avx512_bf16)
+    kernels: prefill_attention=avx512_bf16, moe=avx512_bf16, mx=avx512, decode_attention=avx512, gemv=avx512_bf16 (isa avx512_bf16, cpu avx512_bf16)
 
 ``prefill_attention`` / ``moe``: ``amx`` (AMX brgemm), ``avx512_bf16`` / ``avx512`` / ``avx2`` (their gemm route,
 built for that level) or ``torch`` (SDPA / the torch MoE strategies: the ISA level's measured choice, no
 compiler, or a failed build: the last two also WARN once). ``mx``: the SIMD of the MX kernel's build (``avx512``,
 ``avx2``, ``scalar``) or ``torch``. ``decode_attention``: ``avx512`` or ``scalar`` (its only branches), or ``torch``. ``gemv``: the small-M bf16 linear
-(``engine.layers.cpu_gemv``): ``off`` unless ``$PDSERVE_GEMV=1``, else its build's SIMD or ``torch``.
+(``engine.layers.cpu_gemv``): its build's SIMD or ``torch``; ``off`` with ``$PDSERVE_GEMV=0``.
 Asking builds every kernel (once per CPU type and level; milliseconds when cached in ``$PDSERVE_HOME``).
 """
 from __future__ import annotations

@@ -34,12 +34,14 @@ removed until the budget holds; other layouts' directories ignored, logged once.
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import queue
 import re
 import shutil
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
@@ -50,8 +52,8 @@ from engine.kvcache.host_pool import HostPagePool
 from engine.kvcache.page_file import TMP_SUFFIX, PageFile, PageHeader, unlink
 from engine.kvcache.pool import KVPool
 from engine.memory import gib, parse_bytes
-from prefill.radix import block_hash
-from prefill.tier_index import MAX_CREDIT, lru_victims, match_chain, unpin
+from engine.kvcache.radix import block_hash
+from prefill.tier_index import BATCH_BYTES, MAX_CREDIT, Commit, LoadTimes, copy_now, lru_victims, match_chain, unpin
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +124,8 @@ class DiskCache:
         """Called with (block hashes stored, block hashes dropped) after each change (under the lock, from the
         writer thread or the scheduler's)."""
         self.hit_tokens = self.stored_pages = self.evicted_pages = self.corrupt_pages = self.dropped_pages = 0
+        self.late_pages = 0  # matched here, not loaded in time: the request went on and recomputed them
+        self.load_times = LoadTimes()  # seconds each restore took (files read, verified, copied into the pool)
         self._warned_write = self._closed = False
         os.makedirs(self.dir, exist_ok=True)
         self._lock_fd = _lock_dir(self.dir)
@@ -252,26 +256,30 @@ class DiskCache:
             hashes, entries, _ = match_chain(self._entries, token_ids, start, parent, self.page_size)
         return DiskMatch(hashes, entries)
 
-    def restore(self, dm: DiskMatch, pool_pages: Sequence[int]) -> int:
+    def restore(self, dm: DiskMatch, pool_pages: Sequence[int], commit: Commit = copy_now) -> int:
         """Load the first ``len(pool_pages)`` matched pages into ``pool_pages``; unpins ``dm``. Stops at the first
-        file that is missing, truncated or fails its checksum (removed, counted); -> pages restored."""
+        file that is missing, truncated or fails its checksum (removed, counted), or where ``commit`` refuses (cut
+        off: counted late); -> pages restored. Files are read and verified in batches, outside the lock (a pinned
+        entry's file is neither removed nor rewritten): a loader thread runs this (``prefill.admission``)."""
+        t0 = time.perf_counter()
         n = min(len(pool_pages), len(dm.entries))
-        rows = torch.empty((n, self.page_bytes), dtype=torch.uint8, pin_memory=self._pin)
-        good = 0
-        while good < n:  # files are read outside the lock: a pinned entry's file is neither removed nor rewritten
-            h, e = dm.hashes[good], dm.entries[good]
-            why = self.format.read(self._path(h), h, PageHeader(e.parent_hash, e.chunk), rows[good])
-            if why:
-                with self._lock:
-                    self.corrupt_pages += 1
-                    logger.warning("disk prefix cache: page %016x %s; recomputing it", h, why)
-                    e.pins -= 1
-                    dm.entries[good] = None
-                    if self._entries.get(h) is e:
-                        self._remove(h)
+        batch = max(1, min(n, BATCH_BYTES // self.page_bytes))
+        rows = torch.empty((batch, self.page_bytes), dtype=torch.uint8, pin_memory=self._pin)
+        good, cut = 0, False
+        while good < n:
+            end = min(n, good + batch)
+            ok = good
+            for h, e in zip(dm.hashes[good:end], dm.entries[good:end]):
+                why = self.format.read(self._path(h), h, PageHeader(e.parent_hash, e.chunk), rows[ok - good])
+                if why:
+                    self._drop_bad(dm, ok, why)
+                    break
+                ok += 1
+            copy = functools.partial(self.store.load_rows, rows[:ok - good], self.pool, pool_pages[good:ok])
+            cut = ok > good and not commit(ok - good, copy)
+            good = good if cut else ok
+            if cut or ok < end:
                 break
-            good += 1
-        self.store.load_rows(rows[:good], self.pool, pool_pages[:good])
         with self._lock:
             for h, e in zip(reversed(dm.hashes[:good]), reversed(dm.entries[:good])):  # leaf first: parents newest
                 e.hits += 1
@@ -279,11 +287,27 @@ class DiskCache:
                 if self._entries.get(h) is e:
                     self._entries.move_to_end(h)
             self.hit_tokens += good * self.page_size
+            if cut:
+                self.late_pages += n - good
             self._unpin(dm)
+        if good:
+            self.load_times.observe(time.perf_counter() - t0)
         return good
 
-    def release(self, dm: DiskMatch) -> None:
+    def _drop_bad(self, dm: DiskMatch, i: int, why: str) -> None:
+        h, e = dm.hashes[i], dm.entries[i]  # failed its check (why): unpinned, removed, counted
         with self._lock:
+            self.corrupt_pages += 1
+            logger.warning("disk prefix cache: page %016x %s; recomputing it", h, why)
+            e.pins -= 1
+            dm.entries[i] = None
+            if self._entries.get(h) is e:
+                self._remove(h)
+
+    def release(self, dm: DiskMatch, late: int = 0) -> None:
+        """Unpin ``dm`` without restoring; ``late``: how many of its pages the request wanted but went on without."""
+        with self._lock:
+            self.late_pages += late
             self._unpin(dm)
 
     @staticmethod

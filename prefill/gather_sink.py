@@ -22,9 +22,12 @@ GatherPages = Callable[[list[int], list[int]], None]
 
 class GatherSink(KVSink):
     def __init__(self, inner: KVSink, gather: GatherPages, staging: KVPool, num_layers: int, num_tokens: int,
-                 owner: str) -> None:
+                 owner: str, skip_tokens: int = 0) -> None:
         self.inner, self.gather, self.staging = inner, gather, staging
         self.num_layers, self.num_tokens, self.owner = num_layers, num_tokens, owner
+        self.skip_pages = skip_tokens // staging.page_size
+        """Pages of the prompt the decode worker holds already (decode-side reuse): neither gathered nor shipped;
+        ``num_tokens`` counts the tokens after them."""
         self.pages: list[int] = []
 
     def start(self, pages: list[int], cached_len: int) -> None:
@@ -41,7 +44,7 @@ class GatherSink(KVSink):
             self.inner.abort(f"no staging pages: {e}")
             raise TransferFailed(f"no staging pages to gather the KV heads in: {e}") from None
         try:
-            self.gather(self.pages[:need], staged)
+            self.gather(self.pages[self.skip_pages:self.skip_pages + need], staged)
             self.inner.start(staged, 0)
             for layer in range(self.num_layers):
                 self.inner.send(layer, 0, self.num_tokens)

@@ -1,4 +1,4 @@
-"""The prefix cache's host tier (L2): KV pages in host memory, below the KV pool (L1, ``prefill.radix``).
+"""The prefix cache's host tier (L2): KV pages in host memory, below the KV pool (L1, ``engine.kvcache.radix``).
 
 A page enters by the write policy (``HostCachePolicy``)::
 
@@ -15,7 +15,7 @@ A prompt whose cached prefix runs past what the pool holds continues here, page 
                                                                 pages (the caller hands them to RadixCache.extend)
     release(hm)                                                 unpin without restoring (no pool pages for it now)
 
-Identity: an entry is keyed by its block hash (the chain hash from the root, ``prefill.radix.block_hash``) and keeps
+Identity: an entry is keyed by its block hash (the chain hash from the root, ``engine.kvcache.radix.block_hash``) and keeps
 its token chunk and its parent's hash, both compared on lookup: a page is restored only for the same tokens after
 the same prefix. Integrity: an entry carries the pool layout's hash (``KVLayout.layout_hash``) and an xxh3 checksum
 of its bytes seeded with its block hash and that layout hash, verified before the bytes are used; a page that fails
@@ -34,13 +34,16 @@ Every page stored or dropped is published (``on_event(stored, evicted)``, block 
 publishes its own), so the router can score a worker's host-tier prefix too (``router.prefix_index``).
 
 Every call runs on the prefill scheduler's thread or under its lock (the radix cache's too, for ``on_insert`` and
-``on_evict``); ``stats()`` and ``all_hashes()`` may be called from any thread.
+``on_evict``), except ``restore``, which a loader thread runs (``prefill.admission``'s prefetch: checksums and copies
+outside the tier's lock, the matched entries pinned); ``stats()`` and ``all_hashes()`` may be called from any thread.
 """
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
@@ -49,8 +52,8 @@ from engine.kvcache.host_pool import HostPagePool
 from engine.kvcache.pool import KVPool
 from engine.memory import gib, parse_bytes
 from prefill.disk_cache import DiskCache, DiskMatch
-from prefill.radix import CachedPage, Match
-from prefill.tier_index import MAX_CREDIT, lru_victims, match_chain, unpin
+from engine.kvcache.radix import CachedPage, Match
+from prefill.tier_index import BATCH_BYTES, MAX_CREDIT, Commit, LoadTimes, copy_now, lru_victims, match_chain, unpin
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +132,10 @@ class HostCache:
         self._stored_log: list[int] = []
         self._dropped_log: list[int] = []
         self.hit_tokens = self.stored_pages = self.evicted_pages = self.corrupt_pages = self.dropped_pages = 0
+        self.late_pages = 0
+        """Pages matched here but not loaded in time (the request went on and recomputed them)."""
+        self.load_times = LoadTimes()
+        """Seconds each restore from this tier took (its pages verified and copied into the pool)."""
 
     # -- what the radix cache hands down (radix.LowerTier) -------------------------------------------
     def on_insert(self, pages: list[CachedPage]) -> None:
@@ -165,6 +172,9 @@ class HostCache:
             if e is not None and e.chunk == p.chunk and e.parent_hash == p.parent_hash:
                 self._entries.move_to_end(p.hash)
                 held.append(e)
+                continue
+            if e is not None and e.pins:  # a 64-bit hash collision with a page being restored: keep the older
+                self.dropped_pages += 1
                 continue
             if e is not None:  # a 64-bit hash collision: the newer prefix wins
                 self._drop(p.hash)
@@ -246,35 +256,56 @@ class HostCache:
                 disk = self.lower.match_prefix(token_ids, after.num_tokens + len(entries) * self.page_size, parent)
         return HostMatch(hashes, entries, disk)
 
-    def restore(self, hm: HostMatch, pool_pages: Sequence[int]) -> int:
+    def restore(self, hm: HostMatch, pool_pages: Sequence[int], commit: Commit = copy_now) -> int:
         """Copy the first ``len(pool_pages)`` matched pages into ``pool_pages``, this tier's then the disk tier's;
-        unpins ``hm``. Stops at the first page that fails its checksum or layout tag (dropped, counted) or was
-        dropped meanwhile; -> pages restored."""
-        good = self._restore_here(hm, pool_pages)
+        unpins ``hm``. Stops at the first page that fails its checksum or layout tag (dropped, counted), was dropped
+        meanwhile, or that ``commit`` refuses (cut off: counted late); -> pages restored. Checksums and copies run
+        outside the tier's lock (the entries are pinned: their slots are neither freed nor rewritten), so a loader
+        thread may run this while the scheduler's thread uses the tier."""
+        good, cut = self._restore_here(hm, pool_pages, commit)
         if hm.disk is not None and self.lower is not None:  # outside the lock: file reads
-            if good == len(hm.entries):
-                good += self.lower.restore(hm.disk, pool_pages[good:])
+            if good == len(hm.entries) and not cut:
+                good += self.lower.restore(hm.disk, pool_pages[good:], commit)
             else:
-                self.lower.release(hm.disk)
+                late = min(len(pool_pages) - good, len(hm.disk.entries)) if cut else 0
+                self.lower.release(hm.disk, max(0, late))
         return good
 
-    def _restore_here(self, hm: HostMatch, pool_pages: Sequence[int]) -> int:
+    def _restore_here(self, hm: HostMatch, pool_pages: Sequence[int], commit: Commit) -> tuple[int, bool]:
+        """-> (pages of this tier restored, whether ``commit`` cut the load off)."""
+        t0 = time.perf_counter()
         with self._lock:
             n = min(len(pool_pages), len(hm.entries))
-            good = 0
-            while good < n:
-                h, e = hm.hashes[good], hm.entries[good]
-                if self._entries.get(h) is not e:
-                    break
+            n = next((i for i in range(n) if self._entries.get(hm.hashes[i]) is not hm.entries[i]), n)
+        batch = max(1, BATCH_BYTES // self.store.page_bytes)
+        good, bad, cut = 0, False, False
+        while good < n and not (bad or cut):
+            end = min(n, good + batch)
+            ok = good
+            for h, e in zip(hm.hashes[good:end], hm.entries[good:end]):
                 if e.layout_hash != self.store.layout_hash or self.store.checksum(e.slot, self._seed(h)) != e.checksum:
-                    self.corrupt_pages += 1
-                    logger.warning("host prefix cache: page %016x failed its checksum; recomputing it", h)
-                    e.pins -= 1
-                    self._drop(h)
-                    hm.entries[good] = None  # unpinned already
+                    bad = True
                     break
-                good += 1
-            self.store.load([e.slot for e in hm.entries[:good]], self.pool, pool_pages[:good])
+                ok += 1
+            if ok > good:
+                copy = functools.partial(self.store.load, [e.slot for e in hm.entries[good:ok]], self.pool,
+                                         pool_pages[good:ok])
+                if not commit(ok - good, copy):
+                    cut, bad = True, False  # the bad page, if any, was not reached: unpinned below as the rest
+                    break
+                good = ok
+        with self._lock:
+            if bad:
+                h = hm.hashes[good]
+                self.corrupt_pages += 1
+                logger.warning("host prefix cache: page %016x failed its checksum; recomputing it", h)
+                e = hm.entries[good]
+                e.pins -= 1
+                hm.entries[good] = None  # unpinned already
+                if self._entries.get(h) is e:
+                    self._drop(h)
+            if cut:
+                self.late_pages += n - good
             for h, e in zip(reversed(hm.hashes[:good]), reversed(hm.entries[:good])):  # leaf first: parents newest
                 e.hits += 1
                 e.credit = min(MAX_CREDIT, e.credit + 1)
@@ -282,7 +313,9 @@ class HostCache:
             self.hit_tokens += good * self.page_size
             self._unpin(hm)
             self._publish()
-            return good
+        if good:
+            self.load_times.observe(time.perf_counter() - t0)
+        return good, cut
 
     def release(self, hm: HostMatch) -> None:
         with self._lock:

@@ -10,7 +10,9 @@ Each ``step()`` is schedule -> forward -> sample -> postprocess:
 
 * schedule: running requests continue first, then queued ones are admitted (highest priority,
   then FCFS) while the token budget and pages last; admission (``prefill.admission``, the page owner) matches
-  the prefix cache and its host and disk tiers, evicting LRU pages when short, and allocates private pages for the rest;
+  the prefix cache and its host and disk tiers, evicting LRU pages when short, and allocates private pages for the rest.
+  A lower tier's prefix loads on a loader thread from the request's arrival (``submit``); a request still loading is
+  passed over (the others run), past ``load_timeout_s`` it goes on with what has loaded and recomputes the rest;
 * forward: one batched forward over every scheduled chunk; each layer's KV is handed to the
   request's ``KVSink`` as soon as it is written (transfer overlaps compute); then one batched MTP
   forward over the same chunks (the draft KV the decode side needs), whose next tokens are the
@@ -20,123 +22,44 @@ Each ``step()`` is schedule -> forward -> sample -> postprocess:
 """
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from common.reasons import AbortReason
 from engine.kvcache.pool import KVPool, PoolExhausted
+from engine.kvcache.radix import RadixCache
 from engine.models.glm import GlmForCausalLM
-from engine.sampling import SamplerState, SamplingParams, sample
+from engine.sampling import SamplerState, sample
 from engine.shapes import bucket_chunks, buckets_steps
 from engine.speculative.prefill import PrefillChunk, prefill_forward
-from worker.scheduler_thread import SchedulerThread
-from prefill.admission import PrefillAdmission
+from prefill.admission import Admitted, PrefillAdmission
 from prefill.host_cache import HostCache
-from prefill.radix import Match, RadixCache
-from prefill.sink import KVSink, LocalSink, TransferFailed
+from prefill.sink import TransferFailed
+from prefill.task import PrefillConfig, PrefillResult, PrefillTask, QueueFull, RequestAborted, State
+from worker.scheduler_thread import SchedulerThread
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFull(RuntimeError):
-    pass
-
-
-class RequestAborted(RuntimeError):
-    def __init__(self, req_id: str, reason: str) -> None:
-        super().__init__(f"request {req_id} aborted: {reason}")
-        self.reason = reason
-
-
-class State(enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    TRANSFERRING = "transferring"
-    DONE = "done"
-    ABORTED = "aborted"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillConfig:
-    chunk_size: int = 2048
-    """Max new tokens of one request per forward (a 20k prompt takes 10 steps)."""
-    max_batch_tokens: int = 4096
-    """Token budget of one forward over all scheduled chunks."""
-    max_queue: int = 64
-    """Queued requests beyond this are refused (RESOURCE_EXHAUSTED), never buffered."""
-    max_running: int = 16
-
-    def __post_init__(self) -> None:
-        if self.chunk_size < 1 or self.max_batch_tokens < self.chunk_size:
-            raise ValueError(f"need 1 <= chunk_size ({self.chunk_size}) <= max_batch_tokens "
-                             f"({self.max_batch_tokens})")
-        if self.max_queue < 1 or self.max_running < 1:
-            raise ValueError("max_queue and max_running must be >= 1")
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillResult:
-    req_id: str
-    first_token: int
-    first_logprob: float | None
-    cached_tokens: int
-    queue_s: float
-    prefill_s: float
-    transfer_s: float
-    transfer_bytes: int
-    first_top: tuple[list[int], list[float]] = ([], [])
-    """The ``params.logprobs`` most likely first tokens and their logprobs (empty lists when not asked)."""
-
-
-@dataclass(eq=False)
-class PrefillTask:
-    req_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    on_done: Callable[[PrefillResult | BaseException], None]
-    sink: KVSink = field(default_factory=LocalSink)
-    priority: int = 0
-    deadline: float | None = None
-    """``time.monotonic()`` after which the request is aborted."""
-    state: State = State.QUEUED
-    match: Match | None = None
-    pages: list[int] = field(default_factory=list)
-    num_cached: int = 0
-    computed: int = 0
-    sink_started: bool = False
-    t_arrival: float = field(default_factory=time.monotonic)
-    t_start: float = 0.0
-    abort_reason: str = ""
-    first_token: int = -1
-    first_logprob: float | None = None
-    first_top: tuple[list[int], list[float]] = ([], [])
-    draft_hidden: torch.Tensor | None = None
-    """``[H]`` the MTP draft state after the last chunk (shipped with the KV when the decode side asks)."""
-    t_forward_done: float = 0.0
 
 
 class PrefillScheduler(SchedulerThread):
     """Owns the model, the pool and the prefix cache of one prefill worker. Thread-safe API."""
 
-    def __init__(self, model: GlmForCausalLM, pool: KVPool, config: PrefillConfig = PrefillConfig(),
+    def __init__(self, model: GlmForCausalLM, pool: KVPool, config: PrefillConfig | None = None,
                  on_cache_event: Callable[[list[int], list[int]], None] | None = None,
                  host_cache: HostCache | None = None) -> None:
         super().__init__()  # the scheduler thread, its condition variable and heartbeat
-        self.model, self.pool, self.config = model, pool, config
+        self.model, self.pool, self.config = model, pool, config or PrefillConfig()
         self.bucketed = buckets_steps(pool.device, model.lm_head.weight.dtype)
         """Steps take ``bucket_floor`` tokens (``engine.shapes``: bf16 / fp16 on CPU)."""
         self.cache = RadixCache(pool.allocator, pool.page_size, on_cache_event)
         self.host = self.cache.lower = host_cache  # the prefix cache's host tier (None: off): pool evictions go there
-        self.admission = PrefillAdmission(pool, self.cache, host_cache)
+        self.admission = PrefillAdmission(pool, self.cache, host_cache, self._cv, self.config.prefetch)
         """The owner of every page a request holds (``prefill.admission``): the scheduler asks it to admit and release."""
         self._queue: list[tuple[int, int, PrefillTask]] = []
         self._seq = itertools.count()
@@ -158,6 +81,7 @@ class PrefillScheduler(SchedulerThread):
             self._tasks[task.req_id] = task
             heapq.heappush(self._queue, (-task.priority, next(self._seq), task))
             self._cv.notify()
+        self.admission.prefetch(task, lambda: task.state is State.QUEUED and not task.abort_reason)
 
     def abort(self, req_id: str, reason: str = AbortReason.CANCELLED) -> bool:
         """A queued request leaves the queue (and frees its slot) at once; a running one is reaped at the
@@ -205,6 +129,7 @@ class PrefillScheduler(SchedulerThread):
                 if task.state is State.TRANSFERRING:  # its finisher thread is waiting for DONE: end that now
                     task.sink.abort("prefill worker shutting down")
             self._reap_aborted()
+        self.admission.close()  # loads still running end (and free their pages) first
         self._finisher.shutdown(wait=True)
 
     def _has_aborts(self) -> bool:
@@ -215,6 +140,10 @@ class PrefillScheduler(SchedulerThread):
         with self._cv:
             self._reap_aborted()
             chunks = self._schedule()
+            if not chunks and self.admission.num_loading:  # nothing else to run: wait for a load (or a timeout)
+                self._cv.wait(timeout=self.idle_after_empty_step_s)
+                self._reap_aborted()
+                chunks = self._schedule()
         if not chunks:
             return False
         self._start_sinks(chunks)
@@ -231,33 +160,46 @@ class PrefillScheduler(SchedulerThread):
             if n > 0:
                 chunks.append((task, task.computed, task.computed + n))
                 budget -= n
-        while self._queue and budget > 0 and len(self._running) < self.config.max_running:
-            task = self._queue[0][2]
-            admitted = self._admit(task)
-            if admitted is None:  # can never fit: failed, try the next one
-                heapq.heappop(self._queue)
-                continue
-            if not admitted:
+        now, taken = time.monotonic(), set()
+        for entry in sorted(self._queue):  # highest priority, then FCFS
+            if budget <= 0 or len(self._running) >= self.config.max_running:
                 break
-            heapq.heappop(self._queue)
+            task = entry[2]
+            self.admission.cut_if_late(task, self.config.load_timeout_s, now)
+            admitted = self._admit(task)
+            if admitted is Admitted.NO_ROOM:
+                break
+            if admitted is Admitted.LOADING:  # its prefix is loading: the ones behind it run meanwhile
+                continue
+            taken.add(id(entry[2]))
+            if admitted is Admitted.FAILED:  # can never fit: failed, try the next one
+                continue
             n = min(self.config.chunk_size, len(task.token_ids) - task.computed, budget)
             chunks.append((task, task.computed, task.computed + n))
             budget -= n
+        self._queue = [q for q in self._queue if id(q[2]) not in taken]
+        heapq.heapify(self._queue)
         return bucket_chunks(chunks) if self.bucketed else chunks
 
-    def _admit(self, task: PrefillTask) -> bool | None:
-        """True: running now. False: not enough pages yet. None: can never fit (failed)."""
+    def _admit(self, task: PrefillTask, retry: bool = True) -> Admitted:
         try:
-            self.admission.admit(task)
+            if self.admission.admit(task) is Admitted.LOADING:
+                return Admitted.LOADING
         except PoolExhausted as e:
             if not self._running and not any(t.state is State.TRANSFERRING for t in self._tasks.values()):
-                # nothing running or transferring will free pages: this request can never fit
-                self._fail(task, e)
-                return None
-            return False
+                # nothing running or transferring will free pages; only the queued requests' prefetches might
+                freed, loading = self.admission.reclaim(q[2] for q in self._queue if q[2] is not task)
+                if freed and retry:
+                    return self._admit(task, retry=False)
+                if loading:
+                    return Admitted.NO_ROOM
+                self.admission.drop_prefetch(task)
+                self._fail(task, e)  # this request can never fit
+                return Admitted.FAILED
+            return Admitted.NO_ROOM
         task.state, task.t_start = State.RUNNING, time.monotonic()
         self._running.append(task)
-        return True
+        return Admitted.RUNNING
 
     @staticmethod
     def _start_sinks(chunks: list[tuple[PrefillTask, int, int]]) -> None:
@@ -362,9 +304,11 @@ class PrefillScheduler(SchedulerThread):
             task.on_done(RequestAborted(task.req_id, task.abort_reason))
 
     def _drop_queued(self, task: PrefillTask) -> None:
-        """Remove an aborted, still queued task (it holds no page yet) and answer its caller. Under the lock."""
+        """Remove an aborted, still queued task (its prefetch, if any, given back) and answer its caller. Under the
+        lock."""
         self._queue = [q for q in self._queue if q[2] is not task]
         heapq.heapify(self._queue)
+        self.admission.drop_prefetch(task)
         task.state = State.ABORTED
         self._tasks.pop(task.req_id, None)
         task.on_done(RequestAborted(task.req_id, task.abort_reason))

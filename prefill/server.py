@@ -29,7 +29,8 @@ from kvtransfer import KVSender, KVSenderConfig, TransferTicket, TransportKind
 from kvtransfer.config import TransportConfig, add_transport_args
 from prefill.disk_cache import DiskCache, plan_disk_cache
 from prefill.host_cache import AUTO, HostCache, HostCachePolicy, plan_host_cache
-from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, PrefillTask, QueueFull, RequestAborted
+from prefill.scheduler import PrefillScheduler
+from prefill.task import LOAD_TIMEOUT_S, PrefillConfig, PrefillResult, PrefillTask, QueueFull, RequestAborted
 from prefill.gather_sink import GatherSink
 from prefill.sink import LocalSink, TransferFailed
 from prefill.tier_metrics import tier_counters, tier_gauges, tier_info
@@ -37,6 +38,7 @@ from prefill.transfer import TransferSink
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from worker import boot, convert, heartbeat, omp, process
+from worker.cache_events import CacheEventHub
 from worker.config import HOST_CACHE_POLICIES, WorkerConfig, add_worker_args
 from worker.convert import sampling_from_proto
 from worker.metrics import Values, serve_metrics
@@ -59,7 +61,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         """The model contract (``WorkerStatus.model``)."""
         self.info, self.worker_id, self.address, self.mhash = info, worker_id, address, mhash
         self.loop = asyncio.get_running_loop()
-        self.subscribers: set[asyncio.Queue] = set()
+        self.events = CacheEventHub(self.loop, self.snapshot)
+        """The router's ``StreamCacheEvents`` subscribers."""
         self.kv_transfers, self.kv_bytes, self.kv_seconds = 0, 0, 0.0
         """KV transfers completed since start, their bytes and seconds (the /metrics counters)."""
 
@@ -76,8 +79,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._publish(worker_pb2.CacheEvent(disk_stored=stored, disk_evicted=evicted))
 
     def _publish(self, ev: worker_pb2.CacheEvent) -> None:
-        for q in list(self.subscribers):
-            self.loop.call_soon_threadsafe(_put_nowait, q, ev)
+        self.events.publish(ev)
 
     def snapshot(self) -> worker_pb2.CacheEvent:
         """Everything every tier holds, as a reset event (a new subscriber's first, or after an overflow)."""
@@ -109,11 +111,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             # the receiver's DONE is awaited at most finish_timeout_s, and never past the request's deadline
             wait_s = self.sender.config.finish_timeout_s if remaining is None else \
                 max(0.001, min(self.sender.config.finish_timeout_s, remaining))
-            sink = TransferSink(self.sender, ticket, self.sched.pool.layout.num_layers, timeout_s=wait_s)
+            skip = request.ticket.resident_tokens  # the decode worker holds these already: only the rest ships
+            if skip and (skip % self.sched.pool.page_size or ticket.num_tokens != len(ids) - skip):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"the ticket's {ticket.num_tokens} tokens after {skip} resident ones (page "
+                                    f"{self.sched.pool.page_size}) do not cover the {len(ids)}-token prompt")
             if self.sender.pool is not self.sched.pool:  # split KV heads: gathered whole at the end (GatherSink)
-                sink = GatherSink(sink, lambda pages, staged: self.ranks.gather_pages(
-                    self.sched.pool, pages, self.sender.pool, staged), self.sender.pool,
-                    self.sched.pool.layout.num_layers, len(ids), request.request_id)
+                sink = GatherSink(TransferSink(self.sender, ticket, self.sched.pool.layout.num_layers, wait_s),
+                                  lambda pages, staged: self.ranks.gather_pages(
+                                      self.sched.pool, pages, self.sender.pool, staged), self.sender.pool,
+                                  self.sched.pool.layout.num_layers, len(ids) - skip, request.request_id, skip)
+            else:
+                sink = TransferSink(self.sender, ticket, self.sched.pool.layout.num_layers, wait_s, skip)
         fut = self.loop.create_future()
         task = PrefillTask(request.request_id, ids, params, sink=sink, priority=request.priority,
                            deadline=time.monotonic() + remaining if remaining is not None else None,
@@ -204,27 +213,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                                   fired=self.sender.drops_fired)
 
     async def StreamCacheEvents(self, request, context):
-        q: asyncio.Queue = asyncio.Queue(maxsize=10_000)
-        self.subscribers.add(q)
-        try:
-            yield self.snapshot()
-            while True:
-                ev = await q.get()
-                if ev is None:  # overflowed: resync from a snapshot
-                    yield self.snapshot()
-                else:
-                    yield ev
-        finally:
-            self.subscribers.discard(q)
-
-
-def _put_nowait(q: asyncio.Queue, ev) -> None:
-    try:
-        q.put_nowait(ev)
-    except asyncio.QueueFull:
-        while not q.empty():
-            q.get_nowait()
-        q.put_nowait(None)
+        async for ev in self.events.stream():
+            yield ev
 
 
 def _set(fut: asyncio.Future, value) -> None:
@@ -268,8 +258,13 @@ class PrefillWorkerConfig(WorkerConfig):
     disk_cache_bytes: str = AUTO
     """byte budget of the disk tier (64M, 40G; 0: off; auto: half the directory's free space at start, plus what
     it holds; off without --disk-cache-dir)"""
+    load_timeout_s: float = LOAD_TIMEOUT_S
+    """seconds a request waits for its prefix to load from the host and disk tiers once it could run; past them it
+    goes on with what has loaded and recomputes the rest (same output, counted as late pages)"""
 
     def __post_init__(self) -> None:
+        if not self.load_timeout_s >= 0:
+            raise ValueError(f"--load-timeout-s must be >= 0, got {self.load_timeout_s}")
         if self.host_cache_bytes.strip().lower() != AUTO:
             parse_bytes(self.host_cache_bytes)  # ValueError naming the value
         HostCachePolicy(self.host_cache_policy)
@@ -299,7 +294,7 @@ async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:
                                               mooncake_protocol=transport.mooncake_protocol, tp_size=wcfg.tp))
     sched = PrefillScheduler(model, pool, PrefillConfig(chunk_size=wcfg.chunk_size,
                                                         max_batch_tokens=max(wcfg.chunk_size, wcfg.max_batch_tokens),
-                                                        max_queue=wcfg.max_queue),
+                                                        max_queue=wcfg.max_queue, load_timeout_s=wcfg.load_timeout_s),
                              host_cache=build_host_cache(wcfg, pool, plan.pool.pool_bytes))
     server = rpc.make_server(secret)
     port = boot.bind(server, wcfg, Role.PREFILL)

@@ -1,11 +1,11 @@
 """The prefix cache's figures per tier (device, host, disk) for a prefill worker's status and /metrics
-(``worker.metrics``): ``tier_info`` for ``WorkerStatus.info``, ``tier_counters`` and ``tier_gauges`` for the
-Prometheus collector. A tier that is off reports nothing."""
+(``worker.metrics``): ``tier_info`` for ``WorkerStatus.info``, ``tier_counters`` (the load latency histograms too)
+and ``tier_gauges`` for the Prometheus collector. A tier that is off reports nothing."""
 from __future__ import annotations
 
 from prefill.host_cache import HostCache
-from prefill.radix import RadixCache
-from worker.metrics import Labelled, Values
+from engine.kvcache.radix import RadixCache
+from worker.metrics import Histogram, Labelled, Values
 
 
 def tier_info(host: HostCache | None) -> dict[str, str]:
@@ -35,11 +35,18 @@ def tier_counters(cache: RadixCache, host: HostCache | None) -> Values:
                                                              "full, no room or a failed write)")}
     hits = {"device": cache.hit_tokens, "host": host.hit_tokens, **({"disk": d.hit_tokens} if d is not None else {})}
     bad = {"host": host.corrupt_pages, **({"disk": d.corrupt_pages} if d is not None else {})}
+    late = {"host": host.late_pages, **({"disk": d.late_pages} if d is not None else {})}
+    loads = {"host": host.load_times, **({"disk": d.load_times} if d is not None else {})}
     return {"prefix_cache_hit_tokens": (Labelled("tier", hits), "Prompt tokens found in the prefix cache, by tier"),
             "prefix_cache_host_stored_pages": (host.stored_pages, "KV pages copied into the host tier"),
             "prefix_cache_host_evicted_pages": (host.evicted_pages, "KV pages evicted from the host tier"),
             "prefix_cache_recomputed_pages": (Labelled("tier", bad),
                                               "Cached KV pages that failed their checksum and were recomputed"),
+            "prefix_cache_late_pages": (Labelled("tier", late), "Cached KV pages not loaded within the load timeout "
+                                                                "(the request went on and recomputed them)"),
+            "prefix_cache_load_seconds": (Histogram("tier", {k: (t.buckets(), t.sum_s) for k, t in loads.items()}),
+                                          "Seconds a request's pages from a tier took to load (read, verified, copied "
+                                          "into the KV pool) on a loader thread"),
             **disk}
 
 

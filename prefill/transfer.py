@@ -1,4 +1,8 @@
-"""``KVSink`` over ``kvtransfer``: ships a request's KV layer by layer into the decode worker's pages."""
+"""``KVSink`` over ``kvtransfer``: ships a request's KV layer by layer into the decode worker's pages.
+
+Decode-side prefix reuse: when the decode worker already holds the prompt's first ``skip_tokens`` tokens (a whole
+number of pages, ``TransferTicket.resident_tokens`` in the reservation), the ticket covers the tokens from there
+on and only they ship: prompt token ``t`` is the ticket's token ``t - skip_tokens``, in the same page offset."""
 from __future__ import annotations
 
 import time
@@ -10,28 +14,36 @@ from prefill.sink import KVSink, SinkResult, TransferFailed
 
 
 class TransferSink(KVSink):
-    def __init__(self, sender: KVSender, ticket: TransferTicket, num_layers: int, timeout_s: float = 60.0) -> None:
+    def __init__(self, sender: KVSender, ticket: TransferTicket, num_layers: int, timeout_s: float = 60.0,
+                 skip_tokens: int = 0) -> None:
+        if skip_tokens % ticket.page_size:
+            raise ValueError(f"skip_tokens ({skip_tokens}) must be a multiple of the page size {ticket.page_size}")
         self.sender, self.ticket, self.num_layers, self.timeout_s = sender, ticket, num_layers, timeout_s
+        self.skip_tokens = skip_tokens
+        """Prompt tokens the decode worker holds already: not shipped."""
         self.error: Exception | None = None
         self.pages: list[int] = []
         self.t0 = 0.0
 
     def start(self, pages: list[int], cached_len: int) -> None:
-        self.pages, self.t0 = pages, time.monotonic()
+        self.pages, self.t0 = pages[self.skip_tokens // self.ticket.page_size:], time.monotonic()
         try:  # over shm the lease round trip now overlaps the first layer's compute
             self.sender.open(self.ticket)
         except (TransferError, ValueError) as e:  # recorded; finish() reports it
             self.error = e
             return
-        if cached_len:  # the cached prefix's KV ships first, every layer (MTP included)
+        if cached_len > self.skip_tokens:  # the cached prefix's KV ships first, every layer (MTP included)
             for layer in range(self.num_layers):
                 self.send(layer, 0, cached_len)
 
     def send(self, layer: int, token_start: int, token_end: int) -> None:
-        if self.error is not None:
+        """Ship ``layer``'s KV of prompt tokens [token_start, token_end), less those the decode worker holds."""
+        start = max(token_start, self.skip_tokens)
+        if self.error is not None or token_end <= start:
             return
         try:
-            self.sender.send_layer(self.ticket, layer, self.pages, token_start, token_end)
+            self.sender.send_layer(self.ticket, layer, self.pages, start - self.skip_tokens,
+                                   token_end - self.skip_tokens)
         except (TransferError, ValueError) as e:  # recorded; finish() reports it
             self.error = e
 

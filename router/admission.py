@@ -69,6 +69,15 @@ class QueuedRun(Protocol):
         """Seconds to the deadline; raises ``RequestError`` past it (or once the run was cut off)."""
 
 
+def _past_deadline(run: QueuedRun) -> bool:
+    """The run's deadline has passed (a cut-off run, whose ``remaining`` raises another code, has not)."""
+    try:
+        run.remaining()
+    except RequestError as e:
+        return e.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    return False
+
+
 class QueueMetrics(Protocol):
     """The gauges and counters the queue keeps (``router.metrics.RouterMetrics``)."""
 
@@ -93,6 +102,8 @@ class Waiter:
     wakes_at_try: int = 0
     """``AdmissionQueue.num_wakes`` when its last try began: a later wake means room may have freed since."""
     state: Slot = Slot.WAITING
+    expired: bool = False
+    """Its refusal was counted as a deadline one (``_expired``, or ``leave`` past the deadline)."""
     event: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the request should look at its state again (its turn came, or it was cut off)."""
 
@@ -158,6 +169,22 @@ class AdmissionQueue:
     def leave(self, w: Waiter) -> float:
         """Take ``w`` out, however its wait ended (idempotent); returns the seconds it waited. When it was
         trying, the next request gets its turn."""
+        if w.state is not Slot.LEFT and not w.expired and _past_deadline(w.run):
+            # gRPC cancelled the handler at the client's deadline before our own timer fired (the two fall on
+            # the same instant; which runs first is the event loop's order): still a deadline refusal
+            w.expired = True
+            self.metrics.rejected(Rejection.DEADLINE)
+        return self._remove(w)
+
+    def admit(self, w: Waiter) -> float:
+        """``w`` got room: it leaves, and the next request tries at once (admitted, so no refusal even at its
+        deadline). Returns the seconds it waited."""
+        if w.state is not Slot.LEFT:
+            self._admissions.append(time.monotonic())
+            self.num_admitted += 1
+        return self._remove(w)
+
+    def _remove(self, w: Waiter) -> float:
         if w.state is Slot.LEFT:
             return 0.0
         trying = w.state is Slot.TRYING
@@ -168,13 +195,6 @@ class AdmissionQueue:
             self._trying = None
             self._promote()
         return time.monotonic() - w.t_enqueued
-
-    def admit(self, w: Waiter) -> float:
-        """``w`` got room: it leaves, and the next request tries at once. Returns the seconds it waited."""
-        if w.state is not Slot.LEFT:
-            self._admissions.append(time.monotonic())
-            self.num_admitted += 1
-        return self.leave(w)
 
     # -- turns -----------------------------------------------------------------------------------------
     async def turn(self, w: Waiter) -> None:
@@ -234,7 +254,9 @@ class AdmissionQueue:
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(len(self._waiters) * RATE_WINDOW_S / recent)))
 
     def _expired(self, w: Waiter) -> RequestError:
-        self.metrics.rejected(Rejection.DEADLINE)
+        if not w.expired:
+            w.expired = True
+            self.metrics.rejected(Rejection.DEADLINE)
         return RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"deadline exceeded after {time.monotonic() - w.t_enqueued:.2f}s in the admission "
                             f"queue waiting for decode room (place {self.position(w)} of {len(self._waiters)})",

@@ -57,6 +57,14 @@ class RouterConfig:
     disk_hit_weight: float = 0.6
     """cache_aware: what a prefix page in a prefill worker's local-disk tier counts for (read from a file, slower
     than host memory, still far cheaper than a recompute): device hit > host hit > disk hit > none."""
+    decode_residency_tokens: int = 512
+    """Decode routing by residency (decode-side prefix reuse): prompt tokens a decode worker already holds (its
+    prefix cache events) that count for one request of its load when the router orders the decode workers for
+    a reservation (the resident worker wins at equal load, and at up to ``decode_residency_max_credit`` more); 0:
+    ignore residency (least load only)."""
+    decode_residency_max_credit: float = 2.0
+    """At most this many requests of load a decode worker's resident prefix outweighs (a long resident session
+    must not pile every turn on one worker: its decode steps slow every stream there)."""
     local_prefill_below: int = 0
     """Prompts shorter than this are prefilled on the decode worker itself (0: always disaggregate)."""
     aggregated: bool = False
@@ -132,7 +140,8 @@ class RouterConfig:
             raise ValueError(f"http_port must be in [-1, 65535] (0: off, -1: any free port), got {self.http_port}")
         if not 0 <= self.max_failovers <= MAX_FAILOVERS:
             raise ValueError(f"max_failovers must be in [0, {MAX_FAILOVERS}], got {self.max_failovers}")
-        for name in ("max_request_bytes", "local_prefill_below", "max_queued", "queue_aging_s"):
+        for name in ("max_request_bytes", "local_prefill_below", "max_queued", "queue_aging_s", "decode_residency_tokens",
+                     "decode_residency_max_credit"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_inflight", "unhealthy_after"):

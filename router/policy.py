@@ -135,11 +135,22 @@ class CacheAwarePolicy(PrefillPolicy):
         return Choice(best.worker_id, (m.device + m.host + m.disk) * prompt.page_size, reason)
 
 
-def order_decode(candidates: Sequence[Candidate], need_pages: int) -> list[Candidate]:
+def order_decode(candidates: Sequence[Candidate], need_pages: int, resident: dict[str, int] | None = None,
+                 tokens_per_load: int = 0, max_credit: float = 0.0) -> list[Candidate]:
     """Decode workers in the order to try a reservation: those whose last known free pages fit the request
-    first, by fewest running requests then most free pages; the rest after (their numbers may be stale)."""
+    first, by fewest running requests then most free pages; the rest after (their numbers may be stale).
+
+    Residency (decode-side prefix reuse): ``resident`` maps a worker to the prompt tokens it already holds (its
+    prefix cache events); each ``tokens_per_load`` of them take one request off its load, at most ``max_credit``
+    requests, so the worker holding a session's last turn gets its next one unless it is that much busier
+    (resident prefix vs decode load: crowding one worker with its sessions slows all its streams)."""
+    resident = resident or {}
+
+    def credit(c: Candidate) -> float:
+        return min(max_credit, resident.get(c.worker_id, 0) / tokens_per_load) if tokens_per_load else 0.0
+
     def key(c: Candidate):
-        return (c.pages_free < need_pages, c.load, -c.pages_free)
+        return (c.pages_free < need_pages, c.load - credit(c), -resident.get(c.worker_id, 0), -c.pages_free)
     return sorted(candidates, key=key)
 
 

@@ -1,7 +1,7 @@
 """Which prefill worker really holds which prefix: a global block-hash index fed by the workers' cache events.
 
 A prefill worker's radix cache publishes every page it stores or evicts as a *block hash*: a 64-bit
-blake2b chain hash of the page's token ids and its parent's hash (``prefill.radix.block_hash``; the
+blake2b chain hash of the page's token ids and its parent's hash (``engine.kvcache.radix.block_hash``; the
 same function is reimplemented here because the router must not import ``prefill``, and a test checks
 both agree). Because the hash is chained, a worker holding block ``i`` of a prompt holds exactly that
 prefix, so a longest-prefix match is a walk down the prompt's block hashes that stops at the first miss.
@@ -30,7 +30,7 @@ def _packer(num_tokens: int) -> struct.Struct:
 
 
 def block_hash(parent: int, chunk: Sequence[int]) -> int:
-    """64-bit chained hash of a page of token ids; equal to ``prefill.radix.block_hash``."""
+    """64-bit chained hash of a page of token ids; equal to ``engine.kvcache.radix.block_hash``."""
     h = hashlib.blake2b(_packer(len(chunk)).pack(parent, *chunk), digest_size=8)
     return int.from_bytes(h.digest(), "little")
 

@@ -1,13 +1,13 @@
-"""The workers the router sends requests to: channels, health, load, and (prefill) cache contents.
+"""The workers the router sends requests to: channels, health, load, and cache contents.
 
-Every worker is polled with ``GetStatus`` every ``health_interval_s`` (timeout ``health_timeout_s``).
-A worker enters the rotation on its first good answer and leaves after ``unhealthy_after`` failed polls,
-or at once when a request call to it fails and a quick probe confirms it is gone; the next good poll
-puts it back. A worker serving a different model (hash) than the first one seen stays out.
+Every worker is polled with ``GetStatus`` every ``health_interval_s`` (timeout ``health_timeout_s``). A worker enters
+the rotation on its first good answer and leaves after ``unhealthy_after`` failed polls, or at once when a request
+call to it fails and a quick probe confirms it is gone; the next good poll puts it back. A worker serving a different
+model (hash) than the first one seen stays out.
 
-Each prefill worker's ``StreamCacheEvents`` feeds the shared ``PrefixIndex``; when the stream breaks
-the worker's blocks are dropped (nothing stale is trusted) and the stream is reopened with backoff; the
-worker's first event after (re)connecting is a full snapshot.
+Each prefill worker's ``StreamCacheEvents`` feeds the shared ``PrefixIndex``, each decode worker's ``decode_index``
+(decode-side reuse); when the stream breaks the worker's blocks are dropped (nothing stale is trusted) and the stream
+is reopened with backoff; its first event after (re)connecting is a snapshot.
 """
 from __future__ import annotations
 
@@ -140,11 +140,11 @@ class Registry:
     on_change: Callable[[], None] | None = None
     """Called (on the loop) whenever a worker enters or leaves the rotation."""
     on_room: Callable[[], None] | None = None
-    """Called (on the loop) when a decode worker may have room it did not have: its status shows more free pages
-    or fewer requests than the last one, or it is the first since the worker refused a request for room (what
-    freed it may be out of this router's sight), or it entered or left the rotation (the admission queue's
-    wake-up)."""
+    """Called (on the loop) when a decode worker may have room it did not have: its status shows more free pages or
+    fewer requests than the last one, or it is the first since the worker refused a request for room (what freed it may
+    be out of this router's sight), or it entered or left the rotation (the admission queue's wake-up)."""
     index: PrefixIndex = field(default_factory=PrefixIndex)
+    decode_index: PrefixIndex = field(default_factory=PrefixIndex)  # decode workers' prefix caches
     workers: dict[str, Worker] = field(default_factory=dict)
     model_hash: str = ""
     _tasks: set[asyncio.Task] = field(default_factory=set)
@@ -170,8 +170,7 @@ class Registry:
                 self.workers[w.key] = w
                 self._first_poll[w.key] = asyncio.Event()
                 self._spawn(self._poll_loop(w), f"poll {addr}")
-                if role == Role.PREFILL:
-                    self._spawn(self._events_loop(w), f"cache events {addr}")
+                self._spawn(self._events_loop(w), f"cache events {addr}")
 
     async def wait_first_poll(self, timeout_s: float) -> list[str]:
         """Wait until every worker answered once (or failed to); returns the keys of those that never did."""
@@ -213,8 +212,7 @@ class Registry:
         self._first_poll[key] = asyncio.Event()
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(self._poll_loop(w), name=f"poll {address}")]
-        if role == Role.PREFILL:
-            tasks.append(loop.create_task(self._events_loop(w), name=f"cache events {address}"))
+        tasks.append(loop.create_task(self._events_loop(w), name=f"cache events {address}"))
         for t in tasks:
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
@@ -245,7 +243,7 @@ class Registry:
             t.cancel()
         self.workers.pop(w.key, None)
         self._first_poll.pop(w.key, None)
-        self.index.drop(w.key)
+        self.index_of(w).drop(w.key)
         await w.channel.close(grace=None)
         logger.info("%s worker %s removed", w.role, w.address)
 
@@ -281,8 +279,7 @@ class Registry:
         return info
 
     def serving(self) -> bool:
-        """A healthy decode worker and (unless ``aggregated``: decode workers prefill every prompt) a healthy
-        prefill worker."""
+        """A healthy decode worker and a healthy prefill worker (unless ``aggregated``: decode workers prefill)."""
         return (self.cfg.aggregated or bool(self.healthy(Role.PREFILL))) and bool(self.healthy(Role.DECODE))
 
     # -- health ------------------------------------------------------------------------------------
@@ -360,20 +357,23 @@ class Registry:
             await asyncio.sleep(max(0.0, self.cfg.health_interval_s - (time.monotonic() - t0)))
 
     # -- cache events ------------------------------------------------------------------------------
+    def index_of(self, w: Worker) -> PrefixIndex:
+        return self.index if w.role == Role.PREFILL else self.decode_index
+
     async def _events_loop(self, w: Worker) -> None:
-        backoff = 0.1
+        backoff, index = 0.1, self.index_of(w)
         while True:
             call = w.stub.StreamCacheEvents(worker_pb2.CacheEventsRequest(), metadata=self.metadata)
             try:
                 async for ev in call:
-                    self.index.apply(w.key, ev.stored, ev.evicted, ev.reset, ev.host_stored, ev.host_evicted,
-                                     ev.disk_stored, ev.disk_evicted)
+                    index.apply(w.key, ev.stored, ev.evicted, ev.reset, ev.host_stored, ev.host_evicted,
+                                ev.disk_stored, ev.disk_evicted)
                     backoff = 0.1
             except grpc.aio.AioRpcError as e:
                 logger.debug("cache event stream of %s broke: %s", w.address, e.code().name)
             finally:
                 call.cancel()
-            self.index.drop(w.key)
+            index.drop(w.key)
             await asyncio.sleep(backoff)
             backoff = min(2.0, backoff * 2)
 
@@ -390,8 +390,7 @@ class Registry:
             st.worker_id = st.worker_id or w.address
             st.healthy = ok and w.healthy and not w.excluded
             st.info["router_inflight"] = str(w.inflight)
-            if w.role == Role.PREFILL:
-                st.info["router_cached_blocks"] = str(self.index.num_blocks(w.key))
+            st.info["router_cached_blocks"] = str(self.index_of(w).num_blocks(w.key))
             if w.last_error:
                 st.info["router_last_error"] = w.last_error
             if w.excluded:

@@ -359,7 +359,12 @@ class GenerateRun:
         reg = self.core.registry
         page = max(1, self.core.page_size())
         need = math.ceil((len(self.valid.prompt_ids) + self.valid.max_tokens) / page)
-        order = order_decode([w.candidate() for w in self._decode_workers()], need)
+        cands, cfg = [w.candidate() for w in self._decode_workers()], self.core.cfg
+        resident = {}  # decode-side reuse: the prompt tokens each decode worker already holds (its cache events)
+        if cfg.decode_residency_tokens and page > 1 and len(cands) > 1:
+            blocks = reg.decode_index.match(PromptHashes(self.valid.prompt_ids, page), [c.worker_id for c in cands])
+            resident = {k: n * page for k, n in blocks.items() if n}
+        order = order_decode(cands, need, resident, cfg.decode_residency_tokens, cfg.decode_residency_max_credit)
         if not order and self.full:
             raise _no_room(self.full)
         if not order:
@@ -368,7 +373,7 @@ class GenerateRun:
         for c in order:
             w = reg.workers[c.worker_id]
             req = worker_pb2.ReserveRequest(request_id=req_id, num_tokens=len(self.valid.prompt_ids),
-                                            max_new_tokens=self.valid.max_tokens)
+                                            max_new_tokens=self.valid.max_tokens, prompt_ids=self.valid.prompt_ids)
             self.touched.append((w, req_id))
             try:
                 with contextlib.ExitStack() as asking:  # a refused or failed reservation releases its count
@@ -388,6 +393,7 @@ class GenerateRun:
                 raise RequestError(e.code(), f"decode worker {w.name} refused the reservation: {e.details()}") from e
             self.phase = Phase.RESERVED
             self.metrics.decode_worker = w.name
+            self.metrics.decode_resident_tokens = resp.ticket.resident_tokens  # not shipped: already there
             return w, resp.ticket
         if full:
             raise _no_room(full + failed)

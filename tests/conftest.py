@@ -45,6 +45,19 @@ SHARED_ENV = "PDSERVE_TEST_SHARED_PROCESS"
 LONG_LIVED = ("torch/_inductor/compile_worker", "multiprocessing.resource_tracker", "multiprocessing.forkserver", "/ray/", "raylet", "gcs_server", "ray::")
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """torch._dynamo as a decode worker's process has it: nothing compiled yet. One pytest process runs every
+    module's models through the same compiled functions (``mla_decode_stack``, ``gqa_decode_layer``), whose cache
+    entries and automatic-dynamic decisions outlive the test that made them: an earlier test's static graph could
+    serve a warm-up shape that a fresh worker compiles dynamic, and the 64-entry recompile limit was reached
+    across modules (CI, serial: 4 graphs after warm-up, then FailOnRecompileLimitHit). A test of what a worker
+    compiles starts from a reset."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    yield
+
+
 def _long_lived(p: psutil.Process) -> bool:
     try:
         if p.environ().get(SHARED_ENV) == "1":
@@ -87,10 +100,13 @@ def pytest_collection_modifyitems(config, items):
     """Under ``pytest -n N`` (pytest-xdist, ``--dist loadgroup``, what ``make test`` runs): a module's tests run
     on one worker, so its module-scoped servers and models are built once; every test on the session's Ray
     cluster runs on one worker, so only one cluster starts; tests/kvtransfer runs on one worker (its session's
-    simulated prefill worker, and Mooncake's transfer engines, which bind fixed local ports)."""
+    simulated prefill worker, and Mooncake's transfer engines, which bind fixed local ports). A test marked
+    ``own_xdist_group`` (one that compiles for minutes) is a group of its own: the two workers share the load."""
     for item in items:
         module = item.nodeid.split("::")[0]
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
+        if item.get_closest_marker("own_xdist_group"):  # minutes alone: it may run beside its module's others
+            group = item.nodeid
+        elif "ray_cluster" in getattr(item, "fixturenames", ()):
             group = "ray_cluster"
         elif module.startswith("tests/kvtransfer/"):
             group = "kvtransfer"

@@ -19,6 +19,8 @@ MOE_PARALLEL = ("tp", "ep")
 """``--moe-parallel`` choices."""
 HOST_CACHE_POLICIES = ("write_back", "write_through")
 """``--host-cache-policy`` choices (``prefill.host_cache.HostCachePolicy``)."""
+PREFIX_CACHE_CHOICES = ("on", "off")
+"""A decode worker's ``--prefix-cache`` (decode-side prefix reuse) and the cluster's ``--decode-prefix-cache``."""
 
 
 @dataclass(frozen=True, slots=True)

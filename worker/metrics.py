@@ -4,7 +4,8 @@ in its status, so ``Admin.GetClusterStatus`` lists where to scrape every worker)
 Collected at scrape time from what the worker's ``GetStatus`` reports (one source of truth) plus the
 worker's own counters, under vLLM's names with the ``pdserve:`` prefix and a ``worker`` label:
 requests running / waiting / preempted, KV pool pages (total, free, ``kv_cache_usage_perc``), the prefix
-cache (pages, hit and query tokens; with a host tier hit tokens and bytes per tier, ``{tier="device"|"host"}``),
+cache (pages, hit and query tokens; with a host tier hit tokens and bytes per tier, ``{tier="device"|"host"}``, and
+the lower tiers' load latency histograms),
 tokens per second, KV transfers (bytes, seconds), and a speculating decode worker's accept length and
 per-position acceptance rates. The scrape runs on prometheus_client's HTTP thread: it reads plain counters,
 never waits for the scheduler.
@@ -15,7 +16,7 @@ import logging
 from typing import Callable, NamedTuple
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from protos.pdserve.v1 import generation_pb2
 
@@ -31,8 +32,15 @@ class Labelled(NamedTuple):
     values: dict[str, float]
 
 
-Values = dict[str, tuple["float | Labelled", str]]
-"""{name: (value or ``Labelled`` values, help)}."""
+class Histogram(NamedTuple):
+    """A histogram's figures by the values of one more label: ``{value: (cumulative (le, count) buckets, +Inf last;
+    sum)}``, e.g. a load latency by tier."""
+    label: str
+    values: dict[str, tuple[list[tuple[str, float]], float]]
+
+
+Values = dict[str, tuple["float | Labelled | Histogram", str]]
+"""{name: (value, ``Labelled`` values or a ``Histogram``, help)}."""
 
 
 class WorkerCollector:
@@ -66,7 +74,11 @@ class WorkerCollector:
         families = ((CounterMetricFamily, self.counters()), (GaugeMetricFamily, self.gauges() if self.gauges else {}))
         for kind, values in families:
             for name, (value, doc) in values.items():
-                if isinstance(value, Labelled):
+                if isinstance(value, Histogram):
+                    m = HistogramMetricFamily(P + name, doc, labels=["worker", value.label])
+                    for key, (buckets, total) in value.values.items():
+                        m.add_metric([st.worker_id, key], buckets, total)
+                elif isinstance(value, Labelled):
                     m = kind(P + name, doc, labels=["worker", value.label])
                     for key, v in value.values.items():
                         m.add_metric([st.worker_id, key], v)

@@ -104,9 +104,11 @@ def agentic_stats(sr: StepRecords, cfg: BenchConfig) -> dict[str, Any]:
             "prompt_tokens_mean": float(np.mean([r.prompt_tokens for r in rs])) if rs else None,
             "cache_hit": sum(r.cached_tokens for r in rs) / prompt if prompt else None,
             "ttft_p50_s": float(np.percentile([r.ttft_s for r in rs], 50)) if rs else None,
-            "kv_bytes_mean": float(np.mean([r.kv_transfer_bytes for r in rs])) if rs else None})
+            "kv_bytes_mean": float(np.mean([r.kv_transfer_bytes for r in rs])) if rs else None,
+            "decode_resident_mean": float(np.mean([r.decode_resident_tokens for r in rs])) if rs else None})
     # what every session holds at its end: its last prompt and the tokens returned for it
     state = sum(rs[-1].prompt_tokens + rs[-1].completion_tokens for rs in by_session.values() if rs[-1].ok)
+    shipped = [r.prompt_tokens - r.decode_resident_tokens for r in ok]
     return {
         "sessions": cfg.sessions, "turns_per_session": cfg.turns, "in_flight": int(sr.step.value),
         "system_len": cfg.system_len, "user_len": cfg.user_len, "output_len": cfg.output_len,
@@ -117,6 +119,24 @@ def agentic_stats(sr: StepRecords, cfg: BenchConfig) -> dict[str, Any]:
         "tokens_per_s": sum(r.prompt_tokens + r.completion_tokens for r in ok) / elapsed if elapsed > 0 else None,
         "session_state_tokens": state,
         "kv_bytes_per_turn": float(np.mean([r.kv_transfer_bytes for r in ok])) if ok else None,
+        "decode_resident": sum(r.decode_resident_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
+        "shipped_tokens_per_turn": float(np.mean(shipped)) if ok else None,
+        **_beyond_tail(by_session),
         "per_turn": per_turn,
         "elapsed_s": elapsed,
     }
+
+
+def _beyond_tail(by_session: dict[int, list[RequestRecord]]) -> dict[str, Any]:
+    """Decode-side reuse against its floor: a later turn's *tail* is what its decode worker cannot hold yet (the
+    new user chunk and the last token returned, whose KV was never written: prompt - previous prompt - previous
+    completion + 1); ``beyond_tail_tokens_*`` = prompt tokens shipped past it (mean, max over turns 2+: at most
+    a page with reuse, the whole previous state without)."""
+    extra = []
+    for rs in by_session.values():
+        for prev, r in zip(rs, rs[1:]):
+            if prev.ok and r.ok:
+                tail = r.prompt_tokens - prev.prompt_tokens - prev.completion_tokens + 1
+                extra.append(r.prompt_tokens - r.decode_resident_tokens - tail)
+    return {"beyond_tail_tokens_mean": float(np.mean(extra)) if extra else None,
+            "beyond_tail_tokens_max": int(max(extra)) if extra else None}

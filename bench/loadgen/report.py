@@ -89,7 +89,14 @@ _AGENTIC_COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
     ("Turn tok/s", lambda s: _f(s["agentic"]["tokens_per_s"], ".1f")),
     ("Hit by tier", _tiers),
     ("KV MB/turn", lambda s: _f(s["agentic"]["kv_bytes_per_turn"], ".2f", 1e-6)),
+    ("Decode resident", lambda s: _pct(s["agentic"].get("decode_resident"))),  # absent from older results
+    ("Shipped past tail (mean / max tok)", lambda s: _tail(s["agentic"])),
 ]
+
+
+def _tail(a: dict) -> str:
+    mean, top = a.get("beyond_tail_tokens_mean"), a.get("beyond_tail_tokens_max")
+    return "-" if mean is None else f"{mean:.1f} / {top}"
 _POWER_COLUMNS: list[tuple[str, Callable[[dict], str]]] = [("tok/J", lambda s: _f(s["tok_per_joule"], ".3f"))]
 
 
@@ -348,6 +355,9 @@ _COMPARED: list[tuple[str, Callable[[dict], float | None], bool]] = [
     ("E2E p50 ms", lambda s: _in_ms(s["e2e"]["p50"]), False),
     ("Success rate", lambda s: s["success_rate"], True),
     ("Cache hit", lambda s: s["cache_hit"], True),
+    ("KV MB/req", lambda s: None if s.get("kv_bytes_per_req") is None else s["kv_bytes_per_req"] / 1e6, False),
+    # agentic only (decode-side reuse on vs off: two servers, --decode-prefix-cache on / off)
+    ("Decode resident", lambda s: (s.get("agentic") or {}).get("decode_resident"), True),
     ("Goodput rps", lambda s: s["goodput_rps"], True),
 ]
 

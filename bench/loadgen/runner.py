@@ -86,6 +86,8 @@ class RequestRecord:
     prefill_s: float = 0.0
     kv_transfer_s: float = 0.0
     kv_transfer_bytes: int = 0
+    decode_resident_tokens: int = 0
+    """Prompt tokens its decode worker already held (decode-side reuse): their KV was not shipped."""
     accept_len: float = 0.0
     retries: int = 0
     failovers: int = 0
@@ -276,4 +278,5 @@ def _finish(rec: RequestRecord, chunk: generation_pb2.GenerateResponse) -> None:
     rec.server_ttft_s, rec.queue_s, rec.prefill_s = m.ttft_s, m.queue_s, m.prefill_s
     rec.router_queue_s = m.router_queue_s
     rec.kv_transfer_s, rec.kv_transfer_bytes = m.kv_transfer_s, m.kv_transfer_bytes
+    rec.decode_resident_tokens = m.decode_resident_tokens
     rec.accept_len, rec.retries, rec.failovers = m.accept_len, m.retries, m.failovers

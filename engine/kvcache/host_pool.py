@@ -13,9 +13,9 @@ copied as they are (no dtype conversion), so a restored page is bit-identical to
 
 Slots come from a ``PageAllocator`` (owner tags, exact accounting, double frees refused). When the pool is on a
 GPU the rows are pinned host memory (as SGLang's host pool is); on a CPU they are plain memory, reserved
-up front and touched (made resident) only as slots are first written. Copies are synchronous today (one
-``index_select`` / ``index_copy_`` per segment for a whole batch of pages); overlapping them with the forward,
-layer by layer, is issue 45's "loading that hides itself".
+up front and touched (made resident) only as slots are first written. Copies are one ``index_select`` /
+``index_copy_`` per segment for a batch of pages; a restore runs them on a prefill loader thread
+(``prefill.admission``), not yet overlapped with the forward layer by layer.
 """
 from __future__ import annotations
 

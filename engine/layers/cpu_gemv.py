@@ -4,10 +4,10 @@ multiplied as bf16 pairs (AVX512-BF16, AVX-512 or AVX2 + FMA by the build's ISA 
 bandwidth-bound model is mostly these reads (attention projections, the dense MLP, shared experts, lm_head), and
 the bf16 GEMM of a few rows reads them well below the machine's bandwidth (bench/bench_roofline.py).
 
-Eager CPU bf16 only, and opt-in (``enable``; ``$PDSERVE_GEMV=1`` at start-up): its sums run in another order than
-oneDNN's, so a logit can round one bf16 ulp apart from the ``F.linear`` the rest of the engine's equality tests
-compare against (compiled graphs trace ``F.linear``). Without the kernel (no compiler: one WARNING from
-``engine.cpu_ext``) ``F.linear`` runs.
+Eager CPU bf16 only, on by default (``enable``; ``$PDSERVE_GEMV=0`` at start-up turns it off): its sums run in
+another order than oneDNN's, so a logit can round one bf16 ulp apart from ``F.linear`` (compiled graphs trace
+``F.linear``); the engine's bf16 equality tests (against transformers, greedy decode) hold with it on. Without the
+kernel (no compiler: one WARNING from ``engine.cpu_ext``) ``F.linear`` runs.
 """
 from __future__ import annotations
 

@@ -219,7 +219,7 @@ GRAPH_MOE_IMPLS: dict[str, MoEFn] = {"gather": moe_gather, "gather_fused": moe_g
 
 
 MX_ONLY_IMPLS = ("mx_sorted", "mx_grouped", "mx_gather", "mx_dense", "cached_sorted", "cached_gather", "cached_dense",
-                 "fused_gather", "fused_sorted", "triton")
+                 "fused_gemv", "fused_gather", "fused_sorted", "triton")
 """Strategies of MX-quantized experts (``engine.moe.mx_experts.MX_MOE_IMPLS``): forcing one (``--moe-impl``)
 applies it to the quantized layers; dense layers then choose as ``auto``."""
 

@@ -12,7 +12,7 @@ import os
 import torch
 
 from engine import cpu_ext
-from engine.quant.mx import MXFormat, code_values
+from engine.quant.mx import MXFormat, code_values, get_mx_format
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +58,25 @@ def lut(fmt: MXFormat) -> torch.Tensor:
 
 def grouped_gemm(x: torch.Tensor, row_index: torch.Tensor | None, group_expert: torch.Tensor,
                  group_start: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: MXFormat,
-                 block_size: int, level: str | None = None) -> torch.Tensor:
+                 block_size: int, level: str | None = None, scalar: bool = False) -> torch.Tensor:
     """``y[p] = W[group_expert[g]] @ x[row_index[p]]`` for the pairs p of group g (group_start[g] <= p <
     group_start[g+1]); ``row_index`` None means p. x [M, K] fp32 -> y [P, N] fp32, from MX codes directly.
-    ``level``: the build to run (default: the process's; a test forces a lower one)."""
+    ``level``: the build to run (default: the process's; a test forces a lower one); ``scalar``: its scalar code
+    (what a generic CPU's build runs)."""
     k = kernel(level)
     idx = row_index if row_index is not None else torch.empty(0, dtype=torch.long)
     return k.mx_grouped_gemm(x.contiguous(), idx, group_expert, group_start, codes, scales, lut(fmt), fmt.bits,
-                             block_size)
+                             block_size, scalar)
+
+
+def moe_fp4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13_codes: torch.Tensor,
+            w13_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor, block_size: int,
+            level: str | None = None, scalar: bool = False) -> torch.Tensor:
+    """The routed experts of an MXFP4 layer in one call (``fused_gemv``): x [T, H] fp32/bf16, ``ids`` / ``weights``
+    [T, k] -> [T, H] in x's dtype; bit for bit ``fused_gather`` (no activation quantization) at the same level.
+    Each selected expert's codes are dotted in registers, read once per call for up to 4 of its tokens."""
+    return kernel(level).mx_moe_fp4(x, ids, weights, w13_codes, w13_scales, w2_codes, w2_scales,
+                                    lut(get_mx_format("mxfp4")), block_size, scalar)
 
 
 def dequant_into(codes: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor, fmt: MXFormat, block_size: int,

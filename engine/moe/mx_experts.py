@@ -30,12 +30,14 @@ summation order):
                   where the user forced one by name (``--moe-impl cached_gather``): only then do the layers
                   get a cache (``engine.quant.prepare``), and without one ``can_run`` says no, whatever a
                   tuned table or the compiled graphs would prefer.
-* ``fused_gather`` / ``fused_sorted`` / ``triton``  GEMMs from the codes themselves (engine.moe.mx_fused): the
-                  CPU kernel for decode shapes, one transient dense expert at a time for prefill shapes, the
+* ``fused_gemv`` / ``fused_gather`` / ``fused_sorted`` / ``triton``  GEMMs from the codes themselves
+                  (engine.moe.mx_fused): for MXFP4 decode shapes the whole layer in one CPU kernel call dotting
+                  the codes in registers (``fused_gemv``, bit for bit ``fused_gather``), the CPU tile kernel for decode
+                  shapes, one transient dense expert at a time for prefill shapes, the
                   Triton grouped GEMM on ``cuda``. No dense copy of a layer ever exists.
 
 ``auto``: decode-sized batches (<= FALLBACK_GATHER_MAX_PAIRS pairs) run a batch-invariant strategy:
-``fused_gather`` on CPU where the kernel builds, ``triton`` on ``cuda`` where Triton imports, else
+``fused_gemv`` (MXFP4) or ``fused_gather`` on CPU where the kernel builds, ``triton`` on ``cuda`` where Triton imports, else
 ``mx_gather``. Larger batches pick from the tuned table (engine.moe.tuned_table; nearest token-count key) for
 this shape and device, or the untuned fallback with one WARNING per shape; never a ``cached_*`` strategy
 (``AUTO_IMPLS``).
@@ -240,7 +242,7 @@ class MXRoutedExperts(nn.Module):
         """Dense bytes strategy ``name`` materialises for one forward of ``num_tokens`` (weights only)."""
         per_expert = self.dense_bytes(dtype) // self.num_experts
         pairs = num_tokens * self.topk
-        if name in ("fused_gather", "triton"):  # a few decoded rows per thread, no dense weights
+        if name in ("fused_gemv", "fused_gather", "triton"):  # a few decoded rows per thread, no dense weights
             return 0
         if name in ("mx_gather", "cached_gather"):  # per-pair weight copies (+ the distinct experts)
             return (pairs + min(pairs, self.num_experts)) * per_expert
@@ -256,6 +258,9 @@ class MXRoutedExperts(nn.Module):
         ``cuda`` device (or TRITON_INTERPRET=1) with Triton installed and an MXFP4 layer."""
         dev = self.w13_codes.device
         if name.startswith("fused_") and not mx_fused.cpu_fused_ok(dev, dtype):
+            return False
+        if name == "fused_gemv" and not (mx_fused.gemv_enabled() and mx_fused.gemv_ok(
+                self.spec.fmt.name, self.spec.block_size, self.act_spec is None)):
             return False
         if name == "triton" and not mx_triton.can_run(dev, dtype, self.spec):
             return False
@@ -282,10 +287,12 @@ class MXRoutedExperts(nn.Module):
             if self._table is None:
                 tuned_table.warn_untuned_once(self.shape, dev)
         fused = self.can_run("fused_gather", dtype, num_tokens)
+        gemv = self.can_run("fused_gemv", dtype, num_tokens)
+        pairs = num_tokens * self.topk
         name = (tuned_table.nearest_impl(self._table, num_tokens) if self._table
-                else tuned_table.fallback_impl(num_tokens * self.topk, fused))
+                else tuned_table.fallback_impl(pairs, fused, gemv, self.num_experts))
         if name not in AUTO_IMPLS or not self.can_run(name, dtype, num_tokens):  # the memory contract wins
-            name = tuned_table.fallback_impl(num_tokens * self.topk, fused)
+            name = tuned_table.fallback_impl(pairs, fused, gemv, self.num_experts)
             if not self.can_run(name, dtype, num_tokens):
                 name = "mx_sorted"  # one expert dense at a time: always fits
         return name
@@ -293,7 +300,7 @@ class MXRoutedExperts(nn.Module):
     def decode_impl(self, dtype: torch.dtype) -> str:
         """``auto``'s batch-invariant strategy for decode-sized batches: the fused kernel of this device when
         it runs here (no dense copy), else per-step dequantizing of the selected experts only."""
-        for name in ("fused_gather", "triton"):
+        for name in ("fused_gemv", "fused_gather", "triton"):
             if self.can_run(name, dtype, 1):
                 return name
         return "mx_gather"
@@ -433,6 +440,7 @@ MX_MOE_IMPLS: dict[str, MXMoEFn] = {
     "cached_sorted": cached_sorted,
     "cached_gather": cached_gather,
     "cached_dense": cached_dense,
+    "fused_gemv": mx_fused.fused_gemv,
     "fused_gather": mx_fused.fused_gather,
     "fused_sorted": mx_fused.fused_sorted,
     "triton": mx_triton.triton_moe,

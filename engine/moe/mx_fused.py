@@ -8,6 +8,12 @@ these in ``MX_MOE_IMPLS``):
                     W13 then W2. Weight bytes read per step are the MX bytes (4.25 bits a weight for MXFP4).
                     Batch-invariant: each output is one fp32 dot in a fixed order, whatever T is, so decode
                     and speculative verify round alike (``auto`` runs it for decode when the kernel builds).
+* ``fused_gemv``    decode shapes (a few tokens per expert), MXFP4: the whole layer in one kernel call
+                    (``mx_cpu_kernel.moe_fp4``): the pairs grouped in C++, each selected expert's codes dotted
+                    in registers (never decoded into a tile; read once per call for up to 4 of its tokens), and the
+                    same ATen ops as ``fused_gather`` between the GEMMs and after: bit for bit ``fused_gather``'s
+                    result at the same ISA level (so ``auto`` may switch between them at any batch size and a
+                    decode and a verify still round alike), without its ~20 Python-level ops per layer.
 * ``fused_sorted``  prefill shapes: per active expert, the kernel dequantizes it into a transient one-expert
                     buffer (2I x H; freed after the call) and the library GEMM runs on it. Never more than
                     one expert dense.
@@ -24,6 +30,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from common.env import mx_gemv_enabled
 from engine.moe import mx_cpu_kernel
 from engine.moe.router import Routing
 from engine.quant.mx import get_mx_format
@@ -75,6 +82,31 @@ def _swiglu(m, h: torch.Tensor) -> torch.Tensor:
     return swiglu(h, m.qdq_act)
 
 
+_gemv_enabled: list[bool] = [mx_gemv_enabled()]
+
+
+def enable_gemv(on: bool = True) -> None:
+    """Let ``auto`` pick ``fused_gemv`` (``True``, the default; ``$PDSERVE_MX_GEMV=0`` at start-up: not) or not
+    (benchmarks comparing it with ``fused_gather``). Forcing it by name runs it either way."""
+    _gemv_enabled[0] = on
+
+
+def gemv_ok(fmt: str, block_size: int, qdq_free: bool) -> bool:
+    """Whether ``fused_gemv`` computes this layer: MXFP4 in blocks of a multiple of 32, no activation quantization."""
+    return fmt == "mxfp4" and block_size % 32 == 0 and qdq_free
+
+
+def gemv_enabled() -> bool:
+    return _gemv_enabled[0]
+
+
+def fused_gemv(m, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    if not gemv_ok(m.spec.fmt.name, m.spec.block_size, m.act_spec is None):  # forced on a layer it cannot compute
+        return fused_gather(m, x, routing)  # the same bits
+    return mx_cpu_kernel.moe_fp4(x, routing.ids, routing.weights, m.w13_codes, m.w13_scales, m.w2_codes, m.w2_scales,
+                                 m.spec.block_size)
+
+
 def fused_gather(m, x: torch.Tensor, routing: Routing) -> torch.Tensor:
     return _gather(x, routing, MXGraphWeights(m.w13_codes, m.w13_scales, m.spec.fmt.name, m.spec.block_size),
                    MXGraphWeights(m.w2_codes, m.w2_scales, m.spec.fmt.name, m.spec.block_size), m.qdq_act)
@@ -114,7 +146,10 @@ def mx_fused_gather_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                        block_size: int) -> torch.Tensor:
     """``fused_gather`` (no activation quantization) as one opaque op, so the compiled decode graphs run the MX
     kernel from the codes (its data-dependent pair grouping inside, out of the tracer's sight) and hold no dense
-    copy; and, being the very kernel eager decode runs, round exactly as eager decode does."""
+    copy; and, being bit for bit the kernels eager decode runs, round exactly as eager decode does. MXFP4 runs
+    ``fused_gemv``'s one call (the same bits, fewer ops)."""
+    if gemv_enabled() and gemv_ok(fmt, block_size, True):
+        return mx_cpu_kernel.moe_fp4(x, ids, weights, w13_codes, w13_scales, w2_codes, w2_scales, block_size)
     return _gather(x, Routing(ids, weights), MXGraphWeights(w13_codes, w13_scales, fmt, block_size),
                    MXGraphWeights(w2_codes, w2_scales, fmt, block_size), _no_qdq)
 

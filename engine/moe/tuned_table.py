@@ -143,10 +143,11 @@ def _cpu_model() -> str:
 
 TABLE_FORMAT = 2
 """Version of the file layout (``TableMeta`` + ``impls``); version 1 was the bare ``{tokens: impl}`` dict."""
-KERNEL_SET_VERSION = 2
+KERNEL_SET_VERSION = 3
 """Bumped when a strategy's kernel changes what it costs (a new kernel, a new code path in one): the tables
 measured before then no longer describe these kernels. 2: the fused MX CPU kernels (fused_gather / fused_sorted)
-and ISA-classed device names."""
+and ISA-classed device names. 3: fused_gemv (MXFP4 dotted in registers, one call a layer) and fused_gather's
+MXFP4 sum order (low nibbles, then high ones, per chunk)."""
 
 
 def kernel_set(impl_names: Sequence[str]) -> str:
@@ -228,11 +229,18 @@ def nearest_impl(table: dict[int, str], num_tokens: int) -> str:
 
 FUSED_GATHER_MAX_PAIRS = 256
 """Untuned fallback with the fused CPU kernel: up to this many pairs ``fused_gather``, more ``fused_sorted``."""
+GEMV_MAX_PAIRS_PER_EXPERT = 8
+"""Untuned fallback where ``fused_gemv`` runs (MXFP4): up to this many pairs per expert on average (8 tokens an
+expert: the kernel re-reads an expert's codes from cache for each 4 of its tokens, so past a few it is the
+decode-once tile kernel's turn)."""
 
 
-def fallback_impl(num_pairs: int, fused: bool = False) -> str:
-    """The untuned choice: with the fused kernel (``fused``) fused_gather / fused_sorted, which hold no dense
-    layer; without it mx_gather / mx_sorted."""
+def fallback_impl(num_pairs: int, fused: bool = False, gemv: bool = False, num_experts: int = 1) -> str:
+    """The untuned choice: ``fused_gemv`` (where ``gemv``: an MXFP4 layer and the kernel) up to
+    GEMV_MAX_PAIRS_PER_EXPERT pairs an expert; with the fused kernel (``fused``) fused_gather / fused_sorted, which
+    hold no dense layer; without it mx_gather / mx_sorted."""
+    if gemv and num_pairs <= GEMV_MAX_PAIRS_PER_EXPERT * num_experts:
+        return "fused_gemv"
     if fused:
         return "fused_gather" if num_pairs <= FUSED_GATHER_MAX_PAIRS else "fused_sorted"
     return "mx_gather" if num_pairs <= FALLBACK_GATHER_MAX_PAIRS else "mx_sorted"
@@ -263,10 +271,12 @@ def warn_untuned_once(shape: MoEShape, device: str) -> bool:
         return False
     _warned.add(key)
     logger.warning(
-        "no tuned MoE table for %s (%s) on device %s in %s: using the untuned fallback (with the fused CPU "
-        "kernel: fused_gather up to %d token-expert pairs, else fused_sorted; without it: mx_gather up to %d, else "
-        "mx_sorted); performance may be sub-optimal. Tune it with `pdserve tune-moe --shapes %d,%d,%d,%d --dtype %s`",
-        shape.key(device), shape.describe(), device, ", ".join(TABLE_DIRS), FUSED_GATHER_MAX_PAIRS,
+        "no tuned MoE table for %s (%s) on device %s in %s: using the untuned fallback (MXFP4 with the fused CPU "
+        "kernel: fused_gemv up to %d token-expert pairs an expert; with the fused CPU kernel: fused_gather up to %d "
+        "token-expert pairs, else fused_sorted; without it: mx_gather up to %d, else mx_sorted); performance may be "
+        "sub-optimal. Tune it with `pdserve tune-moe --shapes %d,%d,%d,%d --dtype %s`",
+        shape.key(device), shape.describe(), device, ", ".join(TABLE_DIRS), GEMV_MAX_PAIRS_PER_EXPERT,
+        FUSED_GATHER_MAX_PAIRS,
         FALLBACK_GATHER_MAX_PAIRS,
         shape.hidden, shape.inter, shape.num_experts, shape.topk, shape.dtype)
     return True

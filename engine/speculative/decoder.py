@@ -30,7 +30,9 @@ from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, apply_penalties, greedy_ids, probs_from_logits
 from engine.speculative.config import SpecConfig
+from engine.speculative.cost import DraftCostModel
 from engine.speculative.metrics import SpecMetrics, step_depths
+from engine.speculative.oracle import OracleDrafts
 from engine.speculative.proposer import MTPProposer
 from engine.speculative.seq import SpecSeq
 from engine.speculative.tree import DraftTree
@@ -76,12 +78,18 @@ class SpecDecoder:
     """Runs speculative steps over a pool shared with the target model (MTP KV in layer N)."""
 
     def __init__(self, model: GlmForCausalLM, pool: KVPool, spec: SpecConfig, eos_token_ids: Sequence[int] = (),
-                 ensure_pages: EnsurePages | None = None, metrics: SpecMetrics | None = None) -> None:
+                 ensure_pages: EnsurePages | None = None, metrics: SpecMetrics | None = None,
+                 oracle: OracleDrafts | None = None, cost_model: DraftCostModel | None = None) -> None:
         self.model, self.pool, self.spec = model, pool, spec
         self.move_kv: Callable[[KVPool, range, torch.Tensor, torch.Tensor], None] = getattr(model, "move_kv", move_kv)
         """How accepted KV moves: ``move_kv`` here; a tensor-parallel worker's model proxy brings its own, which
         moves it on every rank (a pool write outside a model call, ``worker.ranks``)."""
         self.proposer = MTPProposer(model, pool, spec)
+        self.proposer.oracle = oracle
+        if cost_model is not None and not spec.is_chain:
+            raise ValueError(f"the draft-length cost model needs a chain (eagle_topk 1), got {spec}")
+        self.cost_model = cost_model
+        """Chooses each greedy step's draft length (``engine.speculative.cost``); None: always ``num_steps``."""
         self.eos_token_ids = tuple(eos_token_ids)
         self.ensure_pages = ensure_pages or self.grow_pages
         self.metrics = metrics or SpecMetrics()
@@ -113,21 +121,28 @@ class SpecDecoder:
         for s in seqs:
             if s.finish_reason or not s.output_ids:
                 raise ValueError(f"{s.req_id}: only running requests with a first token can be stepped")
+        t_step = time.perf_counter()
         room = [self.reserve(s) for s in seqs]
-        drafting = [i for i, s in enumerate(seqs) if room[i] and s.draft_hidden is not None]
+        num_drafts = None  # the spec's
+        if self.cost_model is not None and all(s.sampler.params.greedy for s in seqs):
+            num_drafts = self.cost_model.choose(len(seqs)).num_drafts
+        drafting = [i for i, s in enumerate(seqs) if room[i] and s.draft_hidden is not None and num_drafts != 0]
         trees = [DraftTree.chain(s.last_token, []) for s in seqs]  # no draft state / no room: plain step
-        for i, tree in zip(drafting, self.proposer.propose([seqs[i] for i in drafting]) if drafting else []):
-            trees[i] = tree
+        if drafting:
+            for i, tree in zip(drafting, self.proposer.propose([seqs[i] for i in drafting], num_drafts)):
+                trees[i] = tree
         t0 = time.perf_counter()
         logits, hidden, offsets = self._verify_forward(seqs, trees)
         self.last_verify_s = time.perf_counter() - t0
         logits, verdicts = self._accept(seqs, trees, logits, offsets)
         self._commit_kv(seqs, trees, verdicts)
         results, live, live_ids, live_hidden = [], [], [], []
+        num_tested = 0
         for s, tree, v, off in zip(seqs, trees, verdicts, offsets):
             emitted = self._emit(s, v.token_ids) if emit else list(v.token_ids)
-            self.metrics.record(len(v.path), tree.num_nodes - 1, len(emitted),
-                                *step_depths(tree.depths, tree.children, v.path))
+            depths = step_depths(tree.depths, tree.children, v.path)
+            num_tested += depths.tested_depth
+            self.metrics.record(len(v.path), tree.num_nodes - 1, len(emitted), *depths)
             lps = self._logprobs(logits, [off + n for n in [0] + v.path], emitted, s.sampler.params.logprobs)
             results.append(SpecStepResult(s.req_id, emitted, len(v.path), s.finish_reason, lps))
             if not s.finish_reason:
@@ -138,6 +153,10 @@ class SpecDecoder:
             self.proposer.extend(live, live_ids, live_hidden)
         for s, r in zip(seqs, results):
             s.cached_len += len(r.token_ids)
+        if num_drafts is not None:
+            uniform = num_drafts == 0 or len(drafting) == len(seqs)  # else some requests drafted less: untimed
+            self.cost_model.observe(len(seqs), num_drafts, time.perf_counter() - t_step if uniform else None,
+                                    sum(r.num_accepted for r in results), num_tested)
         return results
 
     @staticmethod

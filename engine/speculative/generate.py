@@ -14,8 +14,10 @@ from common.reasons import FinishReason
 from engine.offline import Engine, GenerationResult
 from engine.sampling import SamplerState, SamplingParams, sample
 from engine.speculative.config import SpecConfig
+from engine.speculative.cost import DraftCostModel
 from engine.speculative.decoder import SpecDecoder
 from engine.speculative.metrics import SpecMetrics
+from engine.speculative.oracle import OracleDrafts
 from engine.speculative.prefill import PrefillChunk, prefill_forward
 from engine.speculative.seq import SpecSeq
 
@@ -30,10 +32,14 @@ class SpecRunResult(NamedTuple):
 class SpecEngine:
     """Speculative ``generate`` over ``engine``'s model and KV pool (its MTP layer's KV included)."""
 
-    def __init__(self, engine: Engine, spec: SpecConfig) -> None:
+    def __init__(self, engine: Engine, spec: SpecConfig, oracle: OracleDrafts | None = None,
+                 cost_model: DraftCostModel | None = None) -> None:
+        """``oracle``: benchmark mode, drafts from the target's greedy continuation (``engine.speculative.oracle``);
+        ``cost_model``: each step's draft length from measured step times (``engine.speculative.cost``)."""
         self.engine, self.spec = engine, spec
         self.model, self.cfg, self.pool = engine.model, engine.cfg, engine.pool
-        self.decoder = SpecDecoder(self.model, self.pool, spec, self.cfg.eos_token_ids)
+        self.decoder = SpecDecoder(self.model, self.pool, spec, self.cfg.eos_token_ids, oracle=oracle,
+                                   cost_model=cost_model)
 
     @property
     def metrics(self) -> SpecMetrics:

@@ -33,6 +33,7 @@ from engine.kvcache.pool import KVPool
 from engine.models.glm import GlmForCausalLM
 from engine.sampling import SamplerState, draw, greedy_ids, probs_from_logits
 from engine.speculative.config import SpecConfig
+from engine.speculative.oracle import OracleDrafts
 from engine.speculative.seq import SpecSeq
 from engine.speculative.tree import DraftTree
 
@@ -63,6 +64,8 @@ class MTPProposer:
         if not model.has_mtp:
             raise ValueError("speculative decoding needs a checkpoint with an MTP layer (num_nextn_predict_layers)")
         self.model, self.pool, self.spec = model, pool, spec
+        self.oracle: OracleDrafts | None = None
+        """Benchmark mode (``engine.speculative.oracle``): the MTP forwards run, the oracle's tokens are drafted."""
 
     def draft_logits(self, seqs: Sequence[SpecSeq]) -> torch.Tensor:
         """``[B, V]`` depth-1 draft logits (cached ones reused, the rest from ``draft_hidden``)."""
@@ -75,14 +78,18 @@ class MTPProposer:
                 seqs[i].draft_logits = lg[j]
         return torch.stack([s.draft_logits for s in seqs])
 
-    def propose(self, seqs: Sequence[SpecSeq]) -> list[DraftTree]:
+    def propose(self, seqs: Sequence[SpecSeq], num_drafts: int | None = None) -> list[DraftTree]:
         """One MTP forward per draft depth beyond the first, batched over ``seqs``. Pages must cover
-        ``cached_len + spec.num_step_slots`` tokens."""
+        ``cached_len + spec.num_step_slots`` tokens. ``num_drafts`` (greedy chains only) drafts fewer than
+        ``spec.num_steps`` tokens this step (the draft-length cost model's choice)."""
         spec, k = self.spec, self.spec.eagle_topk
         B = len(seqs)
         states = [s.sampler for s in seqs]
-        if spec.is_chain and all(st.params.greedy for st in states):
-            return self._propose_greedy_chain(seqs)
+        greedy_chain = spec.is_chain and all(st.params.greedy for st in states)
+        if not greedy_chain and (self.oracle is not None or num_drafts not in (None, spec.num_steps)):
+            raise ValueError(f"oracle drafts and a per-step draft length need greedy chains (spec {spec})")
+        if greedy_chain:
+            return self._propose_greedy_chain(seqs, spec.num_steps if num_drafts is None else num_drafts)
         logits = self.draft_logits(seqs)[:, None]                 # [B, F=1, V]
         hidden = torch.stack([s.draft_hidden for s in seqs])[:, None]  # [B, F=1, H]
         dev = logits.device
@@ -119,17 +126,23 @@ class MTPProposer:
             logits, hidden = self._forward_frontier(seqs, d, f_tok, f_hid, vis)
         return self._select(seqs, toks, pars, scores, qs)
 
-    def _propose_greedy_chain(self, seqs: Sequence[SpecSeq]) -> list[DraftTree]:
+    def _propose_greedy_chain(self, seqs: Sequence[SpecSeq], num_drafts: int) -> list[DraftTree]:
         """Greedy chains (the common case): each depth's draft is the argmax of the draft logits, so
         no log-probs, scores or frontier bookkeeping (what ``propose``'s general walk computes
-        for trees and sampling): ~25 fewer tensor ops per depth."""
+        for trees and sampling): ~25 fewer tensor ops per depth. With an oracle its token replaces the
+        argmax and feeds the next depth's MTP forward."""
+        if num_drafts == 0:
+            return [DraftTree.chain(s.last_token, []) for s in seqs]
         logits = self.draft_logits(seqs)  # [B, V], B = len(seqs)
         hidden = torch.stack([s.draft_hidden for s in seqs])  # [B, H]
         toks = []
-        for d in range(1, self.spec.num_steps + 1):
+        for d in range(1, num_drafts + 1):
             tok = greedy_ids(logits)[:, None]  # [B, 1]
+            if self.oracle is not None:
+                tok = torch.tensor([[self.oracle.replace(s, d, t)] for s, t in zip(seqs, tok[:, 0].tolist())],
+                                   dtype=tok.dtype, device=tok.device)
             toks.append(tok)
-            if d == self.spec.num_steps:
+            if d == num_drafts:
                 break
             logits, hidden = self._forward_frontier(seqs, d, tok, hidden[:, None], None)
             logits, hidden = logits[:, 0], hidden[:, 0]

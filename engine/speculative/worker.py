@@ -23,6 +23,7 @@ from engine.config import ModelConfig
 from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.models.glm import GlmForCausalLM
 from engine.speculative.config import SpecConfig
+from engine.speculative.cost import DraftCostConfig, DraftCostModel
 from engine.speculative.decoder import SpecDecoder
 from engine.speculative.metrics import SpecStats
 from engine.speculative.seq import SpecSeq
@@ -39,9 +40,10 @@ class _Draft:
 
 
 class MTPSpeculator:
-    def __init__(self, model: GlmForCausalLM, cfg: ModelConfig, pool: KVPool, spec: SpecConfig) -> None:
+    def __init__(self, model: GlmForCausalLM, cfg: ModelConfig, pool: KVPool, spec: SpecConfig,
+                 cost_model: DraftCostModel | None = None) -> None:
         self.spec = spec
-        self.decoder = SpecDecoder(model, pool, spec, cfg.eos_token_ids)
+        self.decoder = SpecDecoder(model, pool, spec, cfg.eos_token_ids, cost_model=cost_model)
         self._drafts: dict[str, _Draft] = {}
 
     @property
@@ -100,8 +102,11 @@ class MTPSpeculator:
         return 1.0 + d.num_accepted / d.num_steps if d is not None and d.num_steps else 0.0
 
 
-def make_speculator(model: GlmForCausalLM, cfg: ModelConfig, pool: KVPool, spec: str | SpecConfig) -> MTPSpeculator:
-    """What ``decode.server`` calls for ``--speculative STEPS/TOPK/DRAFT_TOKENS``."""
+def make_speculator(model: GlmForCausalLM, cfg: ModelConfig, pool: KVPool, spec: str | SpecConfig,
+                    cost_model: bool = False) -> MTPSpeculator:
+    """What ``decode.server`` calls for ``--speculative STEPS/TOPK/DRAFT_TOKENS`` (``--spec-cost-model``: each
+    step's draft length from ``engine.speculative.cost``)."""
     spec = SpecConfig.parse(spec) if isinstance(spec, str) else spec
-    logger.info("MTP speculative decoding %s (%d draft tokens verified per step)", spec, spec.num_drafts)
-    return MTPSpeculator(model, cfg, pool, spec)
+    logger.info("MTP speculative decoding %s (%d draft tokens verified per step%s)", spec, spec.num_drafts,
+                ", at most: a cost model chooses" if cost_model else "")
+    return MTPSpeculator(model, cfg, pool, spec, DraftCostModel(DraftCostConfig(spec.num_steps)) if cost_model else None)

@@ -44,6 +44,10 @@ class FakeBehaviour:
     page_size: int = 16
     kv_bytes_per_token: int = 1000
     api_key: str | None = None
+    decode_reuse: bool = False
+    """Imitate decode-side prefix reuse: a finished request's prompt + output but its last token stay resident
+    (whole pages); the next prompt's resident prefix (at least one token short) is reported in
+    ``metrics.decode_resident_tokens`` and left out of ``kv_transfer_bytes``."""
     metrics: bool = False
     """Serve a prefill worker's /metrics (prefix cache queries and hit tokens by tier, as ``prefill/server.py``
     names them) on a loopback port the fake prefill worker lists as its ``metrics_port``."""
@@ -63,6 +67,13 @@ class PageCache:
     def __init__(self, page: int) -> None:
         self.page, self.keys = page, set()
         self.query_tokens = self.hit_tokens = 0
+
+    def match(self, ids: list[int]) -> int:
+        """The cached prefix of ``ids`` in tokens (nothing inserted, nothing counted)."""
+        hit = 0
+        while hit < len(ids) // self.page and tuple(ids[:(hit + 1) * self.page]) in self.keys:
+            hit += 1
+        return hit * self.page
 
     def match_and_insert(self, ids: list[int]) -> int:
         pages = len(ids) // self.page
@@ -98,6 +109,7 @@ def _index(req_id: str) -> int:
 class FakeGeneration(generation_pb2_grpc.GenerationServicer):
     def __init__(self, b: FakeBehaviour, log: FakeLog) -> None:
         self.b, self.log, self.cache = b, log, PageCache(b.page_size)
+        self.decode_cache = PageCache(b.page_size)  # decode_reuse: what the decode worker keeps
         self.slots = asyncio.Semaphore(b.slots) if b.slots else None
 
     async def Generate(self, request, context):
@@ -122,6 +134,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
             [hash(w) % b.vocab_size for w in request.text.split()]
         self.log.prompts[req_id] = ids
         cached = self.cache.match_and_insert(ids)
+        resident = self.decode_cache.match(ids[:-1]) if b.decode_reuse else 0
         await asyncio.sleep(b.ttft_s + b.prefill_s_per_token * (len(ids) - cached))
         n_out, sent = request.sampling.max_tokens, 0
         errors = b.error_every and i % b.error_every == b.error_every - 1
@@ -141,7 +154,10 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
                 resp.usage.completion_tokens = n_out
                 m = resp.metrics
                 m.ttft_s, m.prefill_s, m.kv_transfer_s = b.ttft_s, b.ttft_s, 0.001
-                m.kv_transfer_bytes = b.kv_bytes_per_token * len(ids)
+                m.kv_transfer_bytes = b.kv_bytes_per_token * (len(ids) - resident)
+                m.decode_resident_tokens = resident
+                if b.decode_reuse:
+                    self.decode_cache.match_and_insert((ids + [fake_token(i, j) for j in range(n_out)])[:-1])
                 m.accept_len = float(b.tokens_per_chunk) if b.tokens_per_chunk > 1 else 0.0
             yield resp
             if sent < n_out:

@@ -142,3 +142,24 @@ def test_a_worker_that_does_not_answer_is_named_not_counted():
     assert counts.num_workers == 0 and counts.query_tokens == 0 and len(counts.errors) == 1
     delta = tier_delta(counts, counts)
     assert delta["hit_rate"] == {} and delta["errors"] == counts.errors * 2
+
+
+def test_decode_reuse_figures_per_turn_and_on_vs_off(tmp_path, capsys):
+    """The report's decode-side reuse figures: the prompt share its decode worker held, and what was shipped past
+    a later turn's tail (the new user chunk + the last returned token): at most a page with reuse, the whole
+    previous state without; ``--compare`` puts the two runs side by side (KV per request, decode resident)."""
+    results = {}
+    for reuse in (False, True):
+        with FakeServer(FakeBehaviour(decode_reuse=reuse, itl_s=0.001)) as srv:
+            results[reuse], text = run_bench(make_cfg(srv.address, tmp_path / str(reuse)), progress=False)
+        assert "Decode resident" in text and "Shipped past tail" in text
+    on, off = (results[r]["steps"][0]["agentic"] for r in (True, False))
+    assert 0 < on["decode_resident"] < 1 and 0 <= on["beyond_tail_tokens_max"] < 16  # the fake's page
+    assert on["per_turn"][0]["decode_resident_mean"] <= SYSTEM  # another session's system prompt, at most
+    assert on["per_turn"][2]["decode_resident_mean"] > SYSTEM
+    assert on["shipped_tokens_per_turn"] < SYSTEM + USER < off["shipped_tokens_per_turn"]
+    assert off["decode_resident"] == 0 and off["beyond_tail_tokens_max"] == SYSTEM + 2 * USER + 2 * OUT - 1
+    rc = cli_main(["bench", "--from-json", str(tmp_path / "True" / "out" / "bench.json"), "--compare",
+                   str(tmp_path / "False" / "out" / "bench.json")])
+    text = capsys.readouterr().out
+    assert rc == 0 and "KV MB/req" in text and "Decode resident" in text and "better" in text

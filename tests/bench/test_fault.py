@@ -118,6 +118,12 @@ def test_slow_readers_fault_parses():
     assert BenchConfig(rps=(1,), fault="slow-readers@5s").fault_spec() == ("slow-readers", 5.0)
 
 
+WRITE_TIMEOUT_S = 2.0
+"""The router's stream_write_timeout_s in the slow-readers test."""
+SLOTS = 64
+"""The router's max_inflight there: a quarter of the attack's streams (``SLOW_READER_STREAMS``)."""
+
+
 def test_slow_readers_fault_against_a_real_router(tmp_path, caplog):
     """``--fault slow-readers@1`` against a real RouterServer (fake workers): its 256 never-read streams take
     every router slot, so requests are refused for a while; the router gives the slots back after its
@@ -126,9 +132,14 @@ def test_slow_readers_fault_against_a_real_router(tmp_path, caplog):
     from router_fakes import VOCAB, FakeCluster
 
     async def go():
-        async with FakeCluster(1, 2, stream_write_timeout_s=2.0, decode_pages=8192) as fc:
+        # a router of 64 slots against the attack's 256 streams: the first 64 take every slot at once, whatever
+        # the host's speed (with 256 slots every stream had to be admitted within the write timeout, and a slow,
+        # loaded 2-core host held only 132-167 of them at once: the first were ended before the last came in)
+        async with FakeCluster(1, 2, stream_write_timeout_s=WRITE_TIMEOUT_S, decode_pages=8192,
+                               max_inflight=SLOTS) as fc:
             cfg = BenchConfig(target=fc.router.address, workload="random", input_len=16, output_len=4,
-                              rps=(20.0,), warmup_s=0.0, duration_s=6.0, drain_timeout_s=20.0, vocab_size=VOCAB,
+                              rps=(20.0,), warmup_s=0.0, duration_s=WRITE_TIMEOUT_S + 4.0, drain_timeout_s=20.0,
+                              vocab_size=VOCAB,
                               out=str(tmp_path / "out"), quiet=True, fault="slow-readers@1").with_defaults()
             peak = 0
 
@@ -147,7 +158,7 @@ def test_slow_readers_fault_against_a_real_router(tmp_path, caplog):
             # the attack took every slot for a while (whether a bench request then met a full router is timing:
             # a stream the router ended is replaced 20 ms later, and a loaded host lets some requests in)...
             assert peak >= fc.router.core.cfg.max_inflight, peak
-            assert f["first_ok_sent_after_s"] is not None and f["first_ok_sent_after_s"] < 2.0 + 2.0, f
+            assert f["first_ok_sent_after_s"] is not None and f["first_ok_sent_after_s"] < WRITE_TIMEOUT_S + 2.0, f
             assert "never-read streams" in format_fault(f)
             await fc.wait_for(lambda: fc.router.core.inflight == 0 and
                               not any(w.inflight for w in fc.registry.workers.values()) and

@@ -123,7 +123,9 @@ def test_decode_workers_serve_mxfp4_by_default(served):
 def test_agentic_sessions_against_pdserve_serve(served):
     """Two sessions of three turns on the real cluster: each turn's prompt is the last one + the tokens the
     decode worker returned + a user chunk (the server's own prompt_tokens say so), the second turn onwards
-    hits the prefill worker's cache, and the hit rate by tier comes from its /metrics."""
+    hits the prefill worker's cache, and the hit rate by tier comes from its /metrics. Decode-side reuse (on by
+    default): from the second turn on the decode worker holds the previous turn's state and is shipped only the
+    rest, at most a page (16 tokens) past the new user chunk and the last returned token."""
     from bench.loadgen.config import BenchConfig
     from bench.loadgen.sweep import run_bench
     address, d = served
@@ -140,3 +142,5 @@ def test_agentic_sessions_against_pdserve_serve(served):
     assert tiers["query_tokens"] == sum(120 + 28 * t for t in range(3)) * 2
     assert tiers["hit_rate"]["device"] == pytest.approx(s["cache_hit"])
     assert "Hit by tier" in text
+    assert all(t["decode_resident_mean"] >= 96 for t in a["per_turn"][1:]), a["per_turn"]
+    assert 0 <= a["beyond_tail_tokens_max"] < 16, a

@@ -73,6 +73,14 @@ def test_no_spec_fallback_from_the_launch_command_line_reaches_decode_workers_on
     assert "--no-spec-fallback" not in deployment().worker_args("decode", "decode-0")
 
 
+def test_decode_prefix_cache_off_from_the_launch_command_line_reaches_decode_workers_only():
+    dep = launch_deployment("--decode-prefix-cache", "off")
+    args = dep.worker_args("decode", "decode-0")
+    assert args[args.index("--prefix-cache") + 1] == "off"
+    assert "--prefix-cache" not in dep.worker_args("prefill", "prefill-0")
+    assert "--prefix-cache" not in deployment().worker_args("decode", "decode-0")
+
+
 def test_prefill_0_launches_aggregated():
     """``launch --prefill 0``: no prefill workers, the router started ``--aggregated``, the decode workers'
     own prefill chunked as asked (as ``pdserve serve --prefill 0``)."""

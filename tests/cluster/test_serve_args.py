@@ -2,6 +2,9 @@
 import argparse
 
 from cli.main import build_parser
+from common.flags import config_from_args
+from decode.config import DecodeWorkerConfig
+from decode.server import build_parser as decode_parser
 from cli.serve import serve_config
 from cluster.local import LocalCluster
 from kvtransfer.config import add_transport_args, receiver_mooncake_protocol
@@ -77,3 +80,13 @@ def test_prefill_0_is_aggregated_all_cores_to_the_decode_workers(tmp_path, monke
     assert threads(cluster("--prefill", "0", "--threads-per-worker", "2")._worker_cmd("decode", 0)) == 2
     router = disagg._router_cmd()
     assert "--aggregated" not in router and "--prefill" in router
+
+
+def test_decode_prefix_cache_off_reaches_the_decode_worker_only_and_it_parses_it(tmp_path):
+    dec = worker_cmds(tmp_path, "--decode-prefix-cache", "off")["decode"]
+    assert dec[dec.index("--prefix-cache") + 1] == "off"
+    assert "--prefix-cache" not in worker_cmds(tmp_path)["decode"]  # on: the workers' own default
+    assert "--prefix-cache" not in worker_cmds(tmp_path, "--decode-prefix-cache", "off")["prefill"]
+    args = decode_parser().parse_args(["--prefix-cache", "off"])
+    assert config_from_args(args, DecodeWorkerConfig).prefix_cache == "off"
+    assert config_from_args(decode_parser().parse_args([]), DecodeWorkerConfig).prefix_cache == "on"

@@ -8,7 +8,8 @@ from engine.kvcache import KVLayout, KVPool
 from engine.load import load_model
 from engine.offline import Engine
 from engine.sampling import SamplingParams
-from prefill.scheduler import PrefillConfig, PrefillScheduler, PrefillTask
+from prefill.scheduler import PrefillScheduler
+from prefill.task import PrefillConfig, PrefillTask
 from prefill.sink import KVSink, SinkResult
 
 P = 16

@@ -73,3 +73,31 @@ def test_build_rejects_bad_requests():
         ForwardBatch.build([BatchRequest([0], 0, [1, 2], positions=[0])], 16)
     with pytest.raises(ValueError, match="tree_mask shape"):
         ForwardBatch.build([BatchRequest([0], 0, [1, 2], tree_mask=torch.ones(3, 3, dtype=torch.bool))], 16)
+
+
+def test_the_mask_is_a_normal_tensor_whoever_builds_it_first():
+    """The same kind of tensor whether the model's forward (inference mode) or a caller outside it (the tree
+    proposer edits the mask before the forward) builds it first: a compiled step guards on its inputs' dispatch
+    keys, and the two kinds compiled the same speculative step twice (tests/engine/test_spec_dsa's tree)."""
+    reqs = [BatchRequest([0, 1], 5, [7, 8], tree_mask=torch.tensor([[True, False], [True, True]])),
+            BatchRequest([2], 3, [9])]
+    kinds = []
+    for inference in (True, False):
+        batch = ForwardBatch.build(reqs, 4)
+        with torch.inference_mode(inference):
+            mask = batch.attn_mask
+        kinds.append((mask.is_inference(), torch._C._dispatch_keys(mask)))
+        assert mask[0, 0, 1].tolist() == [True] * 7 and mask[1, 0, 0].tolist() == [True] * 4 + [False] * 3
+        mask[0, 0, 0, 6] = False  # a caller outside inference mode may edit it (the proposer's sibling masks)
+    assert kinds[0] == kinds[1] and not kinds[0][0], kinds
+
+
+@pytest.mark.parametrize("num_reqs", [1, 3])
+def test_kv_slots_are_row_major_on_and_off_the_page_boundary(num_reqs):
+    """``kv_slots [B, S]`` has strides ``(S, 1)`` whatever the context's length, and is no view: a compiled step
+    guards on its inputs' strides (a one-request slice that kept its page-padded row stride compiled a second
+    graph) and on a view's base sizes (a flat reshape's view compiled 4 graphs after a decode worker's warm-up)."""
+    for n in (8, 13):  # on a page boundary (page 4), and off it
+        batch = ForwardBatch.build([BatchRequest([0, 1, 2, 3], n - 1, [5])] * num_reqs, 4)
+        assert batch.kv_slots.shape == (num_reqs, n) and batch.kv_slots.stride() == (n, 1), batch.kv_slots.stride()
+        assert batch.kv_slots._base is None

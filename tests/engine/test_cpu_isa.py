@@ -12,7 +12,7 @@ import pytest
 
 from common import env
 from engine import cpu_ext, kernels
-from engine.layers import cpu_attention
+from engine.layers import cpu_attention, cpu_gemv
 
 AVX2 = frozenset({"avx2", "fma", "f16c", "bmi2", "sse4_2"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
@@ -79,7 +79,7 @@ def test_report_line_names_each_path(caplog):
 FORCED_AVX2 = """
 import torch
 from engine.kernels import kernel_report
-from engine.layers import cpu_attention
+from engine.layers import cpu_attention, cpu_gemv
 print(kernel_report())
 torch.manual_seed(0)
 q, k, v = torch.randn(2, 3, 4, 32), torch.randn(40, 2, 32), torch.randn(40, 2, 32)
@@ -115,3 +115,23 @@ def test_a_process_forced_to_avx2_builds_and_reports_avx2():
 def test_a_bad_level_fails_the_process_clearly():
     done = run_forced("avx9000", "from engine import cpu_ext; cpu_ext.isa()")
     assert done.returncode != 0 and "ValueError: PDSERVE_CPU_ISA='avx9000' is not an ISA level" in done.stderr
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_for():
+    """A build killed mid-way (a timeout, SIGKILL) leaves torch's baton file in the build directory, and every later
+    load of that kernel waited for it forever (seen: a test's ``pdserve run`` killed while building the GEMV hung
+    every later build in its PDSERVE_HOME). The build takes its directory's flock, finds the baton nobody holds,
+    removes it with one WARNING and loads."""
+    level = cpu_ext.isa()
+    build_dir = os.path.join(env.pdserve_home(), "torch_extensions",
+                             cpu_ext.build_name("pdserve_gemv", cpu_gemv.SOURCE, level))
+    os.makedirs(build_dir, exist_ok=True)
+    baton = os.path.join(build_dir, cpu_ext.TORCH_BATON)
+    with open(baton, "w"):
+        pass
+    code = "from engine.layers import cpu_gemv; assert cpu_gemv.kernel() is not None; print('built ok')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env.child_environ(PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "built ok" in done.stdout, done.stderr[-3000:]
+    assert "removing the build lock a killed build left behind" in done.stderr
+    assert not os.path.exists(baton)

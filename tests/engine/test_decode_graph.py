@@ -42,7 +42,7 @@ def compiled(dirs, mx_dir):  # noqa: F811
     """{name: (compiled model, cfg)}: separate instances from the eager ones."""
     dirs = dict(dirs, mxfp4=mx_dir)
     out = {}
-    for name in ("random-dsa", "pred-dsa", "pred-gqa", "mxfp4"):
+    for name in ("random-dsa", "pred-gqa", "mxfp4"):
         model, cfg = load_model(dirs[name], "float32", "cpu")
         model.compile_decode()
         out[name] = (model, cfg)
@@ -134,17 +134,13 @@ def _greedy_both(model, cfg, spec, num_tokens, kv_dtype=None):
     return eng.metrics
 
 
-@pytest.mark.parametrize("name,kv_dtype,spec", [("pred-dsa", "fp8_e4m3", "3/2/6"), ("pred-gqa", None, "3/1/4")])
-def test_compiled_speculative_lossless_fp8_and_gqa(compiled, name, kv_dtype, spec):
-    """Lossless within the compiled path: drafts, chained MTP steps, tree verification and KV rollback through
-    the graphs give plain compiled greedy decoding's tokens, with multi-token acceptance, over an fp8 KV pool
-    (quantising writes) and GLM-4.5's GQA layers. (An fp32 pool's tree and chain, fp32 and bf16, to 8x
-    index_topk: test_spec_dsa's compiled test; one tree here, not one per pool dtype: each spec shape's graphs
-    cost a minute and a half of compile on 2 cores.)"""
-    model, cfg = compiled[name]
-    m = _greedy_both(model, cfg, spec, 64 if spec == "3/2/6" else 48, kv_dtype)
-    if spec == "3/2/6":
-        assert m.accept_len > 1.5, m.as_dict(5)
+def test_compiled_speculative_lossless_gqa(compiled):
+    """Lossless within the compiled path: drafts, chained MTP steps, verification and KV rollback through
+    GLM-4.5's GQA graphs give plain compiled greedy decoding's tokens. (A tree over an fp8 KV pool and a bf16
+    chain, both to 8x index_topk through the MLA + DSA graphs: test_spec_dsa's compiled test; one speculation
+    shape per graph family: each shape's graphs cost a minute or more of compile on 2 cores.)"""
+    model, cfg = compiled["pred-gqa"]
+    _greedy_both(model, cfg, "3/1/4", 48)
 
 
 def test_compiled_gqa_greedy_equals_eager(dirs, compiled):  # noqa: F811
@@ -161,7 +157,7 @@ def test_compiled_gqa_greedy_equals_eager(dirs, compiled):  # noqa: F811
 
 
 @pytest.mark.parametrize("name", ["pred-gqa"])
-def test_no_compile_after_warm_up(dirs, name):  # noqa: F811
+def test_no_compile_after_warm_up(dirs, name, fresh_dynamo):  # noqa: F811
     """``warm_up_decode`` (what a decode worker runs before it reports ready) compiles every graph the
     served shapes need: decoding and speculating batches of other sizes and lengths afterwards compile
     nothing (torch._dynamo's compile counters stay put)."""

@@ -147,7 +147,7 @@ def test_bf16_compiled_greedy_is_eager_greedy_up_to_bf16_ties(bf16_dirs, compile
             assert (gap == 0).float().mean() >= 0.9  # nearly all exactly eager's choice
 
 
-def test_bf16_no_compile_after_warm_up(bf16_dirs):
+def test_bf16_no_compile_after_warm_up(bf16_dirs, fresh_dynamo):
     """``warm_up_decode`` compiles the bf16 graphs with the experts inside (and the per-layer ones of larger
     batches): decoding batches of other sizes and lengths afterwards compiles nothing."""
     model, cfg = load_model(bf16_dirs["gqa"], "bfloat16", "cpu")

@@ -81,7 +81,7 @@ def test_quantize_cli_then_run_generates(bf16_dir, tmp_path):
     assert got["token_ids"] == want.token_ids and len(want.token_ids) == 6
     ran = {layer.mlp.experts.last_impl for layer in model.model.layers[1:]}  # the MTP layer did not run
     assert ran and ran <= {"mx_gather", "mx_sorted", "mx_grouped", "mx_dense", "cached_sorted", "cached_gather",
-                           "cached_dense", "fused_gather", "fused_sorted"}
+                           "cached_dense", "fused_gemv", "fused_gather", "fused_sorted"}
 
 def test_loaded_codes_are_the_oracle_and_mtp_shared_expert_is_bf16(bf16_dir, tmp_path):
     src = load_file(os.path.join(bf16_dir, "model.safetensors"))

@@ -135,7 +135,7 @@ def test_tuned_table_nearest_key_and_last_impl(tmp_path, monkeypatch, caplog, fu
     with caplog.at_level(logging.WARNING, logger="engine.moe.tuned_table"):
         # up to FALLBACK_GATHER_MAX_PAIRS pairs (decode, verify) a batch-invariant gather whatever the table says:
         # the fused kernel's where it builds, else per-step dequantizing of the selected experts (no dense layer)
-        decode = "fused_gather" if fused else "mx_gather"
+        decode = "fused_gemv" if fused else "mx_gather"  # MXFP4: the in-register kernel
         # the table's cached_sorted at 5000 holds a dense layer: the memory contract wins, the untuned rule runs
         for T, want in ((1, decode), (6, decode), (12, "mx_grouped"), (100, "mx_grouped"),
                         (5000, "fused_sorted" if fused else "mx_sorted")):

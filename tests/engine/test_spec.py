@@ -35,6 +35,8 @@ from engine.load import load_model
 from engine.offline import Engine
 from engine.sampling import SamplerState, SamplingParams, probs_from_logits, sample
 from engine.speculative import MTPChunk, SpecConfig, SpecDecoder, SpecEngine, SpecSeq, mtp_prefill, mtp_prefill_batch, run_speculative
+from engine.speculative.cost import DraftChoice, DraftCostConfig, DraftCostModel
+from engine.speculative.oracle import OracleDrafts, chain_accept_len, rate_for_accept_len
 from engine.speculative.worker import make_speculator
 from test_spec_verify import P_VALUE_MIN, chi_square_p_value
 
@@ -494,3 +496,116 @@ def test_scheduler_with_speculator_equals_plain_engine(dirs):
         assert [lp[0] for lp in lps] == r[1:] and all(lp[1] <= 0 and len(lp[2]) == 2 for lp in lps)
     assert pool.allocator.num_used == 0 and spec.metrics.accept_len > 1.5
     assert spec.step([], lambda t, n: None) == [] and spec._drafts == {}
+
+
+def test_oracle_drafts_are_lossless_and_set_the_acceptance(dirs):
+    """Oracle-draft mode (``engine.speculative.oracle``) on the glm4_moe model: the MTP layer runs, the target's
+    own greedy continuation (corrupted at a rate) is drafted. Output = plain greedy at every rate; rate 0
+    accepts the whole chain every step (k + 1 = 4), rate 1 nothing, rate 0.3 about L(0.7, 3) = 2.53."""
+    model, cfg = get_model(dirs, "pred-gqa", "float32")
+    spec, n = SpecConfig.parse("3/1/4"), 64
+    refs = plain_greedy(dirs, "pred-gqa", "float32", n + spec.num_steps)
+    prompts = prompts_for(cfg)
+    lens = {}
+    for rate in (0.0, 0.3, 1.0):
+        oracle = OracleDrafts(dict(zip(map(tuple, prompts), refs)), cfg.vocab_size, rate, seed=1)
+        eng = SpecEngine(make_engine(model, cfg, "float32"), spec, oracle=oracle)
+        out = eng.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+        assert [o.token_ids for o in out] == [r[:n] for r in refs], rate
+        assert oracle.num_proposed == eng.metrics.num_draft_tokens > 0
+        lens[rate] = eng.metrics.accept_len
+    assert lens[0.0] == spec.num_draft_tokens and lens[1.0] == 1.0
+    assert abs(lens[0.3] - chain_accept_len(0.7, 3)) < 0.5, lens
+    assert abs(chain_accept_len(1 - rate_for_accept_len(3.61, 5), 5) - 3.61) < 1e-9
+    with pytest.raises(ValueError, match="greedy chains"):
+        SpecEngine(make_engine(model, cfg, "float32"), SpecConfig.parse("3/2/6"), oracle=oracle).generate(
+            prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def cost_model_with(times: dict[int, float], max_drafts: int = 3, accept: float = 0.9) -> DraftCostModel:
+    """A cost model that has seen one batch-1 step per draft length (``times``: tokens per request -> s) and a
+    per-draft acceptance of ``accept`` (1000 drafts' worth: the prior is negligible)."""
+    cm = DraftCostModel(DraftCostConfig(max_drafts, decay=1.0, probe_every=0))
+    for k in range(max_drafts + 1):
+        assert cm.choose(1) == DraftChoice(max_drafts - k, "explore")  # each length measured once, full first
+        cm.observe(1, max_drafts - k, times[max_drafts - k + 1], 0, 0)
+    cm.observe(1, max_drafts, None, round(1000 * accept), 1000)
+    return cm
+
+
+def test_draft_cost_model_picks_plain_or_full_from_step_times():
+    """Verify cheap (a dense model's k + 1 tokens cost about one): the full chain wins; verify that grows with
+    the tokens (an MoE reading the union of its experts) and a low acceptance: plain decode wins; in between a
+    shorter chain. Probes re-measure the stalest length every probe_every steps."""
+    flat = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}
+    assert cost_model_with(flat).choose(1) == DraftChoice(3, "best")
+    steep = {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}  # tokens cost linearly: L(a, k) < k + 1 never pays
+    assert cost_model_with(steep).choose(1) == DraftChoice(0, "best")
+    assert cost_model_with(flat, accept=0.05).choose(1) == DraftChoice(0, "best")
+    knee = {1: 1.0, 2: 1.05, 3: 1.1, 4: 3.0}  # the 4th token pulls in many more experts
+    cm = cost_model_with(knee)
+    assert cm.choose(1) == DraftChoice(2, "best") and cm.choose(8) == DraftChoice(3, "explore")  # a new bucket
+    assert abs(cm.accept_rate - 0.9) < 0.01 and cm.step_s(3, 2) is None
+    assert abs(cm.tokens_per_s(1, 2) - chain_accept_len(cm.accept_rate, 2) / 1.1) < 1e-9
+    probing = DraftCostModel(DraftCostConfig(1, probe_every=4))
+    seen = []
+    for _ in range(12):
+        k, why = probing.choose(2)
+        seen.append(why)
+        probing.observe(2, k, {0: 1.0, 1: 1.1}[k], 0, 0)
+    assert seen.count("explore") == 2 and seen.count("probe") == 2 and "best" in seen
+    assert sum(probing.steps_by_drafts) == 12
+    with pytest.raises(ValueError, match="max_drafts"):
+        DraftCostConfig(0)
+
+
+def test_draft_cost_model_keeps_greedy_output(dirs):
+    """Greedy output with the cost model on (real step times: its exploration alone runs every draft length,
+    then its choices; the oracle keeps acceptance high so drafting pays) equals plain greedy."""
+    model, cfg = get_model(dirs, "pred-gqa", "float32")
+    spec, n = SpecConfig.parse("3/1/4"), 64
+    refs = plain_greedy(dirs, "pred-gqa", "float32", n + spec.num_steps)
+    prompts = prompts_for(cfg)
+    for oracle in (None, OracleDrafts(dict(zip(map(tuple, prompts), refs)), cfg.vocab_size, 0.2)):
+        cm = DraftCostModel(DraftCostConfig(spec.num_steps, probe_every=8))
+        eng = SpecEngine(make_engine(model, cfg, "float32"), spec, oracle=oracle, cost_model=cm)
+        out = eng.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+        assert [o.token_ids for o in out] == [r[:n] for r in refs]
+        assert all(c > 0 for c in cm.steps_by_drafts), cm.steps_by_drafts
+        assert eng.pool.allocator.num_used == 0
+    with pytest.raises(ValueError, match="needs a chain"):
+        SpecEngine(make_engine(model, cfg, "float32"), SpecConfig.parse("3/2/6"), cost_model=cm)
+
+
+def test_scheduler_with_cost_model_equals_plain_and_exports_metrics(dirs):
+    """``--spec-cost-model`` in the decode worker's real scheduler (3/1/4 on glm4_moe): the plain engine's tokens,
+    and the worker's /metrics families carry the choice, the acceptance estimate and the steps by length."""
+    from decode.scheduler import DecodeScheduler, DecodeTask
+    from decode.server import cost_model_values
+    from protos.pdserve.v1 import generation_pb2
+    from worker.metrics import WorkerCollector
+    model, cfg = get_model(dirs, "pred-gqa", "float32")
+    pool = KVPool(KVLayout.for_model(cfg, 8, "float32"), 256)
+    spec = make_speculator(model, cfg, pool, "3/1/4", cost_model=True)
+    dec = DecodeScheduler(model, pool, cfg.eos_token_ids, spec=spec)
+    events = {}
+    for i, p in enumerate(prompts_for(cfg)):
+        events[i] = []
+        dec.add_local(DecodeTask(f"r{i}", p, [], SamplingParams(max_tokens=48, ignore_eos=True), [], 0,
+                                 emit=events[i].append))
+    for _ in range(200):
+        if not dec.step():
+            break
+    for i, r in enumerate(plain_greedy(dirs, "pred-gqa", "float32", 48)):
+        assert [t for e in events[i] for t in e.token_ids] == r
+    assert pool.allocator.num_used == 0
+    cm = spec.decoder.cost_model
+    values = cost_model_values(cm)
+    families = {f.name: f for f in WorkerCollector(lambda: generation_pb2.WorkerStatus(worker_id="d0"),
+                                                   lambda: values.counters, lambda: values.gauges).collect()}
+    steps = families["pdserve:spec_decode_steps_by_draft_tokens"].samples
+    assert sorted(s.labels["num_drafts"] for s in steps if s.name.endswith("_total")) == ["0", "1", "2", "3"]
+    assert sum(s.value for s in steps if s.name.endswith("_total")) == sum(cm.steps_by_drafts) > 4
+    assert families["pdserve:spec_decode_draft_tokens"].samples[0].value == cm.num_drafts
+    assert 0 < families["pdserve:spec_decode_draft_accept_rate"].samples[0].value < 1
+    assert cost_model_values(None) == ({}, {})

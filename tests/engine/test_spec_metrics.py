@@ -91,8 +91,8 @@ def test_rates_equal_counts_recomputed_from_the_drafts_and_plain_tokens(spec):
     steps, trees = [], []
     propose, step = eng.decoder.proposer.propose, eng.decoder.step
 
-    def keep_trees(seqs):
-        out = propose(seqs)
+    def keep_trees(seqs, num_drafts=None):
+        out = propose(seqs, num_drafts)
         trees.extend(out)
         return out
 

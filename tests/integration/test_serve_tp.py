@@ -36,6 +36,8 @@ def reference():
     model, cfg = load_model(SHIPPED_DEFAULT, "float32", "cpu")
     eng = Engine(model, cfg, kv_dtype="float32", num_pages=64)
     out = [eng.generate([p], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids for p in PROMPTS]
+    turn2 = PROMPTS[0] + out[0] + [2, 4, 6, 8, 10]  # the session's next turn (decode-side reuse)
+    out.append(eng.generate([turn2], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids)
     del eng, model
     return out
 
@@ -65,6 +67,11 @@ def test_prefill_tp2_to_decode_tp1_gives_the_tp1_tokens(reference, tmp_path):
             assert len(pre) == 2 and all(pid_alive(p) for p in pre)
             for prompt, want in zip(PROMPTS, reference):
                 assert client.generate(token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids == want
+            # the next turn: the decode worker (TP1) still holds turn 1's final pages, the TP2 prefill ships the tail
+            turn2 = PROMPTS[0] + reference[0] + [2, 4, 6, 8, 10]
+            got = client.generate(token_ids=turn2, max_tokens=MAX_TOKENS, ignore_eos=True)
+            assert got.token_ids == reference[2]
+            assert got.metrics.decode_resident_tokens == (len(PROMPTS[0]) + MAX_TOKENS - 1) // 16 * 16
             assert all(w.healthy for w in client.cluster_status().workers)
             wait_until(lambda: pages_all_free(client), what="every page back")
     finally:

@@ -5,6 +5,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import zlib
 
@@ -475,14 +476,22 @@ def test_shm_lease_not_granted_in_time_fails_the_opened_transfer_and_frees_the_p
             _send_all(sender, src, warm, pages, 4, seed=4)  # connection up, shm negotiated
             sender.finish(warm).result(timeout=30)
             dst.allocator.decref(list(h.wait("warm").page_ids))
-            h.lt.call(time.sleep, 1.5)  # the receiver hears nothing for 1.5 s
-            t0 = time.monotonic()
-            with pytest.raises(TransferError) as exc:
-                sender.open(t).result(timeout=1.2)
-            assert exc.value.reason is FailReason.TIMEOUT and time.monotonic() - t0 < 1.2
-            with pytest.raises(TransferError) as exc:
-                sender.send_layer(t, 0, pages, 0, 30)
-            assert exc.value.reason is FailReason.TIMEOUT and "shm lease" in str(exc.value)
+            # the receiver hears nothing until the sender has given up (a gate, not a fixed sleep: on a loaded
+            # host a 1.5 s sleep could end before the starved sender even asked for the lease)
+            blocked, gate = threading.Event(), threading.Event()
+            h.lt.call(lambda: (blocked.set(), gate.wait(30)))
+            assert blocked.wait(10)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(TransferError) as exc:
+                    sender.open(t).result(timeout=1.2)
+                assert exc.value.reason is FailReason.TIMEOUT and "shm lease" in str(exc.value)
+                assert time.monotonic() - t0 < 1.2
+                with pytest.raises(TransferError) as exc:
+                    sender.send_layer(t, 0, pages, 0, 30)
+                assert exc.value.reason is FailReason.TIMEOUT and "shm lease" in str(exc.value)
+            finally:
+                gate.set()
             expect_failure(h, "ol", FailReason.TIMEOUT)
             h.wait_until(lambda: dst.allocator.num_used == d0 and h.rx.stats().num_draining == 0)
             src.allocator.decref(pages)

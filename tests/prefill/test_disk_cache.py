@@ -13,7 +13,7 @@ from engine.kvcache import KVPool
 from engine.kvcache.page_file import PageFile
 from prefill.disk_cache import DiskCache, plan_disk_cache
 from prefill.host_cache import HostCache, HostCachePolicy
-from prefill.radix import RadixCache, prefix_block_hashes
+from engine.kvcache.radix import RadixCache, prefix_block_hashes
 from prefill.server import PrefillWorkerConfig, build_parser
 from test_host_cache import P, compute, finish, make_layout
 

@@ -10,8 +10,9 @@ from engine.kvcache import KVLayout, KVPool
 from engine.kvcache.page_file import PageFile
 from prefill.disk_cache import DiskCache
 from prefill.host_cache import HostCache
-from prefill.radix import prefix_block_hashes
-from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler
+from engine.kvcache.radix import prefix_block_hashes
+from prefill.scheduler import PrefillScheduler
+from prefill.task import PrefillConfig, PrefillResult
 from prefill.server import PrefillServicer
 import test_host_tier_exact as host_exact
 from test_host_tier_exact import PAGE, assert_no_page_leaked, assert_same_state, make_sched, prefill_once, prompt, \

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from engine.kvcache import KVComponent, KVLayout, KVPool
 from engine.kvcache.host_pool import HostPagePool, segments
 from prefill.host_cache import AUTO_HOST_FRACTION, HostCache, HostCachePolicy, plan_host_cache
-from prefill.radix import RadixCache, prefix_block_hashes
+from engine.kvcache.radix import RadixCache, prefix_block_hashes
 from prefill.server import PrefillServicer, PrefillWorkerConfig, build_parser
 from protos.pdserve.v1 import generation_pb2
 from worker.config import HOST_CACHE_POLICIES

@@ -17,8 +17,9 @@ from engine.checkpoint import init_random_model
 from engine.kvcache import KVLayout, KVPool
 from engine.load import load_model
 from prefill.host_cache import HostCache, HostCachePolicy
-from prefill.radix import prefix_block_hashes
-from prefill.scheduler import PrefillConfig, PrefillResult, PrefillScheduler, RequestAborted
+from engine.kvcache.radix import prefix_block_hashes
+from prefill.scheduler import PrefillScheduler
+from prefill.task import PrefillConfig, PrefillResult, RequestAborted
 from prefill.server import PrefillServicer
 from shared_helpers import TINY_GQA_MTP
 from test_prefill_scheduler import CaptureSink, run_all, task

@@ -10,14 +10,8 @@ from engine.load import load_model
 from engine.sampling import SamplingParams
 import prefill.scheduler as ps
 from engine.shapes import bucket_chunks, row_bucket
-from prefill.scheduler import (
-    PrefillConfig,
-    PrefillResult,
-    PrefillScheduler,
-    PrefillTask,
-    QueueFull,
-    RequestAborted,
-)
+from prefill.scheduler import PrefillScheduler
+from prefill.task import PrefillConfig, PrefillResult, PrefillTask, QueueFull, RequestAborted
 from prefill.sink import KVSink, SinkResult
 
 PAGE = 16

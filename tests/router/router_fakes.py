@@ -2,7 +2,7 @@
 
 The fake model: first token = 10 + sum(prompt) % 40, then each token is the previous + 1 (wrapping in
 [10, 90)); a prompt starting with ``EOS_TRIGGER`` makes the first token EOS (1). Prefill publishes its
-blocks as cache events with the real ``prefill.radix`` block hashes, and reports cached tokens for blocks
+blocks as cache events with the real ``engine.kvcache.radix`` block hashes, and reports cached tokens for blocks
 it already held. Decode pages are tracked per request so tests can check every page comes back.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from prefill.radix import prefix_block_hashes
+from engine.kvcache.radix import prefix_block_hashes
 from protos import rpc
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
@@ -117,7 +117,29 @@ class FakeWorker:
         return st
 
 
-class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
+class CacheEventsFake:
+    """A worker's prefix-cache event stream (``StreamCacheEvents``, as ``worker.cache_events`` serves it): the
+    current ``blocks`` as a reset, then what ``publish`` sends to every subscriber."""
+    blocks: set[int]
+    queues: set[asyncio.Queue]
+
+    def publish(self, stored=(), evicted=(), reset=False, host_stored=(), disk_stored=()):
+        for q in self.queues:
+            q.put_nowait(worker_pb2.CacheEvent(stored=stored, evicted=evicted, reset=reset, host_stored=host_stored,
+                                               disk_stored=disk_stored))
+
+    async def StreamCacheEvents(self, request, context):
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues.add(q)
+        try:
+            yield worker_pb2.CacheEvent(reset=True, stored=sorted(self.blocks))
+            while True:
+                yield await q.get()
+        finally:
+            self.queues.discard(q)
+
+
+class FakePrefill(FakeWorker, CacheEventsFake, worker_pb2_grpc.PrefillWorkerServicer):
     role, service = "prefill", "pdserve.v1.PrefillWorker"
 
     def __init__(self, worker_id: str, decoders: dict[str, "FakeDecode"], secret: str | None = None) -> None:
@@ -137,11 +159,6 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
                                            running=self.running, pages_total=64, pages_free=64, model_hash="m",
                                            info={**info(), "pages_owned_by_requests": str(self.running),
                                                  **self.b.extra_info})
-
-    def publish(self, stored=(), evicted=(), reset=False, host_stored=(), disk_stored=()):
-        for q in self.queues:
-            q.put_nowait(worker_pb2.CacheEvent(stored=stored, evicted=evicted, reset=reset, host_stored=host_stored,
-                                               disk_stored=disk_stored))
 
     async def InjectFault(self, request, context):
         self.faults.append((request.kind, request.count))
@@ -182,18 +199,8 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
         self.aborts.append(request.request_id)
         return worker_pb2.AbortResponse(found=False)
 
-    async def StreamCacheEvents(self, request, context):
-        q: asyncio.Queue = asyncio.Queue()
-        self.queues.add(q)
-        try:
-            yield worker_pb2.CacheEvent(reset=True, stored=sorted(self.blocks))
-            while True:
-                yield await q.get()
-        finally:
-            self.queues.discard(q)
 
-
-class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
+class FakeDecode(FakeWorker, CacheEventsFake, worker_pb2_grpc.DecodeWorkerServicer):
     role, service = "decode", "pdserve.v1.DecodeWorker"
 
     def __init__(self, worker_id: str, secret: str | None = None, pages_total: int = 64) -> None:
@@ -204,13 +211,21 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
         self.filled: set[str] = set()
         self.streams = 0
         self.local_prefills: list[str] = []
+        self.blocks: set[int] = set()
+        """Its prefix cache (decode-side reuse): block hashes of finished requests' full pages (prompt + output
+        but the last token), published as cache events like ``decode.server``'s."""
+        self.queues: set[asyncio.Queue] = set()
+        self.resident: dict[str, int] = {}
+        """request id -> the resident tokens its reservation answered"""
 
     def _add(self, server):
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self, server)
 
     @property
     def pages_free(self) -> int:
-        return self.pages_total - sum(self.reserved.values())
+        # never below 0: a test's squatter (``reserved``) can come while the streams' grown reservations
+        # already fill the pool (the status field is unsigned: -3 broke GetStatus and took d0 out of rotation)
+        return max(0, self.pages_total - sum(self.reserved.values()))
 
     def status(self):
         return generation_pb2.WorkerStatus(worker_id=self.worker_id, role="decode", healthy=True,
@@ -222,13 +237,26 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
         self.calls.append(request.request_id)
         if self.b.fail_code is not None:
             await context.abort(self.b.fail_code, f"fake decode {self.worker_id} fails")
-        need = math.ceil(request.num_tokens / PAGE)
+        resident = 0  # the longest cached prefix, whole pages, at least one token short (as decode.admission)
+        for h in prefix_block_hashes(list(request.prompt_ids)[:request.num_tokens - 1], PAGE):
+            if h not in self.blocks:
+                break
+            resident += PAGE
+        need = math.ceil((request.num_tokens - resident) / PAGE)
         if need > self.pages_free:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"need {need} pages, {self.pages_free} free")
         self.reserved[request.request_id] = need
+        self.resident[request.request_id] = resident
         t = json.dumps({"worker": self.worker_id, "rid": request.request_id}).encode()
         return worker_pb2.ReserveResponse(ticket=worker_pb2.TransferTicket(request_id=request.request_id,
-                                                                           target="fake", ticket=t))
+                                                                           target="fake", ticket=t,
+                                                                           resident_tokens=resident))
+
+    def keep(self, seq: list[int]) -> None:
+        """A finished request's pages into the prefix cache (published)."""
+        new = [h for h in prefix_block_hashes(seq[:-1], PAGE) if h not in self.blocks]
+        self.blocks.update(new)
+        self.publish(stored=new)
 
     async def Decode(self, request, context):
         req_id, sp = request.request_id, request.sampling
@@ -263,6 +291,7 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
                     yield worker_pb2.DecodeChunk(finish_reason="stop")
                     return
                 if len(out) >= sp.max_tokens:
+                    self.keep(list(request.prompt_ids) + out)
                     yield worker_pb2.DecodeChunk(finish_reason="length")
                     return
                 await asyncio.sleep(self.b.delay_s)

@@ -106,6 +106,35 @@ def test_deadline_while_queued_is_deadline_exceeded_and_leaves_nothing():
         assert e.value.code is grpc.StatusCode.DEADLINE_EXCEEDED and "admission queue" in e.value.message
         assert 0.15 < time.monotonic() - t0 < 2.0 and m.rejections == [Rejection.DEADLINE]
         assert q.leave(w) > 0.15 and len(q) == 0 and m.waiting[-1] == 0
+        assert m.rejections == [Rejection.DEADLINE]  # counted once, by whichever saw the deadline first
+    run_bounded(go(), 5)
+
+
+def test_cancelled_at_its_deadline_counts_as_a_deadline_refusal_once():
+    """gRPC cancels the handler at the client's deadline, the same instant as the queue's own timer: when the
+    cancel runs first (a loaded host's event loop order) the refusal is still a deadline one, counted once;
+    a client that leaves before its deadline, or a drain's cut-off, is no refusal."""
+    async def go():
+        q, m = make_queue()
+        late, early, cut = enter(q, "late", timeout_s=0.05), enter(q, "early"), enter(q, "cut")
+        task = asyncio.ensure_future(q.turn(late))
+        await asyncio.sleep(0.08)  # past its deadline; the turn's timer may or may not have run yet
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        q.leave(late)
+        cut.run.cutoff = RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        q.leave(early)
+        q.leave(cut)
+        assert m.rejections == [Rejection.DEADLINE] and len(q) == 0
+        late2 = enter(q, "late2", timeout_s=0.01)
+        await asyncio.sleep(0.03)
+        q.leave(late2)  # its timer never ran: the leave counts it
+        assert m.rejections == [Rejection.DEADLINE] * 2
+        admitted = enter(q, "admitted", timeout_s=0.01)
+        await asyncio.sleep(0.03)
+        q.admit(admitted)  # room came at its deadline: admitted, no refusal
+        q.leave(admitted)
+        assert m.rejections == [Rejection.DEADLINE] * 2 and q.num_admitted == 1 and len(q) == 0
     run_bounded(go(), 5)
 
 
@@ -200,7 +229,7 @@ def test_a_burst_far_beyond_the_decode_pool_completes_with_no_failure(aggregated
 
 
 def test_a_big_request_behind_a_stream_of_small_ones_is_admitted_in_bounded_time():
-    """The big one needs 30 of 40 pages; four clients keep sending small ones (3 pages each, growing to 5). It
+    """The big one needs 30 of 40 pages; eight clients keep sending small ones (3 pages each, growing to 5). It
     is not starved: the small ones that arrive after it queue behind it while the running ones finish."""
     async def go():
         async with FakeCluster(1, 1, decode_pages=40) as fc:
@@ -215,8 +244,14 @@ def test_a_big_request_behind_a_stream_of_small_ones_is_admitted_in_bounded_time
                 return n
             streams = [asyncio.ensure_future(small_stream(k)) for k in range(8)]
             await asyncio.sleep(0.3)
+            # It must wait however fast this host runs the small ones: 11 pages held by a squatter leave at most
+            # 29 for it, until the squatter leaves 0.2 s after it arrives; from then the small ones compete.
+            fc.decodes[0].reserved["squatter"] = 11
             t0 = time.monotonic()
-            big = await fc.client.generate(token_ids=[7] * 120, max_tokens=4, ignore_eos=True)
+            big_f = asyncio.ensure_future(fc.client.generate(token_ids=[7] * 120, max_tokens=4, ignore_eos=True))
+            await asyncio.sleep(0.2)
+            del fc.decodes[0].reserved["squatter"]
+            big = await big_f
             took = time.monotonic() - t0
             stop.set()
             served = await asyncio.gather(*streams)

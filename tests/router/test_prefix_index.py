@@ -1,7 +1,7 @@
 """The router's block hashes equal the prefill worker's, and the index matches the prefix a worker really holds."""
 from hypothesis import given, settings, strategies as st
 
-from prefill import radix
+from engine.kvcache import radix
 from router.prefix_index import PrefixIndex, PromptHashes, block_hash, prefix_block_hashes
 
 

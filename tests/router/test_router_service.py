@@ -11,8 +11,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.prefix_index import prefix_block_hashes
-from router_fakes import EOS_TRIGGER, VOCAB, FakeCluster, expected_tokens, rpc_error, run_bounded, write_tokenizer
+from router.policy import Candidate, order_decode
+from router.prefix_index import PromptHashes, prefix_block_hashes
+from router_fakes import EOS_TRIGGER, PAGE, VOCAB, FakeCluster, expected_tokens, rpc_error, run_bounded, write_tokenizer
 
 
 run = functools.partial(run_bounded, timeout_s=30.0)
@@ -66,8 +67,8 @@ def test_reservation_falls_through_to_the_next_decode_worker():
             c = await fc.client.generate(token_ids=list(range(2, 42)), max_tokens=4)
             assert c.metrics.decode_worker == "d1" and c.finish_reason == "length"
             assert len(roomy.calls) == 1 and len(other.calls) == 1  # tried first, refused, then the next one
-            other.reserved = {"squatter": 63}
-            e = await rpc_error(fc.client.generate(token_ids=list(range(2, 42)), max_tokens=4))
+            other.reserved = {"squatter": 63}  # another prompt: d1 holds the first one now (decode-side reuse)
+            e = await rpc_error(fc.client.generate(token_ids=list(range(50, 90)), max_tokens=4))
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "no decode worker has room" in e.details()
             assert "d0" in e.details() and "d1" in e.details()
     run(go())
@@ -435,3 +436,39 @@ def test_inject_fault_is_refused_unless_enabled_and_goes_to_the_busiest_prefill_
                     e = await rpc_error(admin.InjectFault(bad, timeout=5))
                     assert e.code().name == code and e.details(), e
     run(go())
+
+
+def test_next_turn_goes_to_the_decode_worker_holding_the_session():
+    """Decode routing by residency: a session's next turn is reserved on the decode worker whose prefix cache
+    holds its last turn (its cache events), which answers the resident tokens (not shipped: the metrics say
+    so), at equal load and at a load up to the residency credit above the others; with residency off, least
+    load alone decides."""
+    async def go():  # a page of resident tokens is worth a request of load: a stale status's one is outweighed
+        async with FakeCluster(1, 2, decode_residency_tokens=PAGE) as fc:
+            prompt = list(range(3, 3 + 40))
+            first = [c async for c in fc.client.stream(token_ids=prompt, max_tokens=9)]
+            home = first[-1].metrics.decode_worker
+            holder = next(d for d in fc.decodes if d.worker_id == home)
+            turn2 = prompt + [t for c in first for t in c.token_ids] + [7] * 5
+            await fc.wait_for(lambda: fc.registry.decode_index.num_blocks(holder.key) > 0, what="decode cache events")
+            for i in range(3):  # the other worker is just as idle: residency decides
+                chunks = [c async for c in fc.client.stream(token_ids=turn2, max_tokens=4)]
+                m = chunks[-1].metrics
+                held = 40 + 9 if i == 0 else len(turn2)  # the last turn's tokens (then the same prompt's)
+                assert m.decode_worker == home and m.decode_resident_tokens == (held - 1) // PAGE * PAGE
+            other = next(d for d in fc.decodes if d is not holder)
+            order = [c.worker_id for c in _order(fc, turn2, loads={holder.key: 2})]
+            assert order[0] == holder.key  # 52 resident tokens are worth 2 requests of load at most ...
+            order = [c.worker_id for c in _order(fc, turn2, loads={holder.key: 3})]
+            assert order[0] == other.key  # ... not 3
+            order = [c.worker_id for c in _order(fc, turn2, loads={other.key: 1}, tokens_per_load=0)]
+            assert order[0] == holder.key  # residency off: least load alone (the holder has none here)
+    run(go())
+
+
+def _order(fc, prompt, loads, tokens_per_load=PAGE):
+    reg = fc.registry
+    keys = [d.key for d in fc.decodes]
+    resident = {k: n * PAGE for k, n in reg.decode_index.match(PromptHashes(prompt, PAGE), keys).items()}
+    cands = [Candidate(k, loads.get(k, 0), pages_free=64, pages_total=64) for k in keys]
+    return order_decode(cands, 4, resident, tokens_per_load, 2.0)

@@ -23,8 +23,9 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _os_threads() -> set[str]:
+    """The process's OS thread ids (a set: threads other tests left ending meanwhile do not count as minus ones)."""
+    return set(os.listdir("/proc/self/task"))
 
 
 def _on_thread(fn):
@@ -47,7 +48,7 @@ def _team_threads_started(serial: bool) -> int:
         before = _os_threads()
         for _ in range(3):
             x.add_(1.0)
-        return _os_threads() - before
+        return len(_os_threads() - before)
     return _on_thread(op)
 
 

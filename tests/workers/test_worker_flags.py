@@ -12,6 +12,7 @@ from common.flags import config_from_args
 from decode.server import DecodeWorkerConfig
 from decode.server import build_parser as decode_parser
 from kvtransfer.config import TransportConfig
+from prefill.task import PrefillConfig
 from prefill.server import PrefillWorkerConfig
 from prefill.server import build_parser as prefill_parser
 
@@ -43,7 +44,7 @@ def test_every_flag_of_pdserve_serve_parses_with_the_workers(tmp_path):
                        "--fault-injection", "--kv-transport", "mooncake", "--mooncake-protocol", "rdma",
                        "--log-format", "json", "--speculative", "3/1/4", "--host-cache-bytes", "64M",
                        "--host-cache-policy", "write_through", "--disk-cache-dir", str(tmp_path / "kv"),
-                       "--disk-cache-bytes", "2G", *tls],
+                       "--disk-cache-bytes", "2G", "--load-timeout-s", "0.5", *tls],
                   ["--kv-cache-memory", "1GiB", "--mem-fraction", "0.5", "--no-speculative", "--no-shm"]):
         for role, cmd in local_cmds(tmp_path, *flags).items():
             assert cmd[1:3] == ["-m", f"{role}.server"]
@@ -60,8 +61,10 @@ def test_every_flag_of_pdserve_serve_parses_with_the_workers(tmp_path):
                     assert wcfg.fault_injection
                     assert (wcfg.host_cache_bytes, wcfg.host_cache_policy) == ("64M", "write_through")
                     assert (wcfg.disk_cache_dir, wcfg.disk_cache_bytes) == (str(tmp_path / "kv" / "prefill-0"), "2G")
+                    assert wcfg.load_timeout_s == 0.5
             elif role == "prefill":
                 assert (wcfg.host_cache_bytes, wcfg.host_cache_policy) == ("auto", "write_back")
+                assert wcfg.load_timeout_s == PrefillConfig().load_timeout_s  # one default, the scheduler's
                 assert (wcfg.disk_cache_dir, wcfg.disk_cache_bytes) == (None, "auto")
             if "--no-speculative" in flags:
                 assert (wcfg.kv_cache_memory, wcfg.mem_fraction) == ("1GiB", 0.25)  # the fraction split by 2 workers
@@ -114,3 +117,10 @@ def test_every_worker_flag_has_help_and_the_defaults_are_the_configs(role):
         p.parse_args(["--dtype", "float64"])  # choices still checked
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-transport", "carrier-pigeon"])
+
+
+def test_a_negative_load_timeout_is_refused_by_the_worker_and_by_serve():
+    with pytest.raises(ValueError, match="--load-timeout-s must be >= 0"):
+        PrefillWorkerConfig(load_timeout_s=-1.0)
+    with pytest.raises(ValueError, match="load_timeout_s must be >= 0"):
+        serve_config(cli_parser().parse_args(["serve", "--load-timeout-s", "-1"]))

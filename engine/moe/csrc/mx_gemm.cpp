@@ -8,13 +8,24 @@
 // an expert ever exists.
 //
 // Batch invariance: y[p, n] is one fp32 dot product over K in a fixed order (16 / 8 lane partial sums in K
-// order, then a fixed reduction) whatever the number of pairs, so a 1-token decode and a 6-token verify
-// round alike.
+// order (MXFP4: in its chunks' order, mx_simd.h), then a fixed reduction) whatever the number of pairs, so a
+// 1-token decode and a 6-token verify round alike.
+//
+// Two MXFP4 kernels, bit for bit the same dots: the tile kernel above (mx_grouped_gemm: rows decoded into the
+// tile, then dotted with every pair; any number of pairs) and mx_moe_fp4, the whole routed-expert layer of a few
+// tokens in one call (fused_gemv): rows dotted in registers straight from the codes (mx_simd.h fp4_rows:
+// vpmovzxbd, vpermps over the block's scaled 16-entry table, FMA), 4 rows x up to 4 tokens at a time, no tile.
 //
 // SIMD: AVX-512F (fp4: vpermps over the 16-entry value table; dot: 16 lanes), AVX2+FMA (fp4: 8-entry table
-// + sign bit; dot: 8 lanes), else scalar. Chosen at compile time for the host (-march=native, one build per
-// CPU flag set); fp6/fp8 decode through the scalar LUT and share the SIMD dot.
+// + sign bit; dot: 8 lanes), else scalar (and ``scalar=True`` runs the scalar code in any build: tests). Chosen
+// at compile time by the build's ISA level (engine/cpu_ext.py); fp6/fp8 decode through the scalar LUT and
+// share the SIMD dot.
+#include "mx_simd.h"
 #include "ops.h"
+
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/sum.h>
 
 #include <cstdint>
 #include <cstring>
@@ -26,94 +37,10 @@
 
 namespace {
 
+using namespace mx;
+
 constexpr int64_t ROWS_PER_TILE = 4;
 constexpr int64_t ROWS_PER_ITEM = 32;
-
-struct E8M0Table {
-  float v[256];
-  E8M0Table() {
-    for (int s = 0; s < 256; ++s) {
-      uint32_t bits = s == 0 ? (1u << 22) : (uint32_t(s) << 23);  // byte 0: 2^-127, a subnormal
-      if (s == 255) bits = 0x7fc00000u;                            // NaN scale
-      std::memcpy(&v[s], &bits, 4);
-    }
-  }
-};
-const E8M0Table kE8M0;
-
-const char* simd_name() {
-#if defined(__AVX512F__)
-  return "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
-
-// ---- row decode: codes of one row -> K floats ------------------------------------------------------
-
-void decode_row_fp4(const uint8_t* codes, const uint8_t* scales, int64_t K, int64_t bs, const float* lut,
-                    float* out) {
-  int64_t k = 0;
-#if defined(__AVX512F__)
-  if (bs % 32 == 0) {
-    const __m512 table = _mm512_loadu_ps(lut);
-    const __m512i idx_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i idx_hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    const __m512i nib = _mm512_set1_epi32(0xF);
-    for (; k + 32 <= K; k += 32) {
-      const __m512 s = _mm512_set1_ps(kE8M0.v[scales[k / bs]]);
-      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k / 2)));
-      __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(b, nib), table);
-      __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-      _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_permutex2var_ps(lo, idx_lo, hi), s));
-      _mm512_storeu_ps(out + k + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, idx_hi, hi), s));
-    }
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if (bs % 16 == 0) {
-    const __m256 pos = _mm256_loadu_ps(lut);  // codes 0..7; the sign is bit 3
-    const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8);
-    for (; k + 16 <= K; k += 16) {
-      const __m256 s = _mm256_set1_ps(kE8M0.v[scales[k / bs]]);
-      // 8 bytes -> codes in element order: low nibble then high nibble of each byte
-      uint64_t raw;
-      std::memcpy(&raw, codes + k / 2, 8);
-      alignas(32) int32_t c[16];
-      for (int j = 0; j < 8; ++j) {
-        c[2 * j] = int32_t((raw >> (8 * j)) & 0xF);
-        c[2 * j + 1] = int32_t((raw >> (8 * j + 4)) & 0xF);
-      }
-      for (int h = 0; h < 2; ++h) {
-        __m256i ci = _mm256_load_si256(reinterpret_cast<const __m256i*>(c + 8 * h));
-        __m256 v = _mm256_permutevar8x32_ps(pos, _mm256_and_si256(ci, seven));
-        __m256i sign = _mm256_slli_epi32(_mm256_and_si256(ci, eight), 28);
-        v = _mm256_xor_ps(v, _mm256_castsi256_ps(sign));
-        _mm256_storeu_ps(out + k + 8 * h, _mm256_mul_ps(v, s));
-      }
-    }
-  }
-#endif
-  for (; k < K; ++k) {
-    uint8_t b = codes[k / 2];
-    out[k] = lut[(k & 1) ? (b >> 4) : (b & 0xF)] * kE8M0.v[scales[k / bs]];
-  }
-}
-
-void decode_row_fp6(const uint8_t* codes, const uint8_t* scales, int64_t K, int64_t bs, const float* lut,
-                    float* out) {
-  for (int64_t k = 0; k < K; k += 4) {
-    const uint8_t* b = codes + k / 4 * 3;
-    uint32_t w = uint32_t(b[0]) | (uint32_t(b[1]) << 8) | (uint32_t(b[2]) << 16);
-    for (int j = 0; j < 4; ++j) out[k + j] = lut[(w >> (6 * j)) & 0x3F] * kE8M0.v[scales[(k + j) / bs]];
-  }
-}
-
-void decode_row_fp8(const uint8_t* codes, const uint8_t* scales, int64_t K, int64_t bs, const float* lut,
-                    float* out) {
-  for (int64_t k = 0; k < K; ++k) out[k] = lut[codes[k]] * kE8M0.v[scales[k / bs]];
-}
 
 using DecodeFn = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, const float*, float*);
 
@@ -121,55 +48,6 @@ DecodeFn decoder(int64_t bits) {
   if (bits == 4) return decode_row_fp4;
   if (bits == 6) return decode_row_fp6;
   return decode_row_fp8;
-}
-
-// ---- dot: one fp32 dot product in a fixed order ----------------------------------------------------
-
-inline float dot(const float* a, const float* b, int64_t K) {
-  int64_t k = 0;
-  float tail = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; k + 16 <= K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
-  float head = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc = _mm256_setzero_ps();
-  for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  float head = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-#else
-  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (; k + 8 <= K; k += 8)
-    for (int j = 0; j < 8; ++j) lanes[j] += a[k + j] * b[k + j];
-  float head = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-#endif
-  for (; k < K; ++k) tail += a[k] * b[k];
-  return head + tail;
-}
-
-// Four dots of x with the consecutive rows w[0..3] (row stride K): the same per-row operations, in the same
-// order, as dot() (so either gives bit-identical results), with four independent FMA chains in flight.
-inline void dot4(const float* a, const float* w, int64_t K, float* out) {
-#if defined(__AVX512F__)
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 xa = _mm512_loadu_ps(a + k);
-    acc0 = _mm512_fmadd_ps(xa, _mm512_loadu_ps(w + k), acc0);
-    acc1 = _mm512_fmadd_ps(xa, _mm512_loadu_ps(w + K + k), acc1);
-    acc2 = _mm512_fmadd_ps(xa, _mm512_loadu_ps(w + 2 * K + k), acc2);
-    acc3 = _mm512_fmadd_ps(xa, _mm512_loadu_ps(w + 3 * K + k), acc3);
-  }
-  const __m512 accs[4] = {acc0, acc1, acc2, acc3};
-  for (int r = 0; r < 4; ++r) {
-    float tail = 0.f;
-    for (int64_t j = k; j < K; ++j) tail += a[j] * w[r * K + j];
-    out[r] = _mm512_reduce_add_ps(accs[r]) + tail;
-  }
-#else
-  for (int r = 0; r < 4; ++r) out[r] = dot(a, w + r * K, K);
-#endif
 }
 
 void check_weights(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lut, int64_t bits) {
@@ -182,14 +60,93 @@ void check_weights(const at::Tensor& codes, const at::Tensor& scales, const at::
               "lut: float32 [2^bits]");
 }
 
+// x [M, K] fp32 rows in the sum order of the fp4 dots of this build (fp4_chunk): a copy when it differs.
+at::Tensor fp4_ordered(const at::Tensor& x, int64_t C) {
+  if (C == 1) return x;
+  auto out = at::empty_like(x);
+  const int64_t M = x.size(0), K = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) fp4_permute(xp + m * K, K, C, op + m * K);
+  return out;
+}
+
+// Rows n0..n1 of one expert (codes / scales at its row 0) dotted in registers with the M rows xs[] into ys[]
+// (pointers; ys[t][n] is the output of row n), MAX_MT tokens at a time.
+constexpr int64_t MAX_MT = 4;
+
+template <int MT>
+void fp4_rows_mt(const uint8_t* codes, const uint8_t* scales, int64_t Kp, int64_t Ks, int64_t K, int64_t bs,
+                 const float* lut, const float* const* x, float* const* y, int64_t n0, int64_t n1) {
+  constexpr int R = MT <= 2 ? 4 : 2;  // rows at once: R * MT accumulators (independent FMA chains) in registers
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) fp4_rows<R, MT>(codes + n * Kp, Kp, scales + n * Ks, Ks, K, bs, lut, x, y, n);
+  for (; n < n1; ++n) fp4_rows<1, MT>(codes + n * Kp, Kp, scales + n * Ks, Ks, K, bs, lut, x, y, n);
+}
+
+void fp4_block(const uint8_t* codes, const uint8_t* scales, int64_t Kp, int64_t Ks, int64_t K, int64_t bs,
+               const float* lut, const float* const* xs, float* const* ys, int64_t M, int64_t n0, int64_t n1,
+               bool scalar, std::vector<float>& buf) {
+  for (int64_t t0 = 0; t0 < M; t0 += MAX_MT) {
+    const int mt = int(std::min(MAX_MT, M - t0));
+    const float* const* x = xs + t0;
+    float* const* y = ys + t0;
+    if (fp4_chunk(bs, scalar) == 1) {
+      buf.resize(K);
+      for (int64_t n = n0; n < n1; ++n)
+        fp4_row_scalar(codes + n * Kp, scales + n * Ks, K, bs, lut, x, mt, y, n, buf.data());
+    } else if (mt == 1) {
+      fp4_rows_mt<1>(codes, scales, Kp, Ks, K, bs, lut, x, y, n0, n1);
+    } else if (mt == 2) {
+      fp4_rows_mt<2>(codes, scales, Kp, Ks, K, bs, lut, x, y, n0, n1);
+    } else if (mt == 3) {
+      fp4_rows_mt<3>(codes, scales, Kp, Ks, K, bs, lut, x, y, n0, n1);
+    } else {
+      fp4_rows_mt<4>(codes, scales, Kp, Ks, K, bs, lut, x, y, n0, n1);
+    }
+  }
+}
+
+// The in-register grouped GEMV: for group g (expert ge[g], pairs gs[g] .. gs[g+1]-1) and pair p,
+// y[yrow(p)] = W[ge[g]] @ x[xrow(p)] (rows: the index arrays, or p where null). x in the fp4 sum order.
+struct Fp4Weights {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  int64_t N, K, Kp, Ks, bs;
+};
+
+void fp4_grouped_gemv(const float* x, const int64_t* xrow, const int64_t* ge, const int64_t* gs, int64_t G,
+                      const Fp4Weights& w, const float* lut, float* y, const int64_t* yrow, bool scalar) {
+  const int64_t items_per_group = (w.N + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+  at::parallel_for(0, G * items_per_group, 1, [&](int64_t begin, int64_t end) {
+    std::vector<const float*> xs;
+    std::vector<float*> ys;
+    std::vector<float> buf;  // the scalar path's decoded row
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / items_per_group, e = ge[g];
+      if (gs[g] == gs[g + 1]) continue;
+      const int64_t n0 = (item % items_per_group) * ROWS_PER_ITEM, n1 = std::min(w.N, n0 + ROWS_PER_ITEM);
+      xs.clear();
+      ys.clear();
+      for (int64_t p = gs[g]; p < gs[g + 1]; ++p) {
+        xs.push_back(x + (xrow ? xrow[p] : p) * w.K);
+        ys.push_back(y + (yrow ? yrow[p] : p) * w.N);
+      }
+      fp4_block(w.codes + e * w.N * w.Kp, w.scales + e * w.N * w.Ks, w.Kp, w.Ks, w.K, w.bs, lut, xs.data(),
+                ys.data(), int64_t(xs.size()), n0, n1, scalar, buf);
+    }
+  });
+}
+
 }  // namespace
 
 // y[p, :] = W[e(p)] @ x[row(p), :] for pairs p grouped by expert: group g covers pairs
 // group_start[g] .. group_start[g+1]-1, all routed to expert group_expert[g]; row(p) = row_index[p]
-// (or p when row_index is empty). x [M, K] fp32; returns y [P, N] fp32.
+// (or p when row_index is empty). x [M, K] fp32; returns y [P, N] fp32. ``scalar``: the scalar code whatever
+// the build (tests; what a generic CPU runs).
 at::Tensor mx_grouped_gemm(at::Tensor x, at::Tensor row_index, at::Tensor group_expert,
                               at::Tensor group_start, at::Tensor codes, at::Tensor scales,
-                              at::Tensor lut, int64_t bits, int64_t block_size) {
+                              at::Tensor lut, int64_t bits, int64_t block_size, bool scalar) {
   check_weights(codes, scales, lut, bits);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous fp32 [M, K]");
   const int64_t N = codes.size(1), K = x.size(1);
@@ -208,8 +165,10 @@ at::Tensor mx_grouped_gemm(at::Tensor x, at::Tensor row_index, at::Tensor group_
     TORCH_CHECK(ge[g] >= 0 && ge[g] < codes.size(0) && gs[g] <= gs[g + 1], "bad group ", g);
   for (int64_t p = 0; indexed && p < P; ++p) TORCH_CHECK(ri[p] >= 0 && ri[p] < x.size(0), "row_index out of range");
 
+  const int64_t C = bits == 4 ? fp4_chunk(block_size, scalar) : 1;  // fp4: x in the tile's sum order
+  const auto xo = fp4_ordered(x, C);
   auto y = at::empty({P, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const float* xp = xo.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
@@ -226,11 +185,20 @@ at::Tensor mx_grouped_gemm(at::Tensor x, at::Tensor row_index, at::Tensor group_
       const int64_t n0 = (item % items_per_group) * ROWS_PER_ITEM, n1 = std::min(N, n0 + ROWS_PER_ITEM);
       for (int64_t r0 = n0; r0 < n1; r0 += ROWS_PER_TILE) {
         const int64_t nr = std::min(ROWS_PER_TILE, n1 - r0);
-        for (int64_t r = 0; r < nr; ++r)
-          decode(cp + (e * N + r0 + r) * Kp, sp + (e * N + r0 + r) * Ks, K, block_size, lp, tile.data() + r * K);
+        for (int64_t r = 0; r < nr; ++r) {
+          const uint8_t* c = cp + (e * N + r0 + r) * Kp;
+          const uint8_t* s = sp + (e * N + r0 + r) * Ks;
+          if (bits == 4) {
+            decode_row_fp4_tile(c, s, K, block_size, lp, scalar, tile.data() + r * K);
+          } else {
+            decode(c, s, K, block_size, lp, tile.data() + r * K);
+          }
+        }
         for (int64_t p = gs[g]; p < gs[g + 1]; ++p) {
           const float* xr = xp + (indexed ? ri[p] : p) * K;
-          if (nr == ROWS_PER_TILE) {
+          if (scalar) {
+            for (int64_t r = 0; r < nr; ++r) yp[p * N + r0 + r] = dot_scalar(xr, tile.data() + r * K, K);
+          } else if (nr == ROWS_PER_TILE) {
             dot4(xr, tile.data(), K, yp + p * N + r0);
           } else {
             for (int64_t r = 0; r < nr; ++r) yp[p * N + r0 + r] = dot(xr, tile.data() + r * K, K);
@@ -240,6 +208,67 @@ at::Tensor mx_grouped_gemm(at::Tensor x, at::Tensor row_index, at::Tensor group_
     }
   });
   return y;
+}
+
+// The routed experts of an MXFP4 MoE layer for a few tokens, in one call (the ``fused_gemv`` strategy):
+// x [T, H] fp32/bf16, ids [T, k] int64, weights [T, k] -> [T, H] in x's dtype. The pairs grouped by expert
+// (stable, as engine.moe.mx_fused.pair_groups), W13 and W2 dotted in registers from the codes (each selected
+// expert's bytes read once a call for up to MAX_MT of its tokens), and between them, and after, the very ATen
+// ops fused_gather runs on the same shapes (the rounding to x's dtype, SwiGLU, the weighted sum over k): the
+// result is fused_gather's, bit for bit, at the same ISA level.
+at::Tensor mx_moe_fp4(at::Tensor x, at::Tensor ids, at::Tensor weights, at::Tensor w13_codes, at::Tensor w13_scales,
+                      at::Tensor w2_codes, at::Tensor w2_scales, at::Tensor lut, int64_t block_size, bool scalar) {
+  check_weights(w13_codes, w13_scales, lut, 4);
+  check_weights(w2_codes, w2_scales, lut, 4);
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x: fp32 or bf16 [T, H]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 2 && ids.size(0) == x.size(0) &&
+              weights.dim() == 2 && weights.sizes() == ids.sizes(), "ids int64 [T, k], weights [T, k]");
+  TORCH_CHECK(block_size > 0 && block_size % 32 == 0, "block_size must be a multiple of 32");
+  const int64_t T = x.size(0), H = x.size(1), K = ids.size(1), P = T * K, E = w13_codes.size(0);
+  const int64_t N1 = w13_codes.size(1), I = N1 / 2;
+  TORCH_CHECK(N1 % 2 == 0 && w13_codes.size(2) * 2 == H && w13_scales.size(2) * block_size == H,
+              "w13 must be [E, 2I, H/2] codes with [E, 2I, H/bs] scales for x [T, H]");
+  TORCH_CHECK(w2_codes.size(0) == E && w2_codes.size(1) == H && w2_codes.size(2) * 2 == I &&
+              w2_scales.size(2) * block_size == I, "w2 must be [E, H, I/2] codes with [E, H, I/bs] scales");
+  const auto idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  std::vector<int64_t> count(E, 0), order(P), tok(P), ge, gs{0};
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(id[p] >= 0 && id[p] < E, "expert id ", id[p], " out of range");
+    ++count[id[p]];
+  }
+  std::vector<int64_t> next(E, 0);
+  for (int64_t e = 0; e < E; ++e)
+    if (count[e]) {
+      next[e] = gs.back();
+      ge.push_back(e);
+      gs.push_back(gs.back() + count[e]);
+    }
+  for (int64_t p = 0; p < P; ++p) {  // stable: within an expert, pairs in (token, k) order
+    const int64_t q = next[id[p]]++;
+    order[q] = p;
+    tok[q] = p / K;
+  }
+  const int64_t G = int64_t(ge.size()), C = fp4_chunk(block_size, scalar);
+  const float* lp = lut.data_ptr<float>();
+  const Fp4Weights w13{w13_codes.data_ptr<uint8_t>(), w13_scales.data_ptr<uint8_t>(), N1, H, H / 2, H / block_size,
+                       block_size};
+  const Fp4Weights w2{w2_codes.data_ptr<uint8_t>(), w2_scales.data_ptr<uint8_t>(), H, I, I / 2, I / block_size,
+                      block_size};
+
+  const auto xo = fp4_ordered(x.to(at::kFloat).contiguous(), C);  // [T, H]
+  auto h = at::empty({P, N1}, xo.options());                      // [P, 2I], pairs sorted by expert
+  fp4_grouped_gemv(xo.data_ptr<float>(), tok.data(), ge.data(), gs.data(), G, w13, lp, h.data_ptr<float>(), nullptr,
+                   scalar);
+  const auto hx = h.to(x.scalar_type());
+  const auto a = at::mul(at::silu(hx.slice(1, 0, I)), hx.slice(1, I)).to(at::kFloat).contiguous();  // [P, I]
+  const auto ao = fp4_ordered(a, C);
+  auto y = at::empty({P, H}, xo.options());  // [P, H] in (token, k) order
+  fp4_grouped_gemv(ao.data_ptr<float>(), nullptr, ge.data(), gs.data(), G, w2, lp, y.data_ptr<float>(),
+                   order.data(), scalar);
+  const auto ys = y.to(x.scalar_type());
+  return at::sum(at::mul(ys.view({T, K, H}), weights.unsqueeze(-1).to(ys.scalar_type())), {1});
 }
 
 // Dense rows of the experts `experts` [n] -> out [n, N, K] (fp32 or bf16; every MX value is exact in both).
@@ -291,7 +320,10 @@ std::string mx_simd() { return simd_name(); }
 PDSERVE_OPS(m) {
   // grouped MoE GEMM from MX codes (fp32 activations)
   m.def("mx_grouped_gemm(Tensor x, Tensor row_index, Tensor group_expert, Tensor group_start, Tensor codes, "
-        "Tensor scales, Tensor lut, int bits, int block_size) -> Tensor", &mx_grouped_gemm);
+        "Tensor scales, Tensor lut, int bits, int block_size, bool scalar=False) -> Tensor", &mx_grouped_gemm);
+  // the routed experts of an MXFP4 layer for a few tokens, dotted in registers (fused_gemv)
+  m.def("mx_moe_fp4(Tensor x, Tensor ids, Tensor weights, Tensor w13_codes, Tensor w13_scales, Tensor w2_codes, "
+        "Tensor w2_scales, Tensor lut, int block_size, bool scalar=False) -> Tensor", &mx_moe_fp4);
   // dequantize selected experts into a buffer
   m.def("mx_dequant_into(Tensor codes, Tensor scales, Tensor experts, Tensor lut, int bits, int block_size, "
         "Tensor(a!) out) -> ()", &mx_dequant_into);

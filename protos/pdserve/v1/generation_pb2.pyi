@@ -67,7 +67,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
-    __slots__ = ("ttft_s", "queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "accept_len", "prefill_worker", "decode_worker", "retries", "failovers", "router_queue_s")
+    __slots__ = ("ttft_s", "queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "accept_len", "prefill_worker", "decode_worker", "retries", "failovers", "router_queue_s", "decode_resident_tokens")
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class RequestMetrics(_message.Message):
     RETRIES_FIELD_NUMBER: _ClassVar[int]
     FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ttft_s: float
     queue_s: float
     prefill_s: float
@@ -90,7 +91,8 @@ class RequestMetrics(_message.Message):
     retries: int
     failovers: int
     router_queue_s: float
-    def __init__(self, ttft_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., accept_len: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., retries: _Optional[int] = ..., failovers: _Optional[int] = ..., router_queue_s: _Optional[float] = ...) -> None: ...
+    decode_resident_tokens: int
+    def __init__(self, ttft_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., accept_len: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., retries: _Optional[int] = ..., failovers: _Optional[int] = ..., router_queue_s: _Optional[float] = ..., decode_resident_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")

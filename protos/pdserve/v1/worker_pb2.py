@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import generation_pb2 as pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"P\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\"D\n\x0eTransferTicket\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\"=\n\x0fReserveResponse\x12*\n\x06ticket\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.TransferTicket\"\xba\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12*\n\x06ticket\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.TransferTicket\x12\x10\n\x08priority\x18\x05 \x01(\r\x12\x15\n\routput_prefix\x18\x06 \x03(\r\"\xd2\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x07 \x01(\x04\x12/\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xaf\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x15\n\routput_prefix\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1a\n\x12transfer_timeout_s\x18\x05 \x01(\x01\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\"\x88\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x12\n\naccept_len\x18\x03 \x01(\x01\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x0f\n\x07message\x18\x05 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\x14\n\x12\x43\x61\x63heEventsRequest\"\x92\x01\n\nCacheEvent\x12\x0e\n\x06stored\x18\x01 \x03(\x04\x12\x0f\n\x07\x65victed\x18\x02 \x03(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x13\n\x0bhost_stored\x18\x04 \x03(\x04\x12\x14\n\x0chost_evicted\x18\x05 \x03(\x04\x12\x13\n\x0b\x64isk_stored\x18\x06 \x03(\x04\x12\x14\n\x0c\x64isk_evicted\x18\x07 \x03(\x04\x32\xf2\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12@\n\tGetStatus\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.WorkerStatus\x12M\n\x11StreamCacheEvents\x12\x1e.pdserve.v1.CacheEventsRequest\x1a\x16.pdserve.v1.CacheEvent0\x01\x12N\n\x0bInjectFault\x12\x1e.pdserve.v1.InjectFaultRequest\x1a\x1f.pdserve.v1.InjectFaultResponse2\x92\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12@\n\tGetStatus\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.WorkerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"d\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x12\n\nprompt_ids\x18\x04 \x03(\r\"]\n\x0eTransferTicket\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\x12\x17\n\x0fresident_tokens\x18\x04 \x01(\r\"=\n\x0fReserveResponse\x12*\n\x06ticket\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.TransferTicket\"\xba\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12*\n\x06ticket\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.TransferTicket\x12\x10\n\x08priority\x18\x05 \x01(\r\x12\x15\n\routput_prefix\x18\x06 \x03(\r\"\xd2\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x07 \x01(\x04\x12/\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xaf\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x15\n\routput_prefix\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1a\n\x12transfer_timeout_s\x18\x05 \x01(\x01\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\"\x88\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x12\n\naccept_len\x18\x03 \x01(\x01\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x0f\n\x07message\x18\x05 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\x14\n\x12\x43\x61\x63heEventsRequest\"\x92\x01\n\nCacheEvent\x12\x0e\n\x06stored\x18\x01 \x03(\x04\x12\x0f\n\x07\x65victed\x18\x02 \x03(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x13\n\x0bhost_stored\x18\x04 \x03(\x04\x12\x14\n\x0chost_evicted\x18\x05 \x03(\x04\x12\x13\n\x0b\x64isk_stored\x18\x06 \x03(\x04\x12\x14\n\x0c\x64isk_evicted\x18\x07 \x03(\x04\x32\xf2\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12@\n\tGetStatus\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.WorkerStatus\x12M\n\x11StreamCacheEvents\x12\x1e.pdserve.v1.CacheEventsRequest\x1a\x16.pdserve.v1.CacheEvent0\x01\x12N\n\x0bInjectFault\x12\x1e.pdserve.v1.InjectFaultRequest\x1a\x1f.pdserve.v1.InjectFaultResponse2\xe1\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12@\n\tGetStatus\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.WorkerStatus\x12M\n\x11StreamCacheEvents\x12\x1e.pdserve.v1.CacheEventsRequest\x1a\x16.pdserve.v1.CacheEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RESERVEREQUEST']._serialized_start=68
-  _globals['_RESERVEREQUEST']._serialized_end=148
-  _globals['_TRANSFERTICKET']._serialized_start=150
-  _globals['_TRANSFERTICKET']._serialized_end=218
-  _globals['_RESERVERESPONSE']._serialized_start=220
-  _globals['_RESERVERESPONSE']._serialized_end=281
-  _globals['_PREFILLREQUEST']._serialized_start=284
-  _globals['_PREFILLREQUEST']._serialized_end=470
-  _globals['_PREFILLRESPONSE']._serialized_start=473
-  _globals['_PREFILLRESPONSE']._serialized_end=683
-  _globals['_DECODEREQUEST']._serialized_start=686
-  _globals['_DECODEREQUEST']._serialized_end=861
-  _globals['_DECODECHUNK']._serialized_start=864
-  _globals['_DECODECHUNK']._serialized_end=1000
-  _globals['_ABORTREQUEST']._serialized_start=1002
-  _globals['_ABORTREQUEST']._serialized_end=1036
-  _globals['_ABORTRESPONSE']._serialized_start=1038
-  _globals['_ABORTRESPONSE']._serialized_end=1068
-  _globals['_STATUSREQUEST']._serialized_start=1070
-  _globals['_STATUSREQUEST']._serialized_end=1085
-  _globals['_CACHEEVENTSREQUEST']._serialized_start=1087
-  _globals['_CACHEEVENTSREQUEST']._serialized_end=1107
-  _globals['_CACHEEVENT']._serialized_start=1110
-  _globals['_CACHEEVENT']._serialized_end=1256
-  _globals['_PREFILLWORKER']._serialized_start=1259
-  _globals['_PREFILLWORKER']._serialized_end=1629
-  _globals['_DECODEWORKER']._serialized_start=1632
-  _globals['_DECODEWORKER']._serialized_end=1906
+  _globals['_RESERVEREQUEST']._serialized_end=168
+  _globals['_TRANSFERTICKET']._serialized_start=170
+  _globals['_TRANSFERTICKET']._serialized_end=263
+  _globals['_RESERVERESPONSE']._serialized_start=265
+  _globals['_RESERVERESPONSE']._serialized_end=326
+  _globals['_PREFILLREQUEST']._serialized_start=329
+  _globals['_PREFILLREQUEST']._serialized_end=515
+  _globals['_PREFILLRESPONSE']._serialized_start=518
+  _globals['_PREFILLRESPONSE']._serialized_end=728
+  _globals['_DECODEREQUEST']._serialized_start=731
+  _globals['_DECODEREQUEST']._serialized_end=906
+  _globals['_DECODECHUNK']._serialized_start=909
+  _globals['_DECODECHUNK']._serialized_end=1045
+  _globals['_ABORTREQUEST']._serialized_start=1047
+  _globals['_ABORTREQUEST']._serialized_end=1081
+  _globals['_ABORTRESPONSE']._serialized_start=1083
+  _globals['_ABORTRESPONSE']._serialized_end=1113
+  _globals['_STATUSREQUEST']._serialized_start=1115
+  _globals['_STATUSREQUEST']._serialized_end=1130
+  _globals['_CACHEEVENTSREQUEST']._serialized_start=1132
+  _globals['_CACHEEVENTSREQUEST']._serialized_end=1152
+  _globals['_CACHEEVENT']._serialized_start=1155
+  _globals['_CACHEEVENT']._serialized_end=1301
+  _globals['_PREFILLWORKER']._serialized_start=1304
+  _globals['_PREFILLWORKER']._serialized_end=1674
+  _globals['_DECODEWORKER']._serialized_start=1677
+  _globals['_DECODEWORKER']._serialized_end=2030
 # @@protoc_insertion_point(module_scope)

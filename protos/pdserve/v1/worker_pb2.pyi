@@ -8,24 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "max_new_tokens")
+    __slots__ = ("request_id", "num_tokens", "max_new_tokens", "prompt_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     max_new_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferTicket(_message.Message):
-    __slots__ = ("request_id", "target", "ticket")
+    __slots__ = ("request_id", "target", "ticket", "resident_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     target: str
     ticket: bytes
-    def __init__(self, request_id: _Optional[str] = ..., target: _Optional[str] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+    resident_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., target: _Optional[str] = ..., ticket: _Optional[bytes] = ..., resident_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("ticket",)

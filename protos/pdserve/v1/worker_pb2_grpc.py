@@ -300,6 +300,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_generation__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.StreamCacheEvents = channel.unary_stream(
+                '/pdserve.v1.DecodeWorker/StreamCacheEvents',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.CacheEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.CacheEvent.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -329,6 +334,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamCacheEvents(self, request, context):
+        """its prefix cache (stored, evicted
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -351,6 +363,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.StatusRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_generation__pb2.WorkerStatus.SerializeToString,
+            ),
+            'StreamCacheEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamCacheEvents,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.CacheEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.CacheEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -461,6 +478,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/GetStatus',
             pdserve_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
             pdserve_dot_v1_dot_generation__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamCacheEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/StreamCacheEvents',
+            pdserve_dot_v1_dot_worker__pb2.CacheEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.CacheEvent.FromString,
             options,
             channel_credentials,
             insecure,

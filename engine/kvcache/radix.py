@@ -1,4 +1,5 @@
-"""Radix prefix cache over token ids at page granularity.
+"""Radix prefix cache over token ids at page granularity: a prefill worker's L1 tier (``prefill.admission``) and a
+decode worker's cache of finished requests' pages (``decode.admission``: decode-side prefix reuse).
 
 Each node below the root holds exactly one full KV page: the page for ``page_size`` tokens
 that follow its parent's tokens. The cache owns one allocator reference to every page in
@@ -115,8 +116,10 @@ class RadixCache:
         self.query_tokens = 0
 
     # -- queries -------------------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int]) -> Match:
-        """Longest cached prefix in full pages; locks the matched path."""
+    def match_prefix(self, token_ids: Sequence[int], count: bool = True) -> Match:
+        """Longest cached prefix in full pages; locks the matched path. ``count``: add it to the hit / query
+        counters (a look-ahead that may be repeated at admission passes False and ``count_query``s if it is
+        kept)."""
         P = self.page_size
         with self._lock:
             node, pages, t = self.root, [], next(_clock)
@@ -128,9 +131,14 @@ class RadixCache:
                 node.last_access = t
                 pages.append(node.page)
             self._lock_path(node, +1)
-            self.hit_tokens += len(pages) * P
-            self.query_tokens += len(token_ids)
+            if count:
+                self.count_query(len(pages) * P, len(token_ids))
             return Match(pages, len(pages) * P, node)
+
+    def count_query(self, hit_tokens: int, query_tokens: int) -> None:
+        with self._lock:
+            self.hit_tokens += hit_tokens
+            self.query_tokens += query_tokens
 
     def release(self, match: Match) -> None:
         with self._lock:
