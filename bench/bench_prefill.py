@@ -140,7 +140,7 @@ def main() -> None:
                 theirs.append(time.perf_counter() - t0)
         t_ours, t_hf = statistics.median(ours), statistics.median(theirs)
         print(f"{n:>7} | {n / t_ours:>13.0f} | {n / t_hf:>18.0f} | {t_hf / t_ours:.2f}x", flush=True)
-    sched._finisher.shutdown(wait=True)
+    sched.stop()
 
 
 if __name__ == "__main__":

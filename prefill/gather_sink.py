@@ -9,12 +9,13 @@ Cost: no transfer/compute overlap, one gather per layer and component, staging p
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Callable
 
 import torch
 
 from engine.kvcache import KVPool, PoolExhausted
-from prefill.sink import KVSink, SinkResult, TransferFailed
+from prefill.sink import KVSink, SinkResult, TransferFailed, failed
 
 GatherPages = Callable[[list[int], list[int]], None]
 """``(pages of the worker's pool, pages of the staging pool)``: gather every rank's heads into the staging pages."""
@@ -30,30 +31,36 @@ class GatherSink(KVSink):
         ``num_tokens`` counts the tokens after them."""
         self.pages: list[int] = []
 
+    @property
+    def timeout_s(self) -> float | None:  # type: ignore[override]
+        return self.inner.timeout_s
+
     def start(self, pages: list[int], cached_len: int) -> None:
         self.pages = pages
 
     def send(self, layer: int, token_start: int, token_end: int) -> None:
         pass  # rank 0's pages hold its heads only: everything ships whole at finish
 
-    def finish(self, draft: torch.Tensor | None = None) -> SinkResult:
+    def finish(self, draft: torch.Tensor | None = None) -> Future[SinkResult]:
         need = self.staging.pages_for(self.num_tokens)
         try:
             staged = self.staging.allocator.alloc(need, self.owner)
         except PoolExhausted as e:
             self.inner.abort(f"no staging pages: {e}")
-            raise TransferFailed(f"no staging pages to gather the KV heads in: {e}") from None
+            return failed(TransferFailed(f"no staging pages to gather the KV heads in: {e}"))
         try:
             self.gather(self.pages[self.skip_pages:self.skip_pages + need], staged)
             self.inner.start(staged, 0)
             for layer in range(self.num_layers):
                 self.inner.send(layer, 0, self.num_tokens)
-            return self.inner.finish(draft)
+            acked = self.inner.finish(draft)
         except Exception:
             self.inner.abort("gathering the KV heads failed")
-            raise
-        finally:
             self.staging.allocator.decref(staged)
+            raise
+        # the staging pages are the transfer's source: freed once the receiver has them (or the transfer failed)
+        acked.add_done_callback(lambda _: self.staging.allocator.decref(staged))
+        return acked
 
     def abort(self, reason: str) -> None:
         self.inner.abort(reason)

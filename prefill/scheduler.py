@@ -17,8 +17,10 @@ Each ``step()`` is schedule -> forward -> sample -> postprocess:
   request's ``KVSink`` as soon as it is written (transfer overlaps compute); then one batched MTP
   forward over the same chunks (the draft KV the decode side needs), whose next tokens are the
   prompt's following tokens or, for a last chunk, the sampled first token;
-* postprocess: a finished request's transfer is completed off-thread; its full pages go into the
-  prefix cache, the rest are freed.
+* postprocess: a finished request's sink is told to finish and the step goes on; once the receiver has
+  acknowledged the KV, the transfer's I/O thread calls back (``_acked``): the full pages go into the prefix cache,
+  the rest are freed, and the request is answered. No thread waits on a transfer; one that outlives its sink's
+  ``timeout_s`` or its deadline is cancelled by the next step.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import heapq
 import itertools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable
 
 import torch
@@ -40,11 +42,14 @@ from engine.shapes import bucket_chunks, buckets_steps
 from engine.speculative.prefill import PrefillChunk, prefill_forward
 from prefill.admission import Admitted, PrefillAdmission
 from prefill.host_cache import HostCache
-from prefill.sink import TransferFailed
+from prefill.sink import SinkResult, TransferFailed, failed
 from prefill.task import PrefillConfig, PrefillResult, PrefillTask, QueueFull, RequestAborted, State
 from worker.scheduler_thread import SchedulerThread
 
 logger = logging.getLogger(__name__)
+
+STOP_WAIT_S = 10.0
+"""``stop`` waits this long for the transfers it cancelled to answer their requests (their I/O threads call back)."""
 
 
 class PrefillScheduler(SchedulerThread):
@@ -65,7 +70,6 @@ class PrefillScheduler(SchedulerThread):
         self._seq = itertools.count()
         self._running: list[PrefillTask] = []
         self._tasks: dict[str, PrefillTask] = {}
-        self._finisher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefill-finish")
         self.tokens_done = 0
         self.busy_s = 0.0
 
@@ -95,7 +99,7 @@ class PrefillScheduler(SchedulerThread):
             if task.state is State.QUEUED:
                 self._drop_queued(task)
             elif task.state is State.TRANSFERRING:
-                task.sink.abort(reason)
+                self._abort_transfer(task, reason)
             self._cv.notify()
             return True
 
@@ -126,14 +130,31 @@ class PrefillScheduler(SchedulerThread):
         with self._cv:
             for task in list(self._tasks.values()):
                 task.abort_reason = task.abort_reason or AbortReason.SHUTDOWN
-                if task.state is State.TRANSFERRING:  # its finisher thread is waiting for DONE: end that now
-                    task.sink.abort("prefill worker shutting down")
+                if task.state is State.TRANSFERRING:  # its sink answers once the cancel reaches its I/O thread
+                    self._abort_transfer(task, "prefill worker shutting down")
             self._reap_aborted()
+            if not self._cv.wait_for(lambda: not any(t.state is State.TRANSFERRING for t in self._tasks.values()),
+                                     timeout=STOP_WAIT_S):
+                logger.warning("prefill scheduler stopped with transfers still unanswered after %.0fs", STOP_WAIT_S)
         self.admission.close()  # loads still running end (and free their pages) first
-        self._finisher.shutdown(wait=True)
 
     def _has_aborts(self) -> bool:
-        return any(t.abort_reason for t in self._tasks.values() if t.state is not State.TRANSFERRING)
+        now = time.monotonic()
+        return any(self._transfer_overdue(t, now) if t.state is State.TRANSFERRING else t.abort_reason
+                   for t in self._tasks.values())
+
+    @staticmethod
+    def _transfer_overdue(task: PrefillTask, now: float) -> bool:
+        """A transfer to cancel: its request was aborted, or it outlived its deadline or its sink's ``timeout_s``."""
+        if task.transfer_aborted:
+            return False
+        return bool(task.abort_reason) or any(d is not None and now > d for d in (task.deadline, task.transfer_deadline))
+
+    def _abort_transfer(self, task: PrefillTask, reason: str) -> None:
+        """Cancel a finishing transfer once; its sink's future fails and ``_acked`` answers the request."""
+        if not task.transfer_aborted:
+            task.transfer_aborted = True
+            task.sink.abort(reason)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -236,31 +257,51 @@ class PrefillScheduler(SchedulerThread):
         for (t, _, e), res in zip(chunks, prefill_forward(self.model, self.pool, plan, sample_first, on_layer_done)):
             if e == len(t.token_ids):
                 t.first_token, t.draft_hidden = res.next_token, res.draft_hidden
+        finished = []
         with self._cv:
             for t, s, e in chunks:
                 t.computed = e
                 self.tokens_done += e - s
                 if e == len(t.token_ids) and not t.abort_reason:
                     t.state, t.t_forward_done = State.TRANSFERRING, time.monotonic()
+                    if t.sink.timeout_s is not None:
+                        t.transfer_deadline = t.t_forward_done + t.sink.timeout_s
                     self._running.remove(t)
-                    self._finisher.submit(self._finish, t)
+                    finished.append(t)
+        for t in finished:  # outside the lock: a split-heads sink gathers them here
+            self._finish(t)
 
     def _finish(self, task: PrefillTask) -> None:
-        t0 = time.monotonic()
+        """Hand the finished prefill to its sink; ``_acked`` answers it once the receiver has the KV. No thread
+        waits for that: the transfer's I/O thread calls back."""
         try:
-            sr = task.sink.finish(task.draft_hidden)
-        except Exception as e:  # noqa: BLE001
+            acked = task.sink.finish(task.draft_hidden)
+        except Exception as e:  # noqa: BLE001 - a sink failing to finish fails only its request
+            acked = failed(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))
+        acked.add_done_callback(lambda f: self._acked(task, f))
+
+    def _acked(self, task: PrefillTask, acked: Future[SinkResult]) -> None:
+        """The transfer ended (on its I/O thread, or on this one when ``finish`` resolved at once): release the
+        pages (a success's full pages join the prefix cache) and answer the request."""
+        try:
+            sr = acked.result()
+        except Exception as e:  # noqa: BLE001 - the transfer failed, was cancelled or timed out
             with self._cv:
                 self._release(task)
-                task.state = State.FAILED
+                task.state = State.ABORTED if task.abort_reason else State.FAILED
                 self._tasks.pop(task.req_id, None)
-            task.on_done(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))
+                self._cv.notify_all()  # stop() may wait for the transfers it cancelled
+            if task.abort_reason:  # cancelled or past its deadline while transferring: say so, not "failed"
+                task.on_done(RequestAborted(task.req_id, task.abort_reason))
+            else:
+                task.on_done(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))
             return
         try:
             with self._cv:
                 self._release(task, insert=True)
                 task.state = State.DONE
                 self._tasks.pop(task.req_id, None)
+                self._cv.notify_all()
         except Exception as e:  # noqa: BLE001 - a bug here must still answer the caller, not leave it waiting
             logger.exception("prefill %s: releasing its pages failed", task.req_id)
             with self._cv:
@@ -271,7 +312,7 @@ class PrefillScheduler(SchedulerThread):
         task.on_done(PrefillResult(
             req_id=task.req_id, first_token=task.first_token, first_logprob=task.first_logprob,
             cached_tokens=task.num_cached, queue_s=task.t_start - task.t_arrival,
-            prefill_s=task.t_forward_done - task.t_start, transfer_s=time.monotonic() - t0,
+            prefill_s=task.t_forward_done - task.t_start, transfer_s=time.monotonic() - task.t_forward_done,
             transfer_bytes=sr.num_bytes, first_top=task.first_top))
 
     # -- cleanup -------------------------------------------------------------------------------
@@ -288,9 +329,16 @@ class PrefillScheduler(SchedulerThread):
     def _reap_aborted(self) -> None:
         now = time.monotonic()
         for task in list(self._tasks.values()):
+            if task.state is State.TRANSFERRING:
+                if self._transfer_overdue(task, now):
+                    if task.deadline is not None and now > task.deadline:
+                        task.abort_reason = task.abort_reason or AbortReason.DEADLINE
+                    self._abort_transfer(task, task.abort_reason or
+                                         f"KV transfer not acknowledged within {task.sink.timeout_s:g}s")
+                continue
             if task.deadline is not None and now > task.deadline and not task.abort_reason:
                 task.abort_reason = AbortReason.DEADLINE
-            if not task.abort_reason or task.state is State.TRANSFERRING:
+            if not task.abort_reason:
                 continue
             if task.state is State.QUEUED:
                 self._drop_queued(task)

@@ -6,11 +6,12 @@ on and only they ship: prompt token ``t`` is the ticket's token ``t - skip_token
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import torch
 
 from kvtransfer import KVSender, TransferError, TransferTicket
-from prefill.sink import KVSink, SinkResult, TransferFailed
+from prefill.sink import KVSink, SinkResult, TransferFailed, failed
 
 
 class TransferSink(KVSink):
@@ -47,22 +48,29 @@ class TransferSink(KVSink):
         except (TransferError, ValueError) as e:  # recorded; finish() reports it
             self.error = e
 
-    def finish(self, draft: torch.Tensor | None = None) -> SinkResult:
+    def finish(self, draft: torch.Tensor | None = None) -> Future[SinkResult]:
         if self.error is not None:
             self.sender.cancel(self.ticket, f"prefill side error: {self.error}")
-            raise TransferFailed(str(self.error))
+            return failed(TransferFailed(str(self.error)))
         want = self.ticket.draft
         state = None  # the draft state in the decode worker's dtype, as raw bytes (never pickle)
         if want is not None and draft is not None:
             state = draft.to(getattr(torch, want.dtype)).contiguous().view(torch.uint8).cpu().numpy().tobytes()
         try:
-            res = self.sender.finish(self.ticket, state).result(timeout=self.timeout_s)
-        except TransferError as e:
-            raise TransferFailed(str(e)) from e
-        except TimeoutError as e:
-            self.sender.cancel(self.ticket, "finish timed out")
-            raise TransferFailed(f"KV transfer not acknowledged within {self.timeout_s}s") from e
-        return SinkResult(int(getattr(res, "num_bytes", 0)), time.monotonic() - self.t0)
+            acked = self.sender.finish(self.ticket, state)
+        except (TransferError, ValueError) as e:
+            return failed(TransferFailed(str(e)))
+        out: Future[SinkResult] = Future()
+
+        def on_acked(f: Future) -> None:  # the sender's I/O thread (or this one, when it resolved already)
+            try:
+                res = f.result()
+            except Exception as e:  # noqa: BLE001 - TransferError, or a cancel: the request fails, never hangs
+                out.set_exception(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))
+                return
+            out.set_result(SinkResult(int(getattr(res, "num_bytes", 0)), time.monotonic() - self.t0))
+        acked.add_done_callback(on_acked)
+        return out
 
     def abort(self, reason: str) -> None:
         self.sender.cancel(self.ticket, reason)

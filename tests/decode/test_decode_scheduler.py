@@ -10,7 +10,7 @@ from engine.offline import Engine
 from engine.sampling import SamplingParams
 from prefill.scheduler import PrefillScheduler
 from prefill.task import PrefillConfig, PrefillTask
-from prefill.sink import KVSink, SinkResult
+from prefill.sink import KVSink, SinkResult, resolved
 
 P = 16
 
@@ -43,7 +43,7 @@ class CopySink(KVSink):
 
     def finish(self, draft=None):
         self.draft = draft  # the MTP draft state prefill would ship with the KV
-        return SinkResult(0, 0.0)
+        return resolved(SinkResult(0, 0.0))
 
     def abort(self, reason):
         pass
@@ -73,8 +73,6 @@ def pd_generate(tiny, prompts, params, dec_pages=64, max_running=64, spec=None, 
                                sink=sink))
         while req_id not in firsts:
             pre.step()
-        pre._finisher.shutdown(wait=True)
-        pre._finisher = type(pre._finisher)(max_workers=1)
         events[req_id] = []
         dec.add(DecodeTask(req_id, ids, [firsts[req_id].first_token], params, reserved, len(ids),
                            emit=events[req_id].append, draft_hidden=sink.draft if spec else None))

@@ -194,7 +194,7 @@ def test_prefill_transfer_sink_opens_the_shm_lease_before_its_first_layer(cached
             for layer in range(lay.num_layers):
                 write_layer(src, layer, pages, cached, 30, seed=6)
                 sink.send(layer, cached, 30)
-            assert sink.finish().num_bytes > 0
+            assert sink.finish().result(timeout=30).num_bytes > 0
             res = h.wait("sink")
             assert_same_rows(token_rows(dst, list(res.page_ids), 30), token_rows(src, pages, 30))
             assert res.transport is TransportKind.SHM

@@ -5,7 +5,7 @@ import pytest
 
 from engine.kvcache import KVComponent, KVLayout, KVPool
 from prefill.gather_sink import GatherSink
-from prefill.sink import KVSink, SinkResult
+from prefill.sink import KVSink, SinkResult, resolved
 
 PAGE, LAYERS = 4, 3
 
@@ -24,7 +24,7 @@ class Recorder(KVSink):
 
     def finish(self, draft=None):
         self.calls.append(("finish",))
-        return SinkResult(1, 0.0)
+        return resolved(SinkResult(1, 0.0))
 
     def abort(self, reason):
         self.calls.append(("abort", reason))
@@ -41,7 +41,7 @@ def test_gathers_and_ships_only_the_pages_after_the_resident_prefix(skip):
                       prompt_len - skip, "req", skip)
     sink.start(pages, 0)
     sink.send(0, 0, prompt_len)  # a no-op: everything ships at finish
-    assert sink.finish().num_bytes == 1
+    assert sink.finish().result().num_bytes == 1
     [(src, dst)] = gathered
     assert src == pages[skip // PAGE:] and len(dst) == staging.pages_for(prompt_len - skip)
     assert inner.calls == [("start", dst, 0), *[("send", layer, 0, prompt_len - skip) for layer in range(LAYERS)],

@@ -164,7 +164,6 @@ def random_sessions(sched, cfg, num_requests=16, num_sessions=4, seed=45):
     while (sched._tasks or len(res) < num_requests) and time.monotonic() < until:
         if not sched.step():
             time.sleep(0.002)
-    sched._finisher.shutdown(wait=True)
     odd = {k: r for k, r in res.items() if not isinstance(r, (PrefillResult, RequestAborted))}
     assert len(res) == num_requests and not odd, odd
     return res

@@ -108,7 +108,6 @@ def test_slow_disk_does_not_hold_up_another_request(tiny, tmp_path, logits_seen)
         {name for name, _ in gate.reads}
     gate.open.set()
     step_until(sched, lambda: "a" in res)
-    sched._finisher.shutdown(wait=True)
     assert isinstance(res["a"], PrefillResult) and res["a"].cached_tokens == 96 and disk.hit_tokens == 96
     assert disk.load_times.count == 1 and disk.late_pages == 0
     sched.stop()
@@ -145,8 +144,6 @@ def test_late_then_corrupt_page_mid_prefetch_is_recomputed(tiny, tmp_path, logit
             gate.open.set()
         step_until(sched, lambda: fault in res)  # noqa: B023 - called at once
         gate.open.set()
-        sched._finisher.shutdown(wait=True)
-        sched._finisher = type(sched._finisher)(max_workers=2)
         warm = (res[fault], sink, logits_seen[-1], pool_bytes(sched.pool, sink.pages[:len(ids) // PAGE]))
         assert warm[0].cached_tokens == 32 and sched.tokens_done - computed == 68  # pages 0-1 loaded, 2.. recomputed
         assert_same_state(warm, cold)

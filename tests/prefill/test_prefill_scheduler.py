@@ -1,6 +1,7 @@
 """Prefill scheduler + radix prefix cache on a tiny GLM-5 model with an MTP layer."""
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -10,9 +11,10 @@ from engine.load import load_model
 from engine.sampling import SamplingParams
 import prefill.scheduler as ps
 from engine.shapes import bucket_chunks, row_bucket
+from common.reasons import AbortReason
 from prefill.scheduler import PrefillScheduler
 from prefill.task import PrefillConfig, PrefillResult, PrefillTask, QueueFull, RequestAborted
-from prefill.sink import KVSink, SinkResult
+from prefill.sink import KVSink, SinkResult, TransferFailed, resolved
 
 PAGE = 16
 
@@ -41,7 +43,7 @@ class CaptureSink(KVSink):
         slots = torch.tensor([self.pages[j // P] * P + j % P for j in range(n)])
         self.kv = {(l, c.name): self.pool.flat(l, c.name)[slots].clone()
                    for l in range(self.pool.layout.num_layers) for c in self.pool.layout.components}
-        return SinkResult(0, 0.0)
+        return resolved(SinkResult(0, 0.0))
 
     def abort(self, reason):
         self.aborted = reason
@@ -59,8 +61,6 @@ def run_all(sched, tasks, max_steps=200):
     for _ in range(max_steps):
         if not sched.step() and not sched._tasks:
             break
-    sched._finisher.shutdown(wait=True)
-    sched._finisher = type(sched._finisher)(max_workers=2)
 
 
 def task(req_id, ids, results, sched=None, **kw):
@@ -255,8 +255,13 @@ class HeldSink(CaptureSink):
 
     def finish(self, draft=None):
         self.finishing.set()
-        assert self.done.wait(30)
-        return super().finish(draft)
+        res, acked = super().finish(draft).result(), Future()
+
+        def ack():  # the receiver's acknowledgement arrives on another thread, later
+            assert self.done.wait(30)
+            acked.set_result(res)
+        threading.Thread(target=ack, daemon=True).start()
+        return acked
 
 
 def test_a_request_waits_for_the_pages_a_transfer_holds(tiny):
@@ -281,6 +286,82 @@ def test_a_request_waits_for_the_pages_a_transfer_holds(tiny):
         held.done.set()
         sched.stop()
     assert sched.pool.allocator.num_free + sched.cache.num_pages == 8
+
+
+class UnackedSink(CaptureSink):
+    """A transfer whose receiver never acknowledges: ``finish``'s future resolves only when the test acks it or the
+    scheduler aborts the sink (which fails it, as ``KVSender.cancel`` does)."""
+
+    def __init__(self, pool, timeout_s=None):
+        super().__init__(pool)
+        self.timeout_s, self.acked, self.aborted = timeout_s, None, None
+
+    def finish(self, draft=None):
+        res, self.acked = super().finish(draft).result(), Future()
+        self.result = res
+        return self.acked
+
+    def ack(self):
+        self.acked.set_result(self.result)
+
+    def abort(self, reason):
+        self.aborted = reason
+        if self.acked is not None and not self.acked.done():
+            self.acked.set_exception(TransferFailed(f"cancelled: {reason}"))
+
+
+def wait_for(pred, timeout_s=30.0):
+    until = time.monotonic() + timeout_s
+    while not pred() and time.monotonic() < until:
+        time.sleep(0.01)
+    assert pred()
+
+
+def test_transfers_awaiting_acks_hold_no_thread_and_are_answered_when_acked(tiny):
+    """A finished prefill hands its KV to the sink and the scheduler goes on: 8 transfers wait for their receivers
+    at once without a thread each (a pool of 4 finisher threads used to wait on them, so a fifth one's FINISH was
+    not even sent before one of the four was acknowledged); each is answered when its ack arrives."""
+    sched, res = make_sched(tiny, num_pages=64), {}
+    sinks = [UnackedSink(sched.pool) for _ in range(8)]
+    sched.start()
+    threads = threading.active_count()
+    try:
+        for i, sink in enumerate(sinks):
+            sched.submit(task(f"r{i}", list(range(2 + 40 * i, 30 + 40 * i)), res, sink=sink))
+        wait_for(lambda: all(s.acked is not None for s in sinks))  # every FINISH out, none acknowledged
+        assert not res and threading.active_count() == threads
+        for sink in sinks[::-1]:
+            sink.ack()
+        wait_for(lambda: len(res) == 8)
+        assert all(isinstance(r, PrefillResult) for r in res.values()) and not sched._tasks
+    finally:
+        sched.stop()
+    assert sched.pool.allocator.num_free + sched.cache.num_pages == 64
+
+
+@pytest.mark.parametrize("limit", ["sink timeout", "deadline", "stop"])
+def test_a_transfer_never_acknowledged_is_cancelled_and_answered(tiny, limit):
+    """No thread waits on a transfer, so its bounds are the scheduler's: past the sink's ``timeout_s`` it fails
+    (TransferFailed: UNAVAILABLE, the router retries), past the request's deadline it is aborted as a deadline, and
+    ``stop`` cancels it; each time the sink is aborted and every page comes back."""
+    sched, res = make_sched(tiny, num_pages=16), {}
+    sink = UnackedSink(sched.pool, timeout_s=0.2 if limit == "sink timeout" else None)
+    sched.start()
+    try:
+        deadline = time.monotonic() + 1.0 if limit == "deadline" else None
+        sched.submit(task("r", list(range(2, 40)), res, sink=sink, deadline=deadline))
+        wait_for(lambda: sink.acked is not None)
+        if limit == "stop":
+            sched.stop()
+        wait_for(lambda: "r" in res)
+    finally:
+        sched.stop()
+    if limit == "sink timeout":
+        assert isinstance(res["r"], TransferFailed) and sink.aborted == "KV transfer not acknowledged within 0.2s"
+    else:
+        reason = AbortReason.DEADLINE if limit == "deadline" else AbortReason.SHUTDOWN
+        assert isinstance(res["r"], RequestAborted) and res["r"].reason == reason and sink.aborted
+    assert not sched._tasks and sched.pool.allocator.num_free + sched.cache.num_pages == 16
 
 
 @pytest.fixture(scope="module")
