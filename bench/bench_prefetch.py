@@ -32,7 +32,8 @@ from engine.sampling import SamplingParams
 from prefill.disk_cache import DiskCache
 from prefill.host_cache import HostCache
 from prefill.scheduler import PrefillScheduler
-from prefill.task import PrefillConfig, PrefillResult, PrefillTask
+from prefill.config import PrefillConfig
+from prefill.task import PrefillResult, PrefillTask
 from worker.omp import serial_here
 
 PAGE = 16
@@ -75,7 +76,7 @@ def submit(sched: PrefillScheduler, req_id: str, ids: list[int]) -> threading.Ev
     def done(r) -> None:
         ev.ttft, ev.result = time.perf_counter() - t0, r
         ev.set()
-    sched.submit(PrefillTask(req_id, ids, SamplingParams(), on_done=done))
+    sched.add(PrefillTask(req_id, ids, SamplingParams(), on_done=done))
     return ev
 
 

@@ -20,7 +20,8 @@ from engine.layers.attention import DSAIndexer
 from engine.load import load_model
 from engine.sampling import SamplingParams
 from prefill.scheduler import PrefillScheduler
-from prefill.task import PrefillConfig, PrefillTask
+from prefill.config import PrefillConfig
+from prefill.task import PrefillTask
 
 
 class IndexerClock:
@@ -86,7 +87,7 @@ def main() -> None:
     def ttft(ids: list[int]) -> float:
         out = {}
         t0 = time.perf_counter()
-        sched.submit(PrefillTask(f"r{time.perf_counter_ns()}", ids, SamplingParams(), on_done=lambda r: out.update(r=r)))
+        sched.add(PrefillTask(f"r{time.perf_counter_ns()}", ids, SamplingParams(), on_done=lambda r: out.update(r=r)))
         while "r" not in out:
             sched.step()
             time.sleep(0)

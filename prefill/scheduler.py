@@ -2,7 +2,7 @@
 
 A request walks through::
 
-    QUEUED ──admit──> RUNNING ──last chunk──> TRANSFERRING ──acked──> DONE
+    QUEUED ──admit──> RUNNING ──last chunk──> TRANSFERRING ──acked──> FINISHED
        │                 │                         │
        └──abort/deadline─┴─────────────────────────┴──> ABORTED / FAILED (pages freed)
 
@@ -11,7 +11,7 @@ Each ``step()`` is schedule -> forward -> sample -> postprocess:
 * schedule: running requests continue first, then queued ones are admitted (highest priority,
   then FCFS) while the token budget and pages last; admission (``prefill.admission``, the page owner) matches
   the prefix cache and its host and disk tiers, evicting LRU pages when short, and allocates private pages for the rest.
-  A lower tier's prefix loads on a loader thread from the request's arrival (``submit``); a request still loading is
+  A lower tier's prefix loads on a loader thread from the request's arrival (``add``); a request still loading is
   passed over (the others run), past ``load_timeout_s`` it goes on with what has loaded and recomputes the rest;
 * forward: one batched forward over every scheduled chunk; each layer's KV is handed to the
   request's ``KVSink`` as soon as it is written (transfer overlaps compute); then one batched MTP
@@ -43,7 +43,8 @@ from engine.speculative.prefill import PrefillChunk, prefill_forward
 from prefill.admission import Admitted, PrefillAdmission
 from prefill.host_cache import HostCache
 from prefill.sink import SinkResult, TransferFailed, failed
-from prefill.task import PrefillConfig, PrefillResult, PrefillTask, QueueFull, RequestAborted, State
+from prefill.config import PrefillConfig
+from prefill.task import PrefillResult, PrefillTask, QueueFull, RequestAborted, State
 from worker.scheduler_thread import SchedulerThread
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class PrefillScheduler(SchedulerThread):
         self.busy_s = 0.0
 
     # -- public, thread-safe -------------------------------------------------------------------
-    def submit(self, task: PrefillTask) -> None:
+    def add(self, task: PrefillTask) -> None:
         if not task.token_ids:
             raise ValueError("empty prompt")
         with self._cv:
@@ -225,7 +226,7 @@ class PrefillScheduler(SchedulerThread):
     @staticmethod
     def _start_sinks(chunks: list[tuple[PrefillTask, int, int]]) -> None:
         """Outside the lock: a sink's start ships the cached prefix and may wait for send slots, which
-        must not block ``submit`` / ``abort`` (the gRPC event loop) meanwhile."""
+        must not block ``add`` / ``abort`` (the gRPC event loop) meanwhile."""
         for t, s, _ in chunks:
             if s == t.num_cached and not t.sink_started:
                 t.sink_started = True
@@ -299,7 +300,7 @@ class PrefillScheduler(SchedulerThread):
         try:
             with self._cv:
                 self._release(task, insert=True)
-                task.state = State.DONE
+                task.state = State.FINISHED
                 self._tasks.pop(task.req_id, None)
                 self._cv.notify_all()
         except Exception as e:  # noqa: BLE001 - a bug here must still answer the caller, not leave it waiting

@@ -2,7 +2,7 @@
 
     python -m prefill.server --model DIR --port 50061 [--chunk-size 2048] [--max-queue 64] ...
 
-``Prefill`` submits a task and awaits its result (first token, cached tokens, timings) while the
+``Prefill`` adds a task and awaits its result (first token, cached tokens, timings) while the
 scheduler thread computes the KV and ``kvtransfer`` streams it to the decode worker named in the
 ticket. Client cancellation and deadlines abort the task, which frees its pages at once.
 """
@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import grpc
 import msgpack
@@ -24,13 +23,14 @@ from common.reasons import AbortReason, Role
 from engine.defaults import default_model_dir
 from engine.kvcache import KVPool, PoolExhausted
 from engine.fingerprint import model_hash
-from engine.memory import host_memory, parse_bytes
+from engine.memory import host_memory
 from kvtransfer import KVSender, KVSenderConfig, TransferTicket, TransportKind
 from kvtransfer.config import TransportConfig, add_transport_args
 from prefill.disk_cache import DiskCache, plan_disk_cache
-from prefill.host_cache import AUTO, HostCache, HostCachePolicy, plan_host_cache
+from prefill.host_cache import HostCache, HostCachePolicy, plan_host_cache
 from prefill.scheduler import PrefillScheduler
-from prefill.task import LOAD_TIMEOUT_S, PrefillConfig, PrefillResult, PrefillTask, QueueFull, RequestAborted
+from prefill.config import PrefillConfig, PrefillWorkerConfig
+from prefill.task import PrefillResult, PrefillTask, QueueFull, RequestAborted
 from prefill.gather_sink import GatherSink
 from prefill.sink import LocalSink, TransferFailed
 from prefill.tier_metrics import tier_counters, tier_gauges, tier_info
@@ -39,7 +39,7 @@ from protos import rpc
 from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from worker import boot, convert, heartbeat, omp, process
 from worker.cache_events import CacheEventHub
-from worker.config import HOST_CACHE_POLICIES, WorkerConfig, add_worker_args
+from worker.config import HOST_CACHE_POLICIES, add_worker_args
 from worker.convert import sampling_from_proto
 from worker.metrics import Values, serve_metrics
 from worker.model_proxy import load_rank_model
@@ -128,7 +128,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                            deadline=time.monotonic() + remaining if remaining is not None else None,
                            on_done=lambda r: self.loop.call_soon_threadsafe(_set, fut, r))
         try:
-            self.sched.submit(task)
+            self.sched.add(task)
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:
@@ -232,49 +232,6 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, TransferFailed):
         return grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}"
     return grpc.StatusCode.INTERNAL, f"prefill failed: {exc}"
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillWorkerConfig(WorkerConfig):
-    """A prefill worker's flags: the common ones and its scheduler's (``PrefillConfig``)."""
-
-    chunk_size: int = 2048
-    """max new tokens of one request per forward (a 20k prompt takes 10 steps)"""
-    max_batch_tokens: int = 4096
-    """token budget of one forward over all scheduled chunks (at least --chunk-size)"""
-    max_queue: int = 64
-    """queued requests beyond this are refused (RESOURCE_EXHAUSTED), never buffered"""
-    fault_injection: bool = False
-    """accept InjectFault calls (resilience benchmarks: pdserve bench --fault drop-kv@S)"""
-    host_cache_bytes: str = AUTO
-    """host-memory tier of the prefix cache below the KV pool (64M, 40G, 8GiB; 0: off; auto: twice the KV pool,
-    at most a quarter of the host memory available at start)"""
-    host_cache_policy: str = HostCachePolicy.WRITE_BACK.value
-    """when a page enters the host tier: write_back (when the KV pool evicts it) or write_through (as soon as the
-    prefix cache takes it); the disk tier's pages come down on eviction from the host tier or as it stores them"""
-    disk_cache_dir: str | None = None
-    """local directory of the prefix cache's disk tier, below the host tier (one per worker; a restarted worker
-    keeps what it holds)"""
-    disk_cache_bytes: str = AUTO
-    """byte budget of the disk tier (64M, 40G; 0: off; auto: half the directory's free space at start, plus what
-    it holds; off without --disk-cache-dir)"""
-    load_timeout_s: float = LOAD_TIMEOUT_S
-    """seconds a request waits for its prefix to load from the host and disk tiers once it could run; past them it
-    goes on with what has loaded and recomputes the rest (same output, counted as late pages)"""
-
-    def __post_init__(self) -> None:
-        if not self.load_timeout_s >= 0:
-            raise ValueError(f"--load-timeout-s must be >= 0, got {self.load_timeout_s}")
-        if self.host_cache_bytes.strip().lower() != AUTO:
-            parse_bytes(self.host_cache_bytes)  # ValueError naming the value
-        HostCachePolicy(self.host_cache_policy)
-        if self.disk_cache_bytes.strip().lower() != AUTO and parse_bytes(self.disk_cache_bytes) and \
-                not self.disk_cache_dir:
-            raise ValueError(f"--disk-cache-bytes {self.disk_cache_bytes} needs --disk-cache-dir")
-        if self.disk_cache_dir and self.host_cache_bytes.strip().lower() != AUTO and not parse_bytes(
-                self.host_cache_bytes):
-            raise ValueError("--disk-cache-dir needs the host tier (--host-cache-bytes not 0): pages reach the disk "
-                             "through it")
 
 
 async def amain(wcfg: PrefillWorkerConfig, transport: TransportConfig) -> None:

@@ -1,4 +1,4 @@
-"""What the prefill scheduler keeps per request, its configuration, and what a request's ``on_done`` receives."""
+"""What the prefill scheduler keeps per request, and what a request's ``on_done`` receives."""
 from __future__ import annotations
 
 import enum
@@ -28,36 +28,9 @@ class State(enum.Enum):
     QUEUED = "queued"
     RUNNING = "running"
     TRANSFERRING = "transferring"
-    DONE = "done"
+    FINISHED = "finished"
     ABORTED = "aborted"
     FAILED = "failed"
-
-
-LOAD_TIMEOUT_S = 2.0
-"""Default seconds a request waits for its prefix to load from the host / disk tier (``--load-timeout-s``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillConfig:
-    chunk_size: int = 2048
-    """Max new tokens of one request per forward (a 20k prompt takes 10 steps)."""
-    max_batch_tokens: int = 4096
-    """Token budget of one forward over all scheduled chunks."""
-    max_queue: int = 64
-    """Queued requests beyond this are refused (RESOURCE_EXHAUSTED), never buffered."""
-    max_running: int = 16
-    load_timeout_s: float = LOAD_TIMEOUT_S
-    """A prefix still loading from the host / disk tier this long goes on with what has loaded (the rest recomputed)."""
-    prefetch: bool = True
-    """Load a lower tier's prefix on a loader thread from arrival; False: at admission, on the scheduler's thread."""
-
-    def __post_init__(self) -> None:
-        if self.chunk_size < 1 or self.max_batch_tokens < self.chunk_size:
-            raise ValueError(f"need 1 <= chunk_size ({self.chunk_size}) <= max_batch_tokens "
-                             f"({self.max_batch_tokens})")
-        if self.max_queue < 1 or self.max_running < 1 or self.load_timeout_s < 0:
-            raise ValueError(f"need max_queue ({self.max_queue}) and max_running ({self.max_running}) >= 1, "
-                             f"load_timeout_s ({self.load_timeout_s}) >= 0")
 
 
 @dataclass(frozen=True, slots=True)

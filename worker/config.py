@@ -1,8 +1,8 @@
 """The settings every worker process takes, prefill and decode alike: ``WorkerConfig``.
 
 Its fields are the workers' command-line flags (``common.flags`` makes one ``--flag`` per field, the field's
-docstring its help); each role adds its own fields in a subclass (``prefill.server.PrefillWorkerConfig``,
-``decode.server.DecodeWorkerConfig``). Stdlib only (the router imports ``worker.process``).
+docstring its help); each role adds its own fields in a subclass (``prefill.config.PrefillWorkerConfig``,
+``decode.config.DecodeWorkerConfig``). Stdlib only (the router imports ``worker.process``).
 """
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ from engine.speculative import SpecConfig
 from engine.speculative.worker import MTPSpeculator
 from kvtransfer import DraftLayout, FailReason, KVReceiver, KVReceiverConfig, KVSender, KVSenderConfig, LoopThread, TransferError
 from prefill.scheduler import PrefillScheduler
-from prefill.task import PrefillConfig, PrefillResult, PrefillTask
+from prefill.config import PrefillConfig
+from prefill.task import PrefillResult, PrefillTask
 from prefill.transfer import TransferSink
 from shared_helpers import TINY_GQA_MTP
 
@@ -90,7 +91,7 @@ class Cluster:
     def prefill(self, req_id: str, ids: list[int], r) -> PrefillResult:
         out = {}
         sink = TransferSink(self.sender, r.ticket, self.ppool.layout.num_layers, 30.0, r.resident_tokens)
-        self.pre.submit(PrefillTask(req_id, ids, SamplingParams(max_tokens=1), sink=sink,
+        self.pre.add(PrefillTask(req_id, ids, SamplingParams(max_tokens=1), sink=sink,
                                     on_done=lambda res: out.__setitem__("r", res)))
         while "r" not in out:
             self.pre.step()

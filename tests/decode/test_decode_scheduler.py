@@ -9,7 +9,8 @@ from engine.load import load_model
 from engine.offline import Engine
 from engine.sampling import SamplingParams
 from prefill.scheduler import PrefillScheduler
-from prefill.task import PrefillConfig, PrefillTask
+from prefill.config import PrefillConfig
+from prefill.task import PrefillTask
 from prefill.sink import KVSink, SinkResult, resolved
 
 P = 16
@@ -69,7 +70,7 @@ def pd_generate(tiny, prompts, params, dec_pages=64, max_running=64, spec=None, 
         reserved = dpool.allocator.alloc(dpool.pages_for(len(ids)), req_id)
         firsts = {}
         sink = CopySink(ppool, dpool, reserved)
-        pre.submit(PrefillTask(req_id, ids, params, on_done=lambda r, req_id=req_id: firsts.__setitem__(req_id, r),
+        pre.add(PrefillTask(req_id, ids, params, on_done=lambda r, req_id=req_id: firsts.__setitem__(req_id, r),
                                sink=sink))
         while req_id not in firsts:
             pre.step()

@@ -14,7 +14,8 @@ from engine.kvcache.page_file import PageFile
 from prefill.disk_cache import DiskCache, plan_disk_cache
 from prefill.host_cache import HostCache, HostCachePolicy
 from engine.kvcache.radix import RadixCache, prefix_block_hashes
-from prefill.server import PrefillWorkerConfig, build_parser
+from prefill.config import PrefillWorkerConfig
+from prefill.server import build_parser
 from test_host_cache import P, compute, finish, make_layout
 
 IDS = list(range(10, 27))  # 4 full pages and a partial one

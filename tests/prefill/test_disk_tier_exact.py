@@ -12,7 +12,8 @@ from prefill.disk_cache import DiskCache
 from prefill.host_cache import HostCache
 from engine.kvcache.radix import prefix_block_hashes
 from prefill.scheduler import PrefillScheduler
-from prefill.task import PrefillConfig, PrefillResult
+from prefill.config import PrefillConfig
+from prefill.task import PrefillResult
 from prefill.server import PrefillServicer
 import test_host_tier_exact as host_exact
 from test_host_tier_exact import PAGE, assert_no_page_leaked, assert_same_state, make_sched, prefill_once, prompt, \

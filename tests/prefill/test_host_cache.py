@@ -12,7 +12,8 @@ from engine.kvcache import KVComponent, KVLayout, KVPool
 from engine.kvcache.host_pool import HostPagePool, segments
 from prefill.host_cache import AUTO_HOST_FRACTION, HostCache, HostCachePolicy, plan_host_cache
 from engine.kvcache.radix import RadixCache, prefix_block_hashes
-from prefill.server import PrefillServicer, PrefillWorkerConfig, build_parser
+from prefill.config import PrefillWorkerConfig
+from prefill.server import PrefillServicer, build_parser
 from protos.pdserve.v1 import generation_pb2
 from worker.config import HOST_CACHE_POLICIES
 from worker.metrics import Labelled, WorkerCollector

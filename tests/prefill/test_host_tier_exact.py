@@ -19,7 +19,8 @@ from engine.load import load_model
 from prefill.host_cache import HostCache, HostCachePolicy
 from engine.kvcache.radix import prefix_block_hashes
 from prefill.scheduler import PrefillScheduler
-from prefill.task import PrefillConfig, PrefillResult, RequestAborted
+from prefill.config import PrefillConfig
+from prefill.task import PrefillResult, RequestAborted
 from prefill.server import PrefillServicer
 from shared_helpers import TINY_GQA_MTP
 from test_prefill_scheduler import CaptureSink, run_all, task
@@ -152,7 +153,7 @@ def random_sessions(sched, cfg, num_requests=16, num_sessions=4, seed=45):
     res, live = {}, []
     for i in range(num_requests):
         ids = sessions[i % len(sessions)] + prompt(cfg, rng.randrange(1, 12), seed=100 + i)
-        sched.submit(task(f"r{i}", ids, res, deadline=None if rng.random() < 0.9 else 0.0))
+        sched.add(task(f"r{i}", ids, res, deadline=None if rng.random() < 0.9 else 0.0))
         live.append(f"r{i}")
         for _ in range(rng.randrange(0, 3)):
             sched.step()

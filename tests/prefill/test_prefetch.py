@@ -23,7 +23,8 @@ from prefill.admission import Admitted
 from prefill.host_cache import HostCache
 from engine.kvcache.radix import prefix_block_hashes
 from prefill.scheduler import PrefillScheduler
-from prefill.task import PrefillConfig, PrefillResult, RequestAborted
+from prefill.config import PrefillConfig
+from prefill.task import PrefillResult, RequestAborted
 from prefill.server import PrefillServicer
 from prefill.tier_index import LoadTimes
 from protos.pdserve.v1 import generation_pb2
@@ -99,9 +100,9 @@ def test_slow_disk_does_not_hold_up_another_request(tiny, tmp_path, logits_seen)
     disk = sched.host.lower
     gate = Gate(disk)
     res, sink = {}, CaptureSink(sched.pool)
-    sched.submit(task("a", ids, res, sink=sink))  # the loader starts reading A's pages now, at arrival
+    sched.add(task("a", ids, res, sink=sink))  # the loader starts reading A's pages now, at arrival
     assert gate.waiting.wait(30)
-    sched.submit(task("b", other, res))
+    sched.add(task("b", other, res))
     step_until(sched, lambda: "b" in res)
     assert isinstance(res["b"], PrefillResult) and "a" not in res and sched.num_queued == 1
     assert {name for name, _ in gate.reads} == {"prefill-loader_0"} and threading.current_thread().name not in \
@@ -132,7 +133,7 @@ def test_late_then_corrupt_page_mid_prefetch_is_recomputed(tiny, tmp_path, logit
         gate = Gate(disk, hold_from=2)
         res, sink = {}, CaptureSink(sched.pool)
         computed = sched.tokens_done
-        sched.submit(task(fault, ids, res, sink=sink))
+        sched.add(task(fault, ids, res, sink=sink))
         assert gate.waiting.wait(30)
         if fault == "corrupt":
             sched.config = dataclasses.replace(sched.config, load_timeout_s=600)
@@ -175,7 +176,7 @@ def test_cancels_deadlines_and_shutdown_during_prefetch_leak_nothing(tiny, tmp_p
     gate = Gate(disk)
     res = {}
     for i, ids in enumerate(sessions):
-        sched.submit(task(f"r{i}", ids + [7, 8, 9], res, deadline=time.monotonic() + 0.3 if i == 2 else None))
+        sched.add(task(f"r{i}", ids + [7, 8, 9], res, deadline=time.monotonic() + 0.3 if i == 2 else None))
     assert gate.waiting.wait(30)
     assert sched.abort("r0") and sched.abort("r1")
     time.sleep(0.35)

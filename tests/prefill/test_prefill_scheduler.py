@@ -13,7 +13,8 @@ import prefill.scheduler as ps
 from engine.shapes import bucket_chunks, row_bucket
 from common.reasons import AbortReason
 from prefill.scheduler import PrefillScheduler
-from prefill.task import PrefillConfig, PrefillResult, PrefillTask, QueueFull, RequestAborted
+from prefill.config import PrefillConfig
+from prefill.task import PrefillResult, PrefillTask, QueueFull, RequestAborted
 from prefill.sink import KVSink, SinkResult, TransferFailed, resolved
 
 PAGE = 16
@@ -57,7 +58,7 @@ def make_sched(tiny, num_pages=64, **kw):
 
 def run_all(sched, tasks, max_steps=200):
     for t in tasks:
-        sched.submit(t)
+        sched.add(t)
     for _ in range(max_steps):
         if not sched.step() and not sched._tasks:
             break
@@ -146,9 +147,9 @@ def test_cancel_and_deadline_free_every_page(tiny):
     start = sched.pool.allocator.num_free
     res = {}
     ids = list(range(2, 202))
-    sched.submit(task("c", ids, res))
-    sched.submit(task("d", ids[::-1], res, deadline=time.monotonic() + 0.05))
-    sched.submit(task("q", ids, res))  # still queued when aborted
+    sched.add(task("c", ids, res))
+    sched.add(task("d", ids[::-1], res, deadline=time.monotonic() + 0.05))
+    sched.add(task("q", ids, res))  # still queued when aborted
     sched.step()
     assert sched.pool.allocator.num_used > 0
     assert sched.abort("c") and sched.abort("q")
@@ -163,10 +164,10 @@ def test_cancel_and_deadline_free_every_page(tiny):
 def test_full_queue_is_refused(tiny):
     sched = make_sched(tiny, max_queue=2)
     res = {}
-    sched.submit(task("a", [3, 4, 5], res))
-    sched.submit(task("b", [3, 4, 5], res))
+    sched.add(task("a", [3, 4, 5], res))
+    sched.add(task("b", [3, 4, 5], res))
     with pytest.raises(QueueFull):
-        sched.submit(task("c", [3, 4, 5], res))
+        sched.add(task("c", [3, 4, 5], res))
 
 
 def test_prompt_that_can_never_fit_fails_cleanly(tiny):
@@ -187,7 +188,7 @@ def test_threaded_loop_serves_concurrent_submissions(tiny):
         if len(res) == 3:
             done.set()
     for i in range(3):
-        sched.submit(PrefillTask(f"t{i}", list(range(2, 40 + i)), SamplingParams(), on_done=lambda r, i=i: cb(r, f"t{i}")))
+        sched.add(PrefillTask(f"t{i}", list(range(2, 40 + i)), SamplingParams(), on_done=lambda r, i=i: cb(r, f"t{i}")))
     assert done.wait(30)
     sched.stop()
     assert all(isinstance(r, PrefillResult) for r in res.values())
@@ -226,15 +227,15 @@ def test_a_cancelled_queued_request_leaves_the_queue_at_once(tiny):
     sched.start()
     try:
         gate = GateSink(sched.pool)
-        sched.submit(task("busy", list(range(2, 60)), res, sink=gate))
+        sched.add(task("busy", list(range(2, 60)), res, sink=gate))
         assert gate.entered.wait(30)  # the scheduler thread is inside a step now, and stays there
-        sched.submit(task("queued", list(range(2, 40)), res))
+        sched.add(task("queued", list(range(2, 40)), res))
         with pytest.raises(QueueFull):
-            sched.submit(task("refused", [3, 4, 5], res))
+            sched.add(task("refused", [3, 4, 5], res))
         assert sched.abort("queued", "cancelled by the client")
         assert isinstance(res.get("queued"), RequestAborted) and "cancelled" in res["queued"].reason
         assert sched.num_queued == 0 and "queued" not in sched._tasks
-        sched.submit(task("next", [3, 4, 5], res))  # the slot is free again
+        sched.add(task("next", [3, 4, 5], res))  # the slot is free again
         gate.gate.set()
         deadline = time.monotonic() + 30
         while len(res) < 3 and time.monotonic() < deadline:
@@ -272,9 +273,9 @@ def test_a_request_waits_for_the_pages_a_transfer_holds(tiny):
     held = HeldSink(sched.pool)
     sched.start()
     try:
-        sched.submit(task("a", list(range(2, 102)), res, sink=held))  # 7 of the 8 pages
+        sched.add(task("a", list(range(2, 102)), res, sink=held))  # 7 of the 8 pages
         assert held.finishing.wait(30)
-        sched.submit(task("b", list(range(300, 400)), res))  # 7 pages too: only after a's transfer
+        sched.add(task("b", list(range(300, 400)), res))  # 7 pages too: only after a's transfer
         time.sleep(0.3)
         assert "b" not in res and sched.num_queued == 1
         held.done.set()
@@ -327,7 +328,7 @@ def test_transfers_awaiting_acks_hold_no_thread_and_are_answered_when_acked(tiny
     threads = threading.active_count()
     try:
         for i, sink in enumerate(sinks):
-            sched.submit(task(f"r{i}", list(range(2 + 40 * i, 30 + 40 * i)), res, sink=sink))
+            sched.add(task(f"r{i}", list(range(2 + 40 * i, 30 + 40 * i)), res, sink=sink))
         wait_for(lambda: all(s.acked is not None for s in sinks))  # every FINISH out, none acknowledged
         assert not res and threading.active_count() == threads
         for sink in sinks[::-1]:
@@ -349,7 +350,7 @@ def test_a_transfer_never_acknowledged_is_cancelled_and_answered(tiny, limit):
     sched.start()
     try:
         deadline = time.monotonic() + 1.0 if limit == "deadline" else None
-        sched.submit(task("r", list(range(2, 40)), res, sink=sink, deadline=deadline))
+        sched.add(task("r", list(range(2, 40)), res, sink=sink, deadline=deadline))
         wait_for(lambda: sink.acked is not None)
         if limit == "stop":
             sched.stop()

@@ -12,8 +12,7 @@ from common.flags import config_from_args
 from decode.server import DecodeWorkerConfig
 from decode.server import build_parser as decode_parser
 from kvtransfer.config import TransportConfig
-from prefill.task import PrefillConfig
-from prefill.server import PrefillWorkerConfig
+from prefill.config import PrefillConfig, PrefillWorkerConfig
 from prefill.server import build_parser as prefill_parser
 
 PARSERS = {"prefill": (prefill_parser, PrefillWorkerConfig), "decode": (decode_parser, DecodeWorkerConfig)}
