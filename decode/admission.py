@@ -47,7 +47,7 @@ import threading
 from typing import Callable, NamedTuple, Sequence
 
 from decode.task import DecodeTask, State
-from engine.kvcache.pool import KVPool
+from engine.kvcache.pool import KVPool, PoolExhausted
 from engine.kvcache.radix import Match, RadixCache
 from kvtransfer import KVReceiver, TransferResult, TransferState, TransferTicket
 from worker.ranks import RankFailure, RankGroup
@@ -70,9 +70,9 @@ class DecodeAdmission:
         self.receiver = receiver
         """The KV data plane (None: a scheduler without transfers, local prefills only)."""
         self.ranks = ranks
-        """``worker.ranks.RankGroup`` of a tensor-parallel worker (None at tp 1)."""
-        if prefix_cache and ranks is not None:
-            raise ValueError("the decode prefix cache needs tp 1 (each rank would have to keep its pages)")
+        """``worker.ranks.RankGroup`` of a tensor-parallel worker (None at tp 1). Its followers allocate nothing:
+        they write and read the page ids rank 0 names, so a page kept in the prefix cache here still holds every
+        rank's KV (their slices under split heads) the next time a request reads it."""
         self.cache = RadixCache(pool.allocator, pool.page_size, on_cache_event) if prefix_cache else None
         """Finished requests' pages (decode-side prefix reuse; None: off)."""
         self.mtp = mtp
@@ -180,34 +180,49 @@ class DecodeAdmission:
 
     # -- the hand-over: RESERVED -> RUNNING ----------------------------------------------------
     async def claim(self, res: TransferResult) -> list[int]:
-        """The request's pages in the scheduler's pool for a complete transfer ``res``. At tp 1 they are the
-        received pages. Replicated KV (MLA): rank 0's pages are copied to the followers. Split KV (GQA heads
-        under TP): the pages landed whole in the landing pool; each rank takes its heads into new pages of the
-        scheduler's pool and the landing pages are freed. On ``PoolExhausted`` or ``RankFailure`` every page
-        of the request is freed before it propagates."""
+        """The request's pages in the scheduler's pool for a complete transfer ``res``: its resident prefix (held
+        since ``wait_transfer``), then the received tail. At tp 1 the tail is the received pages. Replicated KV
+        (MLA): rank 0's received pages are copied to the followers. Split KV (GQA heads under TP): the tail landed
+        whole in the landing pool; each rank takes its heads into new pages of the scheduler's pool and the landing
+        pages are freed. The resident prefix is in every rank's pool already (kept from an earlier request). On
+        ``PoolExhausted`` or ``RankFailure`` every page of the request is freed and its prefix unpinned before it
+        propagates."""
         page_ids = list(res.page_ids)
+        with self._lock:
+            held = self._held.get(res.req_id)
+        prefix = [] if held is None else list(held.pages)
         if self.ranks is None:
-            with self._lock:
-                held = self._held.get(res.req_id)
-            return page_ids if held is None else list(held.pages) + page_ids
+            return prefix + page_ids
         landing, pool = self._receiver().pool, self.pool
         if landing is pool:
             try:
                 await asyncio.to_thread(self.ranks.mirror_pages, pool, page_ids)
             except RankFailure:
                 pool.allocator.decref(page_ids)
+                self._drop_held(res.req_id)
                 raise
-            return page_ids
+            return prefix + page_ids
         try:
-            dst = self._alloc(len(page_ids), res.req_id)
             try:
+                dst = self._alloc(len(page_ids), res.req_id)
                 await asyncio.to_thread(self.ranks.scatter_pages, landing, page_ids, pool, dst)
             except RankFailure:
                 pool.allocator.decref(dst)
+                self._drop_held(res.req_id)
                 raise
-            return dst
+            except PoolExhausted:
+                self._drop_held(res.req_id)
+                raise
+            return prefix + dst
         finally:
             landing.allocator.decref(page_ids)
+
+    def _drop_held(self, req_id: str) -> None:
+        """Unpin the resident prefix of a request whose claim failed (it never runs, so ``release`` never sees it)."""
+        with self._lock:
+            match = self._held.pop(req_id, None)
+            if match is not None:
+                self.cache.release(match)
 
     # -- RUNNING: the pages of a request the scheduler runs ------------------------------------
     def alloc_prompt(self, task: DecodeTask) -> None:

@@ -303,9 +303,7 @@ async def amain(wcfg: DecodeWorkerConfig, transport: TransportConfig) -> None:
                                                      mooncake_protocol=receiver_mooncake_protocol(transport),
                                                      tp_size=wcfg.tp))
     await receiver.start()
-    prefix_cache = wcfg.prefix_cache == "on" and ranks is None
-    if wcfg.prefix_cache == "on" and ranks is not None:
-        logger.warning("decode prefix cache off: --tp %d (each rank would have to keep its pages)", wcfg.tp)
+    prefix_cache = wcfg.prefix_cache == "on"
     sched = DecodeScheduler(model, pool, cfg.eos_token_ids,
                             DecodeConfig(max_running=wcfg.max_running, spec_fallback=not wcfg.no_spec_fallback,
                                          prefill_chunk=wcfg.prefill_chunk, prefill_threads=wcfg.prefill_threads,

@@ -7,7 +7,8 @@ worker compare their logits, so a KV write that was not mirrored to a follower (
 draft KV) fails the worker instead of passing unnoticed.
 
 - prefill TP2 -> decode TP1 and prefill TP1 -> decode TP2 give the greedy tokens of TP1 (``pdserve run``'s
-  in-process engine);
+  in-process engine), a session's next turn too, with the decode worker's resident prefix reused (at decode TP2
+  every rank kept its pages: replicated MLA KV, and GQA's split heads);
 - a follower rank SIGKILLed mid-stream: the stream fails over and completes, the broken worker exits and
   is restarted with new ranks, every page is back, no rank process of the old group survives.
 """
@@ -87,8 +88,20 @@ def test_prefill_tp1_to_decode_tp2_and_a_killed_rank_fails_over(reference, tmp_p
             old = rank_pids(client, "decode")
             assert sorted(len(v) for v in old.values()) == [2, 2]
             seen.update(p for v in old.values() for p in v)
+            served = []
             for prompt, want in zip(PROMPTS, reference):  # KV received on rank 0, mirrored to rank 1
-                assert client.generate(token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids == want
+                got = client.generate(token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+                assert got.token_ids == want
+                served.append(got.metrics.decode_worker)
+            # the next turn: the decode worker that served turn 1 keeps its final pages on both ranks, only the tail
+            # is shipped (and mirrored); PDSERVE_RANK_CHECK compares the ranks' logits at every step. Its cache events
+            # reach the router asynchronously: the turn is sent once the router knows where the session is
+            wait_until(lambda: int(next(w for w in client.cluster_status().workers if w.worker_id == served[0])
+                                    .info["router_cached_blocks"]) >= 2, what="the router learning turn 1's pages")
+            turn2 = PROMPTS[0] + reference[0] + [2, 4, 6, 8, 10]
+            got = client.generate(token_ids=turn2, max_tokens=MAX_TOKENS, ignore_eos=True)
+            assert got.token_ids == reference[2] and got.metrics.decode_worker == served[0]
+            assert got.metrics.decode_resident_tokens == (len(PROMPTS[0]) + MAX_TOKENS - 1) // 16 * 16
             assert all(w.healthy for w in client.cluster_status().workers)
 
             # a follower rank dies mid-stream: its worker fails, the stream resumes on the other decode worker
@@ -131,6 +144,8 @@ def test_gqa_kv_heads_are_gathered_at_prefill_tp2_and_scattered_at_decode_tp2(ti
     prompts = [[t % cfg.vocab_size for t in p] for p in PROMPTS]
     want = [eng.generate([p], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
             for p in prompts]
+    turn2 = prompts[0] + want[0] + [2, 4, 6, 8, 10]  # the session's next turn: decode-side reuse under split heads
+    want2 = eng.generate([turn2], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
     d = tmp_path / "gqa"
     d.mkdir()
     sp = ServeProcess(["--model", tiny_dirs["gqa"], "--port", "0", "--dtype", "float32", "--decode-weights", "model",
@@ -142,6 +157,9 @@ def test_gqa_kv_heads_are_gathered_at_prefill_tp2_and_scattered_at_decode_tp2(ti
         with GenerationClient(sp.address, timeout_s=120) as client:
             for prompt, expect in zip(prompts, want):
                 assert client.generate(token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids == expect
+            got = client.generate(token_ids=turn2, max_tokens=MAX_TOKENS, ignore_eos=True)  # each rank kept its heads
+            assert got.token_ids == want2
+            assert got.metrics.decode_resident_tokens == (len(prompts[0]) + MAX_TOKENS - 1) // 16 * 16
             assert all(w.healthy for w in client.cluster_status().workers)
             wait_until(lambda: pages_all_free(client), what="every page back")
             [dec] = [w for w in client.cluster_status().workers if w.role == "decode"]
