@@ -121,7 +121,7 @@ class ClusterSpec:
     decode_prefix_cache: str = "on"
     """Decode workers keep finished requests' KV pages as an evictable prefix cache, so a session's next turn is
     shipped only the tail of its prompt and routed to the decode worker holding the rest (decode-side reuse), or
-    off (always off at --decode-tp > 1)."""
+    off."""
     no_shm: bool = False
     """Decode pools in private memory: prefill workers on the same host ship KV over TCP too (default: shared
     memory, pages copied)."""

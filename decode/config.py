@@ -78,7 +78,7 @@ class DecodeWorkerConfig(WorkerConfig):
     """put the KV pool in shared memory (same-host transfers)"""
     prefix_cache: str = "on"
     """keep finished requests' KV pages as an evictable prefix cache (decode-side reuse: the next turn of a session
-    ships only the tail of its prompt) or off; off at --tp > 1"""
+    ships only the tail of its prompt) or off"""
 
     def __post_init__(self) -> None:
         if self.prefix_cache not in PREFIX_CACHE_CHOICES:
