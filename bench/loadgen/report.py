@@ -181,6 +181,8 @@ def format_table(result: Result) -> str:
         cols += _POWER_COLUMNS
     if steps and all("agentic" in s for s in steps):
         cols += _AGENTIC_COLUMNS
+    elif any((s.get("cache_tiers") or {}).get("hit_rate") for s in steps):  # the prefill workers' /metrics
+        cols.append(("Hit by tier", _tiers))
     rows = []
     for i in sorted(range(len(steps)), key=lambda i: steps[i]["rate"]):
         s = steps[i]

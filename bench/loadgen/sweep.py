@@ -126,8 +126,8 @@ class _Steps:
     def __init__(self, channel, stub, cfg: BenchConfig, metadata, workload, duration_s: float, progress: bool,
                  deadline: float | None, server: dict[str, Any] | None = None) -> None:
         self.channel, self.stub, self.cfg, self.metadata, self.workload = channel, stub, cfg, metadata, workload
-        self.metrics_urls = metrics_urls(server or {}) if cfg.workload == "agentic" else []
-        """agentic: the prefill workers' /metrics, scraped around each step for the hit rate by tier."""
+        self.metrics_urls = metrics_urls(server or {})
+        """The prefill workers' /metrics, scraped around each step for the prefix cache's hit rate by tier."""
         self.duration_s, self.progress, self.deadline = duration_s, progress, deadline
         self.fault_spec, self.fault = cfg.fault_spec(), None
         self.stats: list[StepStats] = []
@@ -177,10 +177,11 @@ class _Steps:
         self.index = runner.next_index
         stats = step_stats(records, cfg)
         extra = vllm_keys(records, cfg.save_detailed)
+        if before is not None:
+            extra["cache_tiers"] = tier_delta(before, await scrape(self.metrics_urls))
         if cfg.workload == "agentic":
             extra["agentic"] = agentic_stats(records, cfg)
-            extra["cache_tiers"] = (tier_delta(before, await scrape(self.metrics_urls)) if before is not None else
-                                    {"source": None, "note": "no prefill worker lists a metrics_port"})
+            extra.setdefault("cache_tiers", {"source": None, "note": "no prefill worker lists a metrics_port"})
         self.extra.append(extra)
         if drain_s < self.cfg.drain_timeout_s:
             stats.warnings.append(f"{step.label}: drain cut to {drain_s:.1f}s by --max-duration")

@@ -94,6 +94,25 @@ def test_sweep_writes_table_json_png_and_counts_failures(tmp_path):
     assert {len(p) for p in srv.log.prompts.values()} == {256}
 
 
+def test_every_workload_reports_the_hit_rate_by_tier_from_the_prefill_workers_metrics(tmp_path):
+    """Not only agentic runs: a step of the prefill-bound workload scrapes the prefill workers' /metrics around
+    it (``prefix_cache_hit_tokens_total{tier}``) and the table gains the Hit by tier column; the device share
+    agrees with what the requests reported (``cached_tokens``). Without a metrics port: no column, no figures."""
+    for metrics in (True, False):
+        with FakeServer(FakeBehaviour(metrics=metrics, itl_s=0.001)) as srv:
+            cfg = make_cfg(srv.address, tmp_path / str(metrics), rps=(8.0,))
+            result, text = run_bench(cfg, progress=False)
+        step = result["steps"][0]
+        if not metrics:
+            assert "cache_tiers" not in step and "Hit by tier" not in text
+            continue
+        tiers = step["cache_tiers"]
+        assert tiers["source"] == "metrics" and tiers["num_workers"] == 1 and "errors" not in tiers
+        assert tiers["query_tokens"] == 256 * len(srv.log.prompts)  # warm-up and drain included: the whole step
+        assert 0.25 < tiers["hit_rate"]["device"] <= 0.5 and tiers["hit_rate"]["host"] == 0.0
+        assert "Hit by tier" in text.splitlines()[1] and "device " in text
+
+
 def test_cli_bench_then_compare_saved_runs(tmp_path, capsys):
     with FakeServer(FakeBehaviour(tokens_per_chunk=2)) as srv:
         out = tmp_path / "cli"
