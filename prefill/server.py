@@ -226,6 +226,8 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, RequestAborted):
         if exc.reason == AbortReason.DEADLINE:
             return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+        if exc.reason == AbortReason.SHUTDOWN:  # the worker, not the request: the router retries it elsewhere
+            return grpc.StatusCode.UNAVAILABLE, f"prefill worker shutting down: {exc}"
         return grpc.StatusCode.CANCELLED, str(exc)
     if isinstance(exc, PoolExhausted):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"prompt does not fit the prefill KV pool: {exc}"

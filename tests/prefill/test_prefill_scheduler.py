@@ -3,6 +3,7 @@ import threading
 import time
 from concurrent.futures import Future
 
+import grpc
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ import prefill.scheduler as ps
 from engine.shapes import bucket_chunks, row_bucket
 from common.reasons import AbortReason
 from prefill.scheduler import PrefillScheduler
+from prefill.server import _status_of
 from prefill.config import PrefillConfig
 from prefill.task import PrefillResult, PrefillTask, QueueFull, RequestAborted
 from prefill.sink import KVSink, SinkResult, TransferFailed, resolved
@@ -406,3 +408,12 @@ def test_bucket_chunks_trims_from_the_end():
     assert bucket_chunks([(a, 0, 32), (b, 0, 20), (c, 5, 8)]) == [(a, 0, 32), (b, 0, 20)]  # 55 -> 52: c waits
     assert bucket_chunks([(a, 10, 47)]) == [(a, 10, 46)]  # 37 -> 36
     assert bucket_chunks([(a, 0, 5)]) == [(a, 0, 5)]
+
+
+def test_the_grpc_status_of_each_ending():
+    """What the prefill worker answers for each way a request ends: a shutdown is the worker's, not the request's
+    (UNAVAILABLE, which the router retries on another worker: queued, running and transferring requests alike)."""
+    assert _status_of(RequestAborted("r", AbortReason.SHUTDOWN))[0] is grpc.StatusCode.UNAVAILABLE
+    assert _status_of(RequestAborted("r", AbortReason.DEADLINE))[0] is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert _status_of(RequestAborted("r", AbortReason.CLIENT_CANCELLED))[0] is grpc.StatusCode.CANCELLED
+    assert _status_of(TransferFailed("x"))[0] is grpc.StatusCode.UNAVAILABLE
