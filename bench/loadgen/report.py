@@ -364,6 +364,40 @@ _COMPARED: list[tuple[str, Callable[[dict], float | None], bool]] = [
 ]
 
 
+def format_configs(results: dict[str, Result]) -> str:
+    """Several runs of one workload against differently configured servers (``bench.serve_compare``), step by step
+    (matched by label, in the first run's order): each metric of each run, and its ratio to the first run's."""
+    names = list(results)
+    base = names[0]
+    labels = [s["label"] for s in results[base]["steps"]]
+    for n in names[1:]:
+        labels += [s["label"] for s in results[n]["steps"] if s["label"] not in labels]
+    by_label = {n: {s["label"]: s for s in r["steps"]} for n, r in results.items()}
+    header = ["Step", "Metric"] + [h for n in names for h in ([n] if n == base else [n, f"{n}/{base}"])]
+    rows = []
+    for label in labels:
+        compared = [(name, get) for name, get, _ in _COMPARED] + [("Hit by tier", None)]
+        for k, (metric, get) in enumerate(compared):
+            b = by_label[base].get(label)
+            row = [label if k == 0 else "", metric]
+            for n in names:
+                s = by_label[n].get(label)
+                if get is None:  # text, no ratio
+                    row += [_tiers(s) if s else "-"] + ([] if n == base else [""])
+                    continue
+                v = get(s) if s else None
+                row.append(_f(v, ".3f"))
+                if n != base:
+                    w = get(b) if b else None
+                    row.append(f"{v / w:.2f}x" if v is not None and w else "-")
+            rows.append(row)
+    lines = [f"serve compare: {results[base]['config']['workload']} against {len(names)} server configurations "
+             f"({', '.join(names)}); ratios to {base}"]
+    lines += _grid(header, rows) if rows else ["no steps to compare"]
+    lines += [f"knee: {n} {k['label'] if (k := knee_fields(r)['knee']) else 'none'}" for n, r in results.items()]
+    return "\n".join(lines)
+
+
 def format_compare(this: Result, other: Result, this_name: str = "this", other_name: str = "other") -> str:
     """Both runs side by side, step by step (matched by label), with this/other ratios."""
     lines = [f"compare: {this_name} vs {other_name} (workloads {this['config']['workload']} / "
