@@ -26,7 +26,8 @@ from bench.loadgen.agentic import AgenticRunner, agentic_stats
 from bench.loadgen.config import BenchConfig, Slo
 from bench.loadgen.fault import fault_stats, format_fault, inject
 from bench.loadgen.openai_backend import OpenAIGeneration, connector, server_info
-from bench.loadgen.report import Result, format_compare, format_table, knee_fields, load_json, plot_png, run_label, write_json
+from bench.loadgen.plot import plot_png
+from bench.loadgen.report import Result, format_compare, format_table, knee_fields, load_json, run_label, write_json
 from bench.loadgen.runner import LoadStep, StepRunner
 from bench.loadgen.search import KneeSearch, SearchConfig, StopReason
 from bench.loadgen.stats import StepStats, step_stats

@@ -6,7 +6,8 @@ import matplotlib
 import pytest
 
 from bench.loadgen.config import BenchConfig, Slo
-from bench.loadgen.report import figure, format_table, knee_fields
+from bench.loadgen.plot import figure
+from bench.loadgen.report import format_table, knee_fields
 from bench.loadgen.runner import LoadStep, StepRecords
 from bench.loadgen.stats import step_stats
 from test_stats import make_rec
