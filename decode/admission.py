@@ -171,9 +171,11 @@ class DecodeAdmission:
         gone = [r for r in list(self._pinned) if self.receiver.poll(r) in (None, TransferState.FAILED)]
         return sum(self._unpin(r) for r in gone)
 
-    def _unpin(self, req_id: str) -> bool:
+    def _unpin(self, req_id: str, pins: dict[str, Match] | None = None) -> bool:
+        """Release ``req_id``'s resident prefix from ``pins`` (``_pinned``; ``_held`` for a claim that failed: that
+        request never runs, so ``release`` never sees it) -> whether it had one."""
         with self._lock:
-            match = self._pinned.pop(req_id, None)
+            match = (self._pinned if pins is None else pins).pop(req_id, None)
             if match is not None:
                 self.cache.release(match)
             return match is not None
@@ -199,30 +201,21 @@ class DecodeAdmission:
                 await asyncio.to_thread(self.ranks.mirror_pages, pool, page_ids)
             except RankFailure:
                 pool.allocator.decref(page_ids)
-                self._drop_held(res.req_id)
+                self._unpin(res.req_id, self._held)
                 raise
             return prefix + page_ids
+        dst: list[int] = []
         try:
-            try:
-                dst = self._alloc(len(page_ids), res.req_id)
-                await asyncio.to_thread(self.ranks.scatter_pages, landing, page_ids, pool, dst)
-            except RankFailure:
+            dst = self._alloc(len(page_ids), res.req_id)
+            await asyncio.to_thread(self.ranks.scatter_pages, landing, page_ids, pool, dst)
+        except (PoolExhausted, RankFailure):
+            if dst:
                 pool.allocator.decref(dst)
-                self._drop_held(res.req_id)
-                raise
-            except PoolExhausted:
-                self._drop_held(res.req_id)
-                raise
-            return prefix + dst
+            self._unpin(res.req_id, self._held)
+            raise
         finally:
             landing.allocator.decref(page_ids)
-
-    def _drop_held(self, req_id: str) -> None:
-        """Unpin the resident prefix of a request whose claim failed (it never runs, so ``release`` never sees it)."""
-        with self._lock:
-            match = self._held.pop(req_id, None)
-            if match is not None:
-                self.cache.release(match)
+        return prefix + dst
 
     # -- RUNNING: the pages of a request the scheduler runs ------------------------------------
     def alloc_prompt(self, task: DecodeTask) -> None:
