@@ -149,7 +149,9 @@ class PrefillScheduler(SchedulerThread):
         """A transfer to cancel: its request was aborted, or it outlived its deadline or its sink's ``timeout_s``."""
         if task.transfer_aborted:
             return False
-        return bool(task.abort_reason) or any(d is not None and now > d for d in (task.deadline, task.transfer_deadline))
+        timeout = task.sink.timeout_s
+        return (bool(task.abort_reason) or (task.deadline is not None and now > task.deadline)
+                or (timeout is not None and now > task.t_forward_done + timeout))
 
     def _abort_transfer(self, task: PrefillTask, reason: str) -> None:
         """Cancel a finishing transfer once; its sink's future fails and ``_acked`` answers the request."""
@@ -265,8 +267,6 @@ class PrefillScheduler(SchedulerThread):
                 self.tokens_done += e - s
                 if e == len(t.token_ids) and not t.abort_reason:
                     t.state, t.t_forward_done = State.TRANSFERRING, time.monotonic()
-                    if t.sink.timeout_s is not None:
-                        t.transfer_deadline = t.t_forward_done + t.sink.timeout_s
                     self._running.remove(t)
                     finished.append(t)
         for t in finished:  # outside the lock: a split-heads sink gathers them here
@@ -277,8 +277,8 @@ class PrefillScheduler(SchedulerThread):
         waits for that: the transfer's I/O thread calls back."""
         try:
             acked = task.sink.finish(task.draft_hidden)
-        except Exception as e:  # noqa: BLE001 - a sink failing to finish fails only its request
-            acked = failed(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))
+        except Exception as e:  # noqa: BLE001 - a sink failing to finish fails only its request (``_acked`` says so)
+            acked = failed(e)
         acked.add_done_callback(lambda f: self._acked(task, f))
 
     def _acked(self, task: PrefillTask, acked: Future[SinkResult]) -> None:

@@ -76,7 +76,5 @@ class PrefillTask:
     draft_hidden: torch.Tensor | None = None
     """``[H]`` the MTP draft state after the last chunk (shipped with the KV when the decode side asks)."""
     t_forward_done: float = 0.0
-    transfer_deadline: float | None = None
-    """``time.monotonic()`` past which its finished transfer is cancelled (``KVSink.timeout_s`` after the forward)."""
     transfer_aborted: bool = False
     """Its sink was told to abort after ``finish`` (once: the sink's future then fails and answers the request)."""
