@@ -297,11 +297,11 @@ def format_configs(results: dict[str, Result]) -> str:
         labels += [s["label"] for s in results[n]["steps"] if s["label"] not in labels]
     by_label = {n: {s["label"]: s for s in r["steps"]} for n, r in results.items()}
     header = ["Step", "Metric"] + [h for n in names for h in ([n] if n == base else [n, f"{n}/{base}"])]
+    compared = [(name, get) for name, get, _ in _COMPARED] + [("Hit by tier", None)]
     rows = []
     for label in labels:
-        compared = [(name, get) for name, get, _ in _COMPARED] + [("Hit by tier", None)]
+        b = by_label[base].get(label)
         for k, (metric, get) in enumerate(compared):
-            b = by_label[base].get(label)
             row = [label if k == 0 else "", metric]
             for n in names:
                 s = by_label[n].get(label)
